@@ -1,0 +1,103 @@
+"""Llama-style pre-norm decoder whose token mixer is chosen per layer from the registry.
+
+x = embed(tokens); per layer: x += mixer(norm(x)); x += ffn(norm(x)); logits = head(norm(x)).
+Embeddings are untied unless ``model.tie_embeddings``; parameters are float32, activations ``model.dtype``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mixers import registry
+from mixers.base import MixerSpec
+from models.layers import MLP, RMSNorm, SwiGLU, normal
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg, layer_index: int, *, rngs: nnx.Rngs):
+        m = cfg.model
+        dtype = jnp.dtype(m.dtype)
+        self.mixer_name = cfg.layer_mixers[layer_index]
+        spec = MixerSpec(d_model=m.d_model, num_heads=m.num_heads, head_dim=cfg.head_dim,
+                         value_head_dim=cfg.value_head_dim, layer_index=layer_index, num_layers=m.num_layers,
+                         dtype=dtype, init_std=m.init_std)
+        self.mixer_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+        self.mixer = registry.build(self.mixer_name, spec, cfg.mixer_options(self.mixer_name), rngs=rngs)
+        self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+        if m.ffn_kind == "swiglu":
+            self.ffn = SwiGLU(m.d_model, m.ffn_dim, init_std=m.init_std, out_init_std=spec.out_init_std,
+                              dtype=dtype, rngs=rngs)
+        else:
+            self.ffn = MLP(m.d_model, m.ffn_dim, activation=m.ffn_activation, init_std=m.init_std,
+                           out_init_std=spec.out_init_std, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, segment_ids, positions):
+        x = x + self.mixer(self.mixer_norm(x), segment_ids=segment_ids, positions=positions)
+        return x + self.ffn(self.ffn_norm(x))
+
+    def decode(self, x, cache, positions):
+        y, cache = self.mixer.decode(self.mixer_norm(x), cache, positions)
+        x = x + y
+        return x + self.ffn(self.ffn_norm(x)), cache
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg, vocab_size: int, *, rngs: nnx.Rngs):
+        m = cfg.model
+        self.dtype = jnp.dtype(m.dtype)
+        self.tie_embeddings = m.tie_embeddings
+        self.embed = nnx.Embed(vocab_size, m.d_model, embedding_init=normal(m.init_std), rngs=rngs)
+        self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(m.num_layers)])
+        self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+        if not m.tie_embeddings:
+            self.lm_head = nnx.Linear(m.d_model, vocab_size, use_bias=False, dtype=self.dtype,
+                                      kernel_init=normal(m.init_std), rngs=rngs)
+
+    def _logits(self, x):
+        x = self.final_norm(x)
+        if self.tie_embeddings:
+            return self.embed.attend(x).astype(jnp.float32)
+        return self.lm_head(x).astype(jnp.float32)
+
+    def __call__(self, tokens_BT, *, segment_ids=None, positions=None):
+        b, t = tokens_BT.shape
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, t), jnp.int32)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        x = self.embed(tokens_BT).astype(self.dtype)
+        for block in self.blocks:
+            x = block(x, segment_ids, positions)
+        return self._logits(x)
+
+    def init_cache(self, batch_size: int, max_length: int):
+        return [block.mixer.init_cache(batch_size, max_length) for block in self.blocks]
+
+    def decode(self, tokens_B1, cache, positions_B):
+        """One token per row at ``positions_B``; returns float32 logits [B,1,V] and the new cache."""
+        x = self.embed(tokens_B1).astype(self.dtype)
+        new_cache = []
+        for block, c in zip(self.blocks, cache):
+            x, c = block.decode(x, c, positions_B)
+            new_cache.append(c)
+        return self._logits(x), new_cache
+
+
+def build_model(cfg, vocab_size: int, *, seed: int | None = None) -> Decoder:
+    """A concrete model with parameters drawn from ``seed`` (default: train.seed)."""
+    return Decoder(cfg, vocab_size, rngs=nnx.Rngs(cfg.train.seed if seed is None else seed))
+
+
+def abstract_model(cfg, vocab_size: int) -> Decoder:
+    """The model's structure with ShapeDtypeStruct leaves: no memory, for parameter counts and AOT compiles."""
+    return nnx.eval_shape(lambda: Decoder(cfg, vocab_size, rngs=nnx.Rngs(0)))
+
+
+def cross_entropy(logits_BTV, targets_BT, mask_BT):
+    """Mean next-token NLL over the positions where mask is 1 (float32); also returns the token count."""
+    logz = jax.nn.logsumexp(logits_BTV, axis=-1)
+    picked = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    nll = (logz - picked) * mask_BT
+    count = jnp.sum(mask_BT)
+    return jnp.sum(nll) / jnp.maximum(count, 1.0), count

@@ -1,0 +1,69 @@
+"""Config loading: inheritance, dotted overrides, and one clear error per bad key/type/combination."""
+import pytest
+
+from training.config import Config, ConfigError, load_config
+
+
+def test_base_config_loads_with_defaults():
+    cfg = load_config("configs/base.yaml")
+    assert isinstance(cfg, Config)
+    assert cfg.model.mixer == "softmax"
+    assert cfg.head_dim == cfg.model.d_model // cfg.model.num_heads
+
+
+def test_inherit_and_overrides_apply_in_order():
+    cfg = load_config("configs/tiny.yaml", ["model.mixer=linear_attention", "train.steps=7", "optim.lr=1e-4"])
+    assert cfg.model.d_model == 64  # from tiny.yaml
+    assert cfg.data.tokenizer.kind == "hf"  # from base.yaml through inherit
+    assert cfg.model.mixer == "linear_attention"
+    assert cfg.train.steps == 7
+    assert cfg.optim.lr == pytest.approx(1e-4)
+
+
+def test_layer_pattern_tiles_layers():
+    cfg = load_config("configs/tiny.yaml", ["model.num_layers=4", "model.layer_pattern=[linear_attention,softmax]"])
+    assert cfg.layer_mixers == ("linear_attention", "softmax", "linear_attention", "softmax")
+
+
+@pytest.mark.parametrize("override, fragments", [
+    (["model.mixr=gdn2"], ["model.mixr", "unknown key", "mixer"]),
+    (["train.steps=abc"], ["train.steps", "'abc'", "int"]),
+    (["train.steps=1.5"], ["train.steps", "1.5", "int"]),
+    (["model.dtype=float16"], ["model.dtype", "float16", "'bfloat16'"]),
+    (["model.mixer=nope"], ["model.mixer", "nope", "softmax"]),
+    (["model.num_heads=3"], ["model.num_heads", "3", "model.d_model"]),
+    (["model.layer_pattern=[softmax,softmax,softmax]", "model.num_layers=4"], ["model.layer_pattern", "num_layers"]),
+    (["optim.warmup_steps=1000", "train.steps=10"], ["optim.warmup_steps", "1000", "train.steps"]),
+    (["mixers.nope.x=1"], ["mixers.nope", "registered mixers"]),
+    (["mixers.softmax.rope_thetaa=1"], ["mixers.softmax.rope_thetaa", "rope_theta"]),
+    (["mixers.softmax.implementation=triton"], ["mixers.softmax.implementation", "'cudnn'"]),
+    (["data.tokenizer.kind=bpe"], ["data.tokenizer.kind", "bpe", "'sentencepiece'"]),
+    (["train=5"], ["train", "mapping"]),
+    (["notakey"], ["notakey", "section.key=value"]),
+])
+def test_bad_config_is_one_clear_error(override, fragments):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/tiny.yaml", override)
+    msg = str(err.value)
+    for fragment in fragments:
+        assert fragment in msg, f"{fragment!r} missing from: {msg}"
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+    cyc = tmp_path / "cyc.yaml"
+    cyc.write_text("inherit: cyc.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(str(cyc))
+
+
+def test_mixer_options_are_typed():
+    cfg = load_config("configs/tiny.yaml", ["mixers.softmax.rope_theta=500000"])
+    assert cfg.mixer_options("softmax").rope_theta == 500000.0
+    assert isinstance(cfg.mixer_options("softmax").rope_theta, float)
+    assert cfg.to_dict()["mixers"]["softmax"]["rope_theta"] == 500000.0

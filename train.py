@@ -1,0 +1,53 @@
+"""Pretrain a language model with a chosen token mixer.
+
+    python train.py --config configs/base.yaml model.mixer=gdn2 train.steps=200
+
+Dotted ``section.key=value`` arguments override the YAML config (see training/config.py for every key).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/base.yaml", help="YAML config (default: configs/base.yaml)")
+    parser.add_argument("--print_config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("MIXERLAB_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+
+    from training.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return 0
+
+    from training.loop import train
+
+    start = time.perf_counter()
+    result = train(cfg)
+    minutes = (time.perf_counter() - start) / 60
+    print(f"\ndone in {minutes:.1f} min: step {result.final_step}, "
+          f"final train loss {result.train_losses.get(result.final_step, float('nan')):.4f}"
+          + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""))
+    print(f"  metrics:     {result.metrics_path} (TensorBoard: {os.path.join(result.run_dir, 'tensorboard')})")
+    print(f"  checkpoints: {result.checkpoint_dir}")
+    if result.plot_path:
+        print(f"  loss curve:  {result.plot_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

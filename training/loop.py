@@ -1,0 +1,197 @@
+"""The training loop: data -> jitted train step -> metrics, periodic validation and checkpoints, resume."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import yaml
+from flax import nnx
+
+from models.decoder import Decoder, cross_entropy
+from training import data as data_lib
+from training.checkpoint import Checkpointer
+from training.metrics import MetricsWriter, plot_loss_curve
+from training.optim import make_optimizer, schedule
+from training.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+
+
+@dataclasses.dataclass
+class RunResult:
+    run_dir: str
+    final_step: int
+    train_losses: dict  # step -> loss, every step this process ran
+    val_loss: float | None
+    metrics_path: str
+    plot_path: str | None
+    checkpoint_dir: str
+
+
+class Trainer:
+    """Holds the model split into (graphdef, params, rest) and the jitted steps over pure pytrees."""
+
+    def __init__(self, cfg, vocab_size: int):
+        self.cfg = cfg
+        model = Decoder(cfg, vocab_size, rngs=nnx.Rngs(cfg.train.seed))
+        self.graphdef, params_state, self.rest = nnx.split(model, nnx.Param, ...)
+        self.params = nnx.to_pure_dict(params_state)  # plain arrays; the graphdef keeps the Variable types
+        self.tx = make_optimizer(cfg, params_state)
+        self.opt_state = self.tx.init(self.params)
+        self.lr = schedule(cfg)
+        self.train_step = jax.jit(self._train_step, donate_argnums=(0, 1))
+        self.eval_step = jax.jit(self._eval_step)
+
+    def _model(self, params):
+        return nnx.merge(self.graphdef, params, self.rest)
+
+    def _loss(self, params, batch):
+        model = self._model(params)
+        logits = model(batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+        return cross_entropy(logits, batch["targets"], batch["loss_mask"])
+
+    def _train_step(self, params, opt_state, batch):
+        (loss, count), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch)
+        grad_norm = optax.global_norm(grads)
+        updates, new_opt_state = self.tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # A non-finite loss or gradient leaves parameters and optimizer state untouched (the step is skipped).
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "skipped": 1.0 - ok.astype(jnp.float32)}
+        return keep(new_params, params), keep(new_opt_state, opt_state), metrics
+
+    def _eval_step(self, params, batch):
+        loss, count = self._loss(params, batch)
+        return loss * count, count
+
+
+def _to_device(batch: dict) -> dict:
+    return {k: jnp.asarray(batch[k]) for k in BATCH_KEYS}
+
+
+def evaluate(trainer: Trainer, batches: list[dict]) -> dict:
+    total, count = 0.0, 0.0
+    for batch in batches:
+        s, c = trainer.eval_step(trainer.params, _to_device(batch))
+        total += float(s)
+        count += float(c)
+    loss = total / max(count, 1.0)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+
+
+def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> RunResult:
+    """Runs (or resumes) the configured training. ``stop_at_step`` ends the run early after that step (and its
+    checkpoint, if one is due) — used by tests to simulate an interruption."""
+    t_cfg, c_cfg = cfg.train, cfg.checkpoint
+    run_dir = os.path.abspath(t_cfg.output_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    tokenizer = load_tokenizer(cfg.data.tokenizer.kind, cfg.data.tokenizer.path)
+    vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
+    if vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"model.vocab_size: got {vocab_size}; the tokenizer ({tokenizer.name}) needs at least "
+                         f"{tokenizer.vocab_size}")
+
+    trainer = Trainer(cfg, vocab_size)
+    n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
+    data_iter = data_lib.train_iterator(cfg.data, tokenizer, global_batch_size=t_cfg.batch_size, seed=t_cfg.seed,
+                                        process_index=jax.process_index(), process_count=jax.process_count())
+    val_batches = []
+    if t_cfg.eval_every and cfg.data.val_path:
+        val_batches = data_lib.eval_batches(cfg.data, tokenizer, batch_size=t_cfg.batch_size,
+                                            max_batches=t_cfg.eval_batches)
+
+    metrics = MetricsWriter(run_dir)
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    checkpointer = Checkpointer(ckpt_dir, keep=c_cfg.keep, async_save=c_cfg.async_save)
+    start_step = 0
+    latest = checkpointer.latest_step() if t_cfg.resume else None
+    if latest is not None:
+        trainer.params, trainer.opt_state, data_state, meta = checkpointer.restore(
+            latest, params=trainer.params, opt_state=trainer.opt_state)
+        data_iter.set_state(data_state)
+        start_step = latest
+        metrics.truncate_after(latest)
+        log.info("resumed from %s at step %d", ckpt_dir, latest)
+    if jax.process_index() == 0:
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+
+    _print(f"mixerlab: {','.join(sorted(set(cfg.layer_mixers)))} model, {n_params / 1e6:.2f}M parameters, "
+           f"vocab {vocab_size} ({tokenizer.name}), {t_cfg.steps} steps of {t_cfg.batch_size}x{cfg.data.seq_len} "
+           f"tokens on {jax.device_count()} {jax.devices()[0].platform} device(s)"
+           + (f"; resuming at step {start_step}" if start_step else ""))
+
+    train_losses: dict[int, float] = {}
+    val_loss = None
+    bar = _progress(progress, start_step, t_cfg.steps)
+    window_tokens, window_seconds = 0.0, 0.0  # train-step time only: evals and checkpoints excluded
+    last_step = start_step
+    try:
+        for step in range(start_step + 1, t_cfg.steps + 1):
+            step_start = time.perf_counter()
+            batch = _to_device(next(data_iter))
+            trainer.params, trainer.opt_state, m = trainer.train_step(trainer.params, trainer.opt_state, batch)
+            loss = float(m["loss"])  # one host sync per step: keeps the bar honest and the loss exact
+            train_losses[step] = loss
+            window_tokens += float(m["tokens"])
+            window_seconds += time.perf_counter() - step_start
+            last_step = step
+            if bar is not None:
+                bar.update(1)
+            if step % t_cfg.log_every == 0 or step == t_cfg.steps:
+                tok_s = window_tokens / max(window_seconds, 1e-9)
+                metrics.write(step, "train", {"loss": loss, "grad_norm": float(m["grad_norm"]),
+                                              "lr": float(trainer.lr(step - 1)), "tokens_per_s": tok_s,
+                                              "skipped": float(m["skipped"])})
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
+                window_tokens, window_seconds = 0.0, 0.0
+            if val_batches and (step % t_cfg.eval_every == 0 or step == t_cfg.steps):
+                ev = evaluate(trainer, val_batches)
+                val_loss = ev["loss"]
+                metrics.write(step, "val", ev)
+                _print(f"step {step}: validation loss {ev['loss']:.4f}, perplexity {ev['perplexity']:.2f}", bar)
+            if c_cfg.every and (step % c_cfg.every == 0 or step == t_cfg.steps):
+                checkpointer.save(step, params=trainer.params, opt_state=trainer.opt_state,
+                                  data_state=data_iter.get_state(), meta={"step": step, "val_loss": val_loss})
+            if stop_at_step is not None and step >= stop_at_step:
+                break
+    finally:
+        if bar is not None:
+            bar.close()
+        checkpointer.close()
+        metrics.close()
+
+    plot_path = None
+    if jax.process_index() == 0 and os.path.exists(metrics.jsonl_path):
+        plot_path = plot_loss_curve(metrics.jsonl_path, os.path.join(run_dir, "loss_curve.png"),
+                                    title=f"{','.join(sorted(set(cfg.layer_mixers)))} — {os.path.basename(run_dir)}")
+    return RunResult(run_dir=run_dir, final_step=last_step, train_losses=train_losses, val_loss=val_loss,
+                     metrics_path=metrics.jsonl_path, plot_path=plot_path, checkpoint_dir=ckpt_dir)
+
+
+def _progress(enabled: bool, start: int, total: int):
+    if not enabled or jax.process_index() != 0:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _print(msg: str, bar=None) -> None:
+    if jax.process_index() != 0:
+        return
+    if bar is not None:
+        bar.write(msg)
+    else:
+        print(msg, flush=True)

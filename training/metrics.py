@@ -1,0 +1,79 @@
+"""Run outputs: metrics.jsonl (one JSON object per logged step/eval), TensorBoard events and a loss-curve PNG."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+
+
+class MetricsWriter:
+    """Writes only on process 0; every other process gets a no-op writer."""
+
+    def __init__(self, run_dir: str):
+        self.enabled = jax.process_index() == 0
+        self.run_dir = run_dir
+        self.jsonl_path = os.path.join(run_dir, "metrics.jsonl")
+        self.tb_dir = os.path.join(run_dir, "tensorboard")
+        self._tb = None
+        if self.enabled:
+            os.makedirs(run_dir, exist_ok=True)
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(self.tb_dir, flush_secs=10)
+
+    def write(self, step: int, split: str, values: dict) -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step), "split": split, **{k: float(v) for k, v in values.items()}}
+        with open(self.jsonl_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        for k, v in values.items():
+            self._tb.add_scalar(f"{split}/{k}", float(v), int(step))
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop rows logged after the checkpoint we restart from (they will be logged again)."""
+        if not self.enabled or not os.path.exists(self.jsonl_path):
+            return
+        with open(self.jsonl_path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        with open(self.jsonl_path, "w") as f:
+            for row in rows:
+                if row["step"] <= step:
+                    f.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss_curve(jsonl_path: str, png_path: str, title: str = "") -> str:
+    """Training loss per logged step and validation loss per eval, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(jsonl_path)
+    train = [(r["step"], r["loss"]) for r in rows if r["split"] == "train" and math.isfinite(r.get("loss", math.nan))]
+    val = [(r["step"], r["loss"]) for r in rows if r["split"] == "val"]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1.2)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss", lw=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+    return png_path
