@@ -12,6 +12,13 @@ from training.config import load_config
 MIXERS = mixers.registry.names()
 
 
+@pytest.fixture(autouse=True)
+def _full_precision_matmuls():
+    """GPUs default to TF32 for float32 matmuls; these are exactness checks, so ask for full float32."""
+    with jax.default_matmul_precision("float32"):
+        yield
+
+
 def _model(mixer, **over):
     args = ["model.d_model=64", "model.num_layers=2", "model.num_heads=2", "model.ffn_dim=96",
             f"model.mixer={mixer}", *[f"{k}={v}" for k, v in over.items()]]

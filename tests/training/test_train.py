@@ -3,6 +3,7 @@ the mixer swaps with one override, and the run writes its outputs."""
 import json
 import os
 
+import jax
 import pytest
 
 from training.config import load_config
@@ -39,10 +40,12 @@ def test_interrupted_and_resumed_run_matches_uninterrupted_bitwise(tmp_path):
     assert part.final_step == 6
     resumed = train(_cfg(tmp_path, "resumed", *common), progress=False)
     assert sorted(resumed.train_losses) == list(range(5, 13))
+    # Bitwise on CPU; GPU reductions (atomics) are not deterministic, so there only to float32 rounding.
+    same = (lambda a, b: a == b) if jax.default_backend() == "cpu" else (lambda a, b: abs(a - b) <= 1e-5 * abs(b))
     for step in range(5, 13):
-        assert resumed.train_losses[step] == full.train_losses[step], f"step {step} differs after resume"
+        assert same(resumed.train_losses[step], full.train_losses[step]), f"step {step} differs after resume"
     for step in range(1, 7):
-        assert part.train_losses[step] == full.train_losses[step]
+        assert same(part.train_losses[step], full.train_losses[step])
     steps_logged = [json.loads(line)["step"] for line in open(resumed.metrics_path)]
     assert steps_logged == sorted(steps_logged) and len(steps_logged) == len(set(steps_logged))
 

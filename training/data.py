@@ -1,0 +1,422 @@
+"""Parquet -> tokens -> packed batches, as a grain pipeline.
+
+Pipeline of ``train_iterator`` (one per process)::
+
+    _ParquetDocs        grain.MapDataset: the process's documents, shuffled per epoch, repeated forever
+      .map(tokenize)    text -> tokens + [eos]          (in grain's prefetch threads, not up front)
+      .to_iter_dataset()
+    ConcatThenSplitIterDataset(length T+1)             grain's packer: segment ids 1..n, positions per segment
+      .map(_to_example)  row[:-1] / row[1:] -> inputs, targets, segment_ids, positions, loss_mask
+      .batch(b)
+      [.mp_prefetch(num_workers)]
+    _JsonStateIterDataset  get_state() is plain JSON; set_state() accepts it back
+
+Documents are addressed as (file, row group, row) from the Parquet footers, so nothing is read up front but
+metadata. Process p of P owns the contiguous slice [N*p/P, N*(p+1)/P) of the N documents (in sorted file
+order). Shuffling is per epoch and seeded by (seed, epoch): the process's row-group blocks are permuted, and
+documents are permuted within windows of ``SHUFFLE_WINDOW_BLOCKS`` consecutive blocks, so a reader keeps only
+a window of row groups in memory (one read per row group per epoch) instead of jumping across a whole corpus.
+The corpus in data/embedded is small enough that a window covers all of it (a full shuffle).
+
+Each batch is a dict of numpy arrays, local batch b = global_batch_size // process_count:
+  inputs, targets, segment_ids, positions: int32 [b, T]; loss_mask: float32 [b, T]
+``segment_ids`` are 1..n for the document pieces of a row (0 = padding); ``positions`` restart at 0 in every
+segment (a document continued from the previous row starts again at 0); ``loss_mask`` is 1 where the target
+is the next token of the same document piece.
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import copy
+import glob as _glob
+import json
+import os
+import sys
+import threading
+import warnings
+from typing import Sequence
+
+import grain
+import numpy as np
+import pyarrow.parquet as pq
+from grain.experimental import ConcatThenSplitIterDataset
+
+from training.tokenizer import _REPO_ROOT, Tokenizer, resolve_path
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+SHUFFLE_WINDOW_BLOCKS = 16  # row-group blocks whose documents are shuffled together
+ROW_GROUP_CACHE = SHUFFLE_WINDOW_BLOCKS + 2
+READ_THREADS = 4  # grain prefetch threads per process (tokenisation, Parquet reads)
+PREFETCH_DOCS = 64
+_STATE_VERSION = 1
+
+
+# ----------------------------------------------------------------------------------------------- files
+def resolve_parquet_files(path: str, key: str, text_column: str = "text") -> list[str]:
+    """The Parquet files named by ``path`` (a directory: every ``*.parquet`` inside, sorted; a file; or a
+    glob), each checked to have ``text_column``. Errors name the config ``key``."""
+    if not path:
+        raise ValueError(f"{key}: no path given (got {path!r})")
+    if any(ch in path for ch in "*?["):
+        files = sorted(_glob.glob(os.path.expanduser(path), recursive=True))
+        if not files and not os.path.isabs(path):
+            files = sorted(_glob.glob(str(_REPO_ROOT / path), recursive=True))
+        files = [f for f in files if os.path.isfile(f)]
+        if not files:
+            raise FileNotFoundError(f"{key}: no .parquet file matched the glob {path!r}")
+    else:
+        resolved = resolve_path(path, key)
+        if os.path.isdir(resolved):
+            files = sorted(os.path.join(resolved, f) for f in os.listdir(resolved)
+                           if f.endswith(".parquet") and os.path.isfile(os.path.join(resolved, f)))
+            if not files:
+                raise FileNotFoundError(f"{key}: no .parquet file matched in the directory {path!r}")
+        else:
+            files = [resolved]
+    for f in files:
+        try:
+            schema = pq.read_schema(f)
+        except Exception as e:  # not Parquet, truncated, ...
+            raise ValueError(f"{key}: cannot read the Parquet schema of {f!r}: {e}") from e
+        if text_column not in schema.names:
+            raise ValueError(f"{key}: {f!r} has no column {text_column!r} (data.text_column); "
+                             f"its columns are {schema.names}")
+    return files
+
+
+class _RowGroups:
+    """(file, row group, rows) of every row group of ``files``, from the Parquet footers."""
+
+    def __init__(self, files: Sequence[str]):
+        self.files = list(files)
+        self.groups: list[tuple[int, int, int]] = []  # (file index, row group index, num rows)
+        for fi, f in enumerate(self.files):
+            md = pq.read_metadata(f)
+            for rg in range(md.num_row_groups):
+                n = md.row_group(rg).num_rows
+                if n:
+                    self.groups.append((fi, rg, n))
+        self.starts = np.cumsum([0] + [g[2] for g in self.groups]).tolist()
+        self.num_docs = self.starts[-1]
+
+    def blocks(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """Row-group pieces covering documents [lo, hi): (group index, first row, end row)."""
+        out = []
+        for gi, (_, _, n) in enumerate(self.groups):
+            s = self.starts[gi]
+            a, b = max(lo, s), min(hi, s + n)
+            if a < b:
+                out.append((gi, a - s, b - s))
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- source
+class _ParquetDocs(grain.MapDataset):
+    """The texts of a process's documents; index i of an infinite source is document (i mod n) of epoch
+    i // n. Shuffled (see the module docstring) when ``seed`` is not None."""
+
+    def __init__(self, groups: _RowGroups, blocks, text_column: str, *, seed: int | None, infinite: bool):
+        super().__init__()
+        self._groups = groups
+        self._blocks = list(blocks)
+        self._sizes = [b - a for _, a, b in self._blocks]
+        self._n = int(sum(self._sizes))
+        self._text_column = text_column
+        self._seed = seed
+        self._infinite = infinite
+        self._init_caches()
+
+    def _init_caches(self):
+        self._lock = threading.Lock()
+        self._texts: collections.OrderedDict = collections.OrderedDict()  # group index -> list[str]
+        self._loading: dict[int, threading.Lock] = {}  # group index -> lock held while one thread reads it
+        self._plans: collections.OrderedDict = collections.OrderedDict()  # epoch -> plan
+        self._perms: collections.OrderedDict = collections.OrderedDict()  # (epoch, window) -> permutation
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        for k in ("_lock", "_texts", "_loading", "_plans", "_perms"):
+            state.pop(k, None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._init_caches()
+
+    @property
+    def num_docs(self) -> int:
+        return self._n
+
+    def __len__(self) -> int:
+        return sys.maxsize if self._infinite else self._n
+
+    def __str__(self) -> str:
+        return (f"_ParquetDocs(files={len(self._groups.files)}, docs={self._n}, seed={self._seed}, "
+                f"infinite={self._infinite})")
+
+    @staticmethod
+    def _cache_put(cache: collections.OrderedDict, key, value, maxsize: int):
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > maxsize:
+            cache.popitem(last=False)
+
+    def _plan(self, epoch: int):
+        """Block order and window boundaries of an epoch."""
+        with self._lock:
+            plan = self._plans.get(epoch)
+        if plan is not None:
+            return plan
+        nb = len(self._blocks)
+        if self._seed is None:
+            order = np.arange(nb)
+        else:
+            order = np.random.default_rng([self._seed, epoch, 0]).permutation(nb)
+        windows = []  # (start doc, [block ids]) per window
+        start = 0
+        for w in range(0, nb, SHUFFLE_WINDOW_BLOCKS):
+            ids = order[w:w + SHUFFLE_WINDOW_BLOCKS].tolist()
+            windows.append((start, ids, np.cumsum([0] + [self._sizes[i] for i in ids]).tolist()))
+            start += windows[-1][2][-1]
+        plan = ([w[0] for w in windows], windows)
+        with self._lock:
+            self._cache_put(self._plans, epoch, plan, 2)
+        return plan
+
+    def _perm(self, epoch: int, window: int, size: int):
+        key = (epoch, window)
+        with self._lock:
+            perm = self._perms.get(key)
+        if perm is None:
+            perm = np.random.default_rng([self._seed, epoch, 1, window]).permutation(size)
+            with self._lock:
+                self._cache_put(self._perms, key, perm, 4)
+        return perm
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        """(group index, row) of the index-th document of the stream."""
+        epoch, j = divmod(index, self._n)
+        starts, windows = self._plan(epoch)
+        w = bisect.bisect_right(starts, j) - 1
+        wstart, ids, cum = windows[w]
+        k = j - wstart
+        if self._seed is not None:
+            k = int(self._perm(epoch, w, cum[-1])[k])
+        b = bisect.bisect_right(cum, k) - 1
+        gi, a, _ = self._blocks[ids[b]]
+        return gi, a + (k - cum[b])
+
+    def _group_texts(self, gi: int) -> list:
+        """The texts of row group ``gi``, read once even when several prefetch threads ask at the same time."""
+        with self._lock:
+            texts = self._texts.get(gi)
+            if texts is not None:
+                self._texts.move_to_end(gi)
+                return texts
+            loading = self._loading.setdefault(gi, threading.Lock())
+        with loading:
+            with self._lock:
+                texts = self._texts.get(gi)
+            if texts is None:
+                fi, rg, _ = self._groups.groups[gi]
+                table = pq.ParquetFile(self._groups.files[fi]).read_row_group(rg, columns=[self._text_column])
+                texts = table.column(0).to_pylist()
+                with self._lock:
+                    self._cache_put(self._texts, gi, texts, ROW_GROUP_CACHE)
+                    self._loading.pop(gi, None)
+        return texts
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        if not self._infinite and not 0 <= index < self._n:
+            raise IndexError(f"document index {index} out of range [0, {self._n})")
+        gi, row = self._locate(int(index))
+        text = self._group_texts(gi)[row]
+        return "" if text is None else str(text)
+
+
+class _Tokenize:
+    """text -> {"tokens": int32 [len + 1]} (the document's tokens, then EOS)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, text: str) -> dict:
+        ids = self.tokenizer.encode(text)
+        out = np.empty(len(ids) + 1, dtype=np.int32)
+        out[:-1] = ids
+        out[-1] = self.tokenizer.eos_id
+        return {"tokens": out}
+
+
+def _to_example(row: dict) -> dict:
+    """A packed row of T+1 tokens -> the model's inputs/targets/segments/positions/loss mask (length T)."""
+    tokens = row["tokens"]
+    seg = row["tokens_segment_ids"].astype(np.int32)
+    pos = row["tokens_positions"].astype(np.int32)
+    valid = (seg[:-1] == seg[1:]) & (seg[:-1] != 0)
+    return {
+        "inputs": tokens[:-1].astype(np.int32),
+        "targets": tokens[1:].astype(np.int32),
+        "segment_ids": seg[:-1],
+        "positions": pos[:-1],
+        "loss_mask": valid.astype(np.float32),
+    }
+
+
+def _packed_rows(docs: grain.MapDataset, tokenizer: Tokenizer, seq_len: int) -> grain.IterDataset:
+    tokens = docs.map(_Tokenize(tokenizer)).to_iter_dataset(
+        grain.ReadOptions(num_threads=READ_THREADS, prefetch_buffer_size=PREFETCH_DOCS))
+    packed = ConcatThenSplitIterDataset(tokens, length_struct={"tokens": seq_len + 1})
+    return packed.map(_to_example)
+
+
+# ----------------------------------------------------------------------------------------------- state
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return x
+
+
+def _from_json(x):
+    """Undoes what JSON does to grain's packer state: its ``remainder_slices`` must be tuples again."""
+    if isinstance(x, dict):
+        out = {}
+        for k, v in x.items():
+            if k == "remainder_slices" and isinstance(v, dict):
+                out[k] = {kk: tuple(vv) for kk, vv in v.items()}
+            else:
+                out[k] = _from_json(v)
+        return out
+    if isinstance(x, list):
+        return [_from_json(v) for v in x]
+    return x
+
+
+class _JsonStateIterator(grain.DatasetIterator):
+    def __init__(self, parent: grain.DatasetIterator, fingerprint: dict):
+        super().__init__(parent)
+        self._fingerprint = fingerprint
+        # Batches from grain worker processes live in shared memory: hand out private copies instead, so
+        # that a batch kept by the caller does not pin (and, at exit, leak) a shared-memory block.
+        self._copy = bool(fingerprint.get("num_workers"))
+
+    def __next__(self):
+        batch = next(self._parent)
+        if self._copy:
+            batch = {k: np.array(v, copy=True) for k, v in batch.items()}
+        return batch
+
+    def get_state(self) -> dict:
+        return {"version": _STATE_VERSION, "pipeline": self._fingerprint,
+                "grain": _jsonable(self._parent.get_state())}
+
+    def set_state(self, state: dict) -> None:
+        if isinstance(state, (str, bytes)):
+            state = json.loads(state)
+        if not isinstance(state, dict) or "grain" not in state:
+            raise ValueError(f"data iterator state: expected a dict from get_state(), got {type(state).__name__}")
+        old = state.get("pipeline", {})
+        changed = {k: (old.get(k), v) for k, v in self._fingerprint.items() if old.get(k) != v}
+        if changed:
+            warnings.warn("data iterator state was saved by a different data pipeline; the batches after "
+                          "resuming will not continue the original order. Changed (saved, now): "
+                          + ", ".join(f"{k}={a!r}->{b!r}" for k, (a, b) in changed.items()), stacklevel=2)
+        self._parent.set_state(_from_json(copy.deepcopy(state["grain"])))
+
+    def __str__(self) -> str:
+        return "_JsonStateIterator"
+
+
+class _JsonStateIterDataset(grain.IterDataset):
+    def __init__(self, parent: grain.IterDataset, fingerprint: dict):
+        super().__init__(parent)
+        self._fingerprint = fingerprint
+
+    def __iter__(self) -> _JsonStateIterator:
+        return _JsonStateIterator(self._parent.__iter__(), self._fingerprint)
+
+    def __str__(self) -> str:
+        return "_JsonStateIterDataset"
+
+
+def _mark_absl_flags_parsed() -> None:
+    """grain's multiprocessing reads absl flags (defaults are fine); our entry point does not parse them."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+# ----------------------------------------------------------------------------------------------- public
+def train_iterator(cfg, tokenizer: Tokenizer, *, global_batch_size: int, seed: int, process_index: int = 0,
+                   process_count: int = 1) -> grain.DatasetIterator:
+    """An endless iterator of packed training batches for this process (see the module docstring).
+
+    ``get_state()`` is JSON-serialisable; ``set_state(state)`` resumes with exactly the batches that followed.
+    """
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} is not in [0, process_count={process_count})")
+    if global_batch_size < 1 or global_batch_size % process_count:
+        raise ValueError(f"train.batch_size: {global_batch_size} is not divisible by the process count "
+                         f"{process_count} (each process loads batch_size // process_count sequences)")
+    if cfg.seq_len < 1:
+        raise ValueError(f"data.seq_len: must be >= 1, got {cfg.seq_len}")
+    local_batch = global_batch_size // process_count
+    files = resolve_parquet_files(cfg.train_path, "data.train_path", cfg.text_column)
+    groups = _RowGroups(files)
+    n = groups.num_docs
+    lo, hi = n * process_index // process_count, n * (process_index + 1) // process_count
+    if hi <= lo:
+        raise ValueError(f"data.train_path: {cfg.train_path!r} has {n} documents, fewer than the "
+                         f"{process_count} processes that share it")
+    docs = _ParquetDocs(groups, groups.blocks(lo, hi), cfg.text_column,
+                        seed=int(seed) if cfg.shuffle else None, infinite=True)
+    ds = _packed_rows(docs, tokenizer, cfg.seq_len).batch(local_batch, drop_remainder=True)
+    if cfg.num_workers and cfg.num_workers > 0:
+        _mark_absl_flags_parsed()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(cfg.num_workers)))
+    fingerprint = {"train_path": str(cfg.train_path), "seq_len": int(cfg.seq_len), "seed": int(seed),
+                   "shuffle": bool(cfg.shuffle), "local_batch": local_batch, "process_index": process_index,
+                   "process_count": process_count, "num_workers": int(cfg.num_workers or 0),
+                   "tokenizer": getattr(tokenizer, "name", type(tokenizer).__name__)}
+    return iter(_JsonStateIterDataset(ds, fingerprint))
+
+
+def eval_batches(cfg, tokenizer: Tokenizer, *, batch_size: int, max_batches: int,
+                 path: str | None = None) -> list[dict]:
+    """Up to ``max_batches`` packed batches of ``path`` (default ``cfg.val_path``), in file order, no shuffle.
+    The last batch is padded to ``batch_size`` with empty rows (segment 0, loss_mask 0)."""
+    key = "data.val_path"
+    if path is None:
+        path = cfg.val_path
+    else:
+        key = "eval path"
+    if path is None:
+        raise ValueError("data.val_path: is null; set it to a directory, .parquet file or glob to evaluate")
+    if batch_size < 1:
+        raise ValueError(f"eval batch_size must be >= 1, got {batch_size}")
+    files = resolve_parquet_files(path, key, cfg.text_column)
+    groups = _RowGroups(files)
+    if groups.num_docs == 0 or max_batches <= 0:
+        return []
+    docs = _ParquetDocs(groups, groups.blocks(0, groups.num_docs), cfg.text_column, seed=None, infinite=False)
+    ds = _packed_rows(docs, tokenizer, cfg.seq_len).batch(batch_size, drop_remainder=False)
+    out = []
+    for batch in ds:
+        b = batch["inputs"].shape[0]
+        if b < batch_size:
+            batch = {k: np.concatenate([v, np.zeros((batch_size - b,) + v.shape[1:], v.dtype)])
+                     for k, v in batch.items()}
+        out.append({k: batch[k] for k in BATCH_KEYS})
+        if len(out) >= max_batches:
+            break
+    return out
