@@ -47,14 +47,14 @@ class ModelConfig:
     mixer: str = "softmax"  # a registered mixer name (mixers/registry.py)
     layer_pattern: tuple[str, ...] | None = None  # e.g. [gdn2, gdn2, gdn2, softmax]; tiled over the layers
     vocab_size: int | None = None  # None: the tokenizer's vocabulary size
-    d_model: int = 256
+    d_model: int = 192
     num_layers: int = 4
-    num_heads: int = 4
+    num_heads: int = 3
     head_dim: int | None = None  # None: d_model // num_heads
     value_head_dim: int | None = None  # None: head_dim
     ffn_kind: Literal["swiglu", "mlp"] = "swiglu"  # mlp = 2-matrix FFN (the Muir tables' accounting)
     ffn_activation: Literal["silu", "gelu", "relu2"] = "gelu"  # activation of the 2-matrix mlp
-    ffn_dim: int = 768
+    ffn_dim: int = 512
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -65,7 +65,7 @@ class ModelConfig:
 class OptimConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 50
+    warmup_steps: int = 30
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
@@ -84,12 +84,12 @@ class CheckpointConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 300
-    batch_size: int = 16  # global, in sequences
+    batch_size: int = 8  # global, in sequences
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100  # 0 disables periodic validation
     eval_batches: int = 8
-    output_dir: str = "runs/default"
+    output_dir: str = "runs/base"
     resume: bool = True  # continue from the newest checkpoint in output_dir if there is one
 
 
@@ -236,7 +236,13 @@ def _build(cls, raw: Any, where: str):
     for name, value in raw.items():
         key = f"{where}.{name}" if where else name
         values[name] = _coerce(hints[name], value, key)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:  # an options dataclass rejecting a combination in __post_init__
+        msg = str(e)
+        raise ConfigError(msg if where and where in msg else f"{where or 'config'}: {msg}") from None
 
 
 def _type_name(tp) -> str:

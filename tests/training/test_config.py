@@ -67,3 +67,28 @@ def test_mixer_options_are_typed():
     assert cfg.mixer_options("softmax").rope_theta == 500000.0
     assert isinstance(cfg.mixer_options("softmax").rope_theta, float)
     assert cfg.to_dict()["mixers"]["softmax"]["rope_theta"] == 500000.0
+
+
+def test_base_yaml_spells_out_every_default():
+    """configs/base.yaml is the documented list of keys: it must name every key with the code's default."""
+    import yaml
+
+    from training.config import from_dict
+
+    raw = yaml.safe_load(open("configs/base.yaml"))
+    assert from_dict(raw).to_dict() == Config().to_dict()
+
+    def keys(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict) and v:
+                yield from keys(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}"
+
+    assert set(keys(raw)) == set(keys(Config().to_dict()))
+
+
+def test_mixer_options_reject_impossible_combinations_as_config_errors():
+    with pytest.raises(ConfigError, match="mixers.muir.ranks"):
+        load_config("configs/tiny.yaml", ["model.mixer=muir", "mixers.muir.gamma=static",
+                                          "mixers.muir.ranks=[64,64,128,128,128]"])
