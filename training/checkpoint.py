@@ -40,6 +40,20 @@ class Checkpointer:
         ))
         return out.params, out.opt_state, out.data, out.meta
 
+    def restore_newest(self, *, params, opt_state):
+        """(step, params, opt_state, data_state, meta) of the newest checkpoint that restores, or None.
+        A checkpoint that fails to restore (partial write, corruption) is reported and the next older one
+        is tried; nothing is deleted."""
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                return (step, *self.restore(step, params=params, opt_state=opt_state))
+            except Exception as e:  # orbax raises many types for truncated/corrupt files
+                msg = f"checkpoint step {step} in {self.directory} could not be restored ({type(e).__name__}: {e}); " \
+                      f"trying an older one"
+                log.warning(msg)
+                print(f"warning: {msg}", flush=True)
+        return None
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 

@@ -110,18 +110,19 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
         val_batches = data_lib.eval_batches(cfg.data, tokenizer, batch_size=t_cfg.batch_size,
                                             max_batches=t_cfg.eval_batches)
 
-    metrics = MetricsWriter(run_dir)
     ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if not t_cfg.resume and jax.process_index() == 0:
+        _set_aside_previous_run(run_dir)
+    metrics = MetricsWriter(run_dir)
     checkpointer = Checkpointer(ckpt_dir, keep=c_cfg.keep, async_save=c_cfg.async_save)
     start_step = 0
-    latest = checkpointer.latest_step() if t_cfg.resume else None
-    if latest is not None:
-        trainer.params, trainer.opt_state, data_state, meta = checkpointer.restore(
-            latest, params=trainer.params, opt_state=trainer.opt_state)
-        data_iter.set_state(data_state)
-        start_step = latest
-        metrics.truncate_after(latest)
-        log.info("resumed from %s at step %d", ckpt_dir, latest)
+    if t_cfg.resume:
+        restored = checkpointer.restore_newest(params=trainer.params, opt_state=trainer.opt_state)
+        if restored is not None:
+            start_step, trainer.params, trainer.opt_state, data_state, _meta = restored
+            data_iter.set_state(data_state)
+            metrics.truncate_after(start_step)
+            log.info("resumed from %s at step %d", ckpt_dir, start_step)
     if jax.process_index() == 0:
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
@@ -195,3 +196,19 @@ def _print(msg: str, bar=None) -> None:
         bar.write(msg)
     else:
         print(msg, flush=True)
+
+
+def _set_aside_previous_run(run_dir: str) -> None:
+    """train.resume=false in a directory that holds a previous run: rename its checkpoints and metrics
+    (``*.previous-N``) instead of deleting them or mixing the two runs."""
+    moved = []
+    for name in ("checkpoints", "metrics.jsonl", "tensorboard"):
+        path = os.path.join(run_dir, name)
+        if os.path.exists(path):
+            n = 1
+            while os.path.exists(f"{path}.previous-{n}"):
+                n += 1
+            os.rename(path, f"{path}.previous-{n}")
+            moved.append(f"{name}.previous-{n}")
+    if moved:
+        _print(f"train.resume=false: kept the previous run's files in {run_dir} as {', '.join(moved)}")
