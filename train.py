@@ -39,13 +39,18 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     result = train(cfg)
     minutes = (time.perf_counter() - start) / 60
-    print(f"\ndone in {minutes:.1f} min: step {result.final_step}, "
+    print(f"\n{'stopped' if result.preempted else 'done'} in {minutes:.1f} min: step {result.final_step}, "
           f"final train loss {result.train_losses.get(result.final_step, float('nan')):.4f}"
           + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""))
     print(f"  metrics:     {result.metrics_path} (TensorBoard: {os.path.join(result.run_dir, 'tensorboard')})")
     print(f"  checkpoints: {result.checkpoint_dir}")
     if result.plot_path:
         print(f"  loss curve:  {result.plot_path}")
+    if result.skipped_steps:
+        print(f"  skipped steps (non-finite): {len(result.skipped_steps)}: {result.skipped_steps[:20]}")
+    if result.preempted:
+        print("stopped by SIGTERM before the last step; run the same command to resume")
+        return 143
     return 0
 
 

@@ -91,6 +91,7 @@ class TrainConfig:
     eval_batches: int = 8
     output_dir: str = "runs/base"
     resume: bool = True  # continue from the newest checkpoint in output_dir if there is one
+    max_consecutive_skips: int = 5  # stop after this many non-finite steps in a row (each is skipped)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,6 +321,7 @@ def validate(cfg: Config) -> None:
         "model.d_model": m.d_model, "model.num_layers": m.num_layers, "model.num_heads": m.num_heads,
         "model.ffn_dim": m.ffn_dim, "data.seq_len": d.seq_len, "train.steps": t.steps,
         "train.batch_size": t.batch_size, "train.log_every": t.log_every, "checkpoint.keep": cfg.checkpoint.keep,
+        "train.max_consecutive_skips": t.max_consecutive_skips,
     }
     for key, value in positive.items():
         if value <= 0:

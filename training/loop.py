@@ -5,6 +5,8 @@ import dataclasses
 import logging
 import math
 import os
+import signal
+import threading
 import time
 
 import jax
@@ -35,6 +37,8 @@ class RunResult:
     metrics_path: str
     plot_path: str | None
     checkpoint_dir: str
+    skipped_steps: list  # steps whose update was skipped (non-finite loss or gradient)
+    preempted: bool = False  # stopped early by SIGTERM (after saving a checkpoint)
 
 
 class Trainer:
@@ -133,7 +137,10 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
            + (f"; resuming at step {start_step}" if start_step else ""))
 
     train_losses: dict[int, float] = {}
+    skipped_steps: list[int] = []
+    consecutive_skips = 0
     val_loss = None
+    preemption = _SigtermFlag()
     bar = _progress(progress, start_step, t_cfg.steps)
     window_tokens, window_seconds = 0.0, 0.0  # train-step time only: evals and checkpoints excluded
     last_step = start_step
@@ -144,6 +151,21 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
             trainer.params, trainer.opt_state, m = trainer.train_step(trainer.params, trainer.opt_state, batch)
             loss = float(m["loss"])  # one host sync per step: keeps the bar honest and the loss exact
             train_losses[step] = loss
+            if float(m["skipped"]):
+                skipped_steps.append(step)
+                consecutive_skips += 1
+                msg = (f"step {step}: non-finite loss ({loss}) or gradient norm ({float(m['grad_norm'])}); "
+                       f"update skipped ({len(skipped_steps)} skipped so far)")
+                log.warning(msg)
+                _print(f"warning: {msg}", bar)
+                if consecutive_skips >= t_cfg.max_consecutive_skips:
+                    raise FloatingPointError(
+                        f"{consecutive_skips} consecutive steps (up to step {step}) had a non-finite loss or "
+                        f"gradient (train.max_consecutive_skips={t_cfg.max_consecutive_skips}); stopping. The "
+                        f"newest checkpoint in {ckpt_dir} holds the last good parameters; lower optim.lr or check "
+                        f"the data before resuming")
+            else:
+                consecutive_skips = 0
             window_tokens += float(m["tokens"])
             window_seconds += time.perf_counter() - step_start
             last_step = step
@@ -153,7 +175,7 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
                 tok_s = window_tokens / max(window_seconds, 1e-9)
                 metrics.write(step, "train", {"loss": loss, "grad_norm": float(m["grad_norm"]),
                                               "lr": float(trainer.lr(step - 1)), "tokens_per_s": tok_s,
-                                              "skipped": float(m["skipped"])})
+                                              "skipped_total": len(skipped_steps)})
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
                 window_tokens, window_seconds = 0.0, 0.0
@@ -162,12 +184,16 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
                 val_loss = ev["loss"]
                 metrics.write(step, "val", ev)
                 _print(f"step {step}: validation loss {ev['loss']:.4f}, perplexity {ev['perplexity']:.2f}", bar)
-            if c_cfg.every and (step % c_cfg.every == 0 or step == t_cfg.steps):
+            if (c_cfg.every and (step % c_cfg.every == 0 or step == t_cfg.steps)) or preemption.requested:
                 checkpointer.save(step, params=trainer.params, opt_state=trainer.opt_state,
                                   data_state=data_iter.get_state(), meta={"step": step, "val_loss": val_loss})
+            if preemption.requested:
+                _print(f"SIGTERM: saved a checkpoint at step {step} in {ckpt_dir}; the same command resumes", bar)
+                break
             if stop_at_step is not None and step >= stop_at_step:
                 break
     finally:
+        preemption.restore()
         if bar is not None:
             bar.close()
         checkpointer.close()
@@ -178,7 +204,27 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
         plot_path = plot_loss_curve(metrics.jsonl_path, os.path.join(run_dir, "loss_curve.png"),
                                     title=f"{','.join(sorted(set(cfg.layer_mixers)))} — {os.path.basename(run_dir)}")
     return RunResult(run_dir=run_dir, final_step=last_step, train_losses=train_losses, val_loss=val_loss,
-                     metrics_path=metrics.jsonl_path, plot_path=plot_path, checkpoint_dir=ckpt_dir)
+                     metrics_path=metrics.jsonl_path, plot_path=plot_path, checkpoint_dir=ckpt_dir,
+                     skipped_steps=skipped_steps, preempted=preemption.requested)
+
+
+class _SigtermFlag:
+    """Turns SIGTERM (preemption) into a flag the loop checks after each step: it then saves a checkpoint
+    and returns. Only installed in the main thread; the previous handler is restored afterwards."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def restore(self):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
 
 def _progress(enabled: bool, start: int, total: int):
