@@ -82,6 +82,25 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """Mesh axis (data | fsdp | tensor) or null for each logical parameter dimension (training/mesh.py)."""
+
+    embed: Literal["data", "fsdp", "tensor"] | None = "fsdp"
+    hidden: Literal["data", "fsdp", "tensor"] | None = "tensor"
+    vocab: Literal["data", "fsdp", "tensor"] | None = "tensor"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1  # devices per slice on each axis; -1 = all remaining
+    fsdp: int = 1
+    tensor: int = 1
+    dcn_data: int = 1  # slices (multislice over DCN) on the data axis
+    dcn_fsdp: int = 1
+    rules: ShardingRules = ShardingRules()
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 300
     batch_size: int = 8  # global, in sequences
@@ -101,6 +120,7 @@ class Config:
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
     mixers: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
 
     # -- derived values used across the code base
@@ -362,6 +382,15 @@ def validate(cfg: Config) -> None:
                 f"use a pattern whose length divides the number of layers")
     if t.batch_size % max(1, _process_count_hint()):
         raise ConfigError(f"train.batch_size: got {t.batch_size}; must be divisible by the process count")
+    for key in ("data", "fsdp", "tensor"):
+        value = getattr(cfg.mesh, key)
+        if value == 0 or value < -1:
+            raise ConfigError(f"mesh.{key}: got {value}; must be a positive device count or -1 (fill)")
+    if [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) > 1:
+        raise ConfigError("mesh: at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+    for key in ("dcn_data", "dcn_fsdp"):
+        if getattr(cfg.mesh, key) < 1:
+            raise ConfigError(f"mesh.{key}: got {getattr(cfg.mesh, key)}; must be >= 1")
     for name, opts in cfg.mixers.items():
         check = getattr(opts, "validate", None)
         if check is not None:

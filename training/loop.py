@@ -15,10 +15,12 @@ import numpy as np
 import optax
 import yaml
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from models.decoder import Decoder, cross_entropy
 from training import data as data_lib
 from training.checkpoint import Checkpointer
+from training import mesh as mesh_lib
 from training.metrics import MetricsWriter, plot_loss_curve
 from training.optim import make_optimizer, schedule
 from training.tokenizer import load_tokenizer
@@ -42,18 +44,48 @@ class RunResult:
 
 
 class Trainer:
-    """Holds the model split into (graphdef, params, rest) and the jitted steps over pure pytrees."""
+    """The model split into (graphdef, params, rest) and jitted, sharded steps over pure pytrees.
 
-    def __init__(self, cfg, vocab_size: int):
+    Parameters are created directly in their shardings (a jitted init), so no host holds the full model.
+    """
+
+    def __init__(self, cfg, vocab_size: int, mesh=None):
         self.cfg = cfg
-        model = Decoder(cfg, vocab_size, rngs=nnx.Rngs(cfg.train.seed))
-        self.graphdef, params_state, self.rest = nnx.split(model, nnx.Param, ...)
-        self.params = nnx.to_pure_dict(params_state)  # plain arrays; the graphdef keeps the Variable types
-        self.tx = make_optimizer(cfg, params_state)
-        self.opt_state = self.tx.init(self.params)
+        self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(cfg)
+        seed = cfg.train.seed
+        abstract = nnx.eval_shape(lambda: Decoder(cfg, vocab_size, rngs=nnx.Rngs(seed)))
+        self.graphdef, abstract_params, abstract_rest = nnx.split(abstract, nnx.Param, ...)
+        self.abstract_params = nnx.to_pure_dict(abstract_params)  # ShapeDtypeStructs
+        self.tx = make_optimizer(cfg, abstract_params)  # groups from the Variable types
         self.lr = schedule(cfg)
-        self.train_step = jax.jit(self._train_step, donate_argnums=(0, 1))
-        self.eval_step = jax.jit(self._eval_step)
+        replicated = mesh_lib.replicated(self.mesh)
+        self.param_shardings = mesh_lib.param_shardings(self.abstract_params, self.mesh, cfg, vocab_size)
+        # The optimizer state's shardings follow the parameters': read them off the compiled init.
+        sharded_abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                        self.abstract_params, self.param_shardings)
+        compiled = jax.jit(self.tx.init).lower(sharded_abstract).compile().output_shardings
+        self.opt_shardings = jax.tree.map(  # scalars (step counts) come back on one device: replicate them
+            lambda sh: sh if isinstance(sh, NamedSharding) else replicated, compiled)
+        self.rest_shardings = jax.tree.map(lambda _: replicated, nnx.to_pure_dict(abstract_rest))
+        self.batch_sharding = mesh_lib.batch_sharding(self.mesh)
+        self._init_fn = lambda: self._split(Decoder(cfg, vocab_size, rngs=nnx.Rngs(seed)))
+        metric_sh = replicated
+        self.train_step = jax.jit(self._train_step, donate_argnums=(0, 1),
+                                  in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding),
+                                  out_shardings=(self.param_shardings, self.opt_shardings, metric_sh))
+        self.eval_step = jax.jit(self._eval_step, in_shardings=(self.param_shardings, self.batch_sharding),
+                                 out_shardings=(metric_sh, metric_sh))
+        self.params = self.opt_state = self.rest = None
+
+    @staticmethod
+    def _split(model):
+        _, params, rest = nnx.split(model, nnx.Param, ...)
+        return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+    def initialize(self) -> None:
+        """Draws the parameters (from train.seed) in their shardings and initialises the optimizer."""
+        self.params, self.rest = jax.jit(self._init_fn, out_shardings=(self.param_shardings, self.rest_shardings))()
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
 
     def _model(self, params):
         return nnx.merge(self.graphdef, params, self.rest)
@@ -78,15 +110,22 @@ class Trainer:
         loss, count = self._loss(params, batch)
         return loss * count, count
 
+    def global_batch(self, local: dict) -> dict:
+        """This process's rows -> global arrays sharded over (data, fsdp)."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(local[k]))
+                for k in BATCH_KEYS}
 
-def _to_device(batch: dict) -> dict:
-    return {k: jnp.asarray(batch[k]) for k in BATCH_KEYS}
+    def abstract_batch(self, global_batch_size: int, seq_len: int) -> dict:
+        shape = (global_batch_size, seq_len)
+        dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,
+                  "loss_mask": jnp.float32}
+        return {k: jax.ShapeDtypeStruct(shape, dtypes[k], sharding=self.batch_sharding) for k in BATCH_KEYS}
 
 
 def evaluate(trainer: Trainer, batches: list[dict]) -> dict:
     total, count = 0.0, 0.0
     for batch in batches:
-        s, c = trainer.eval_step(trainer.params, _to_device(batch))
+        s, c = trainer.eval_step(trainer.params, trainer.global_batch(batch))
         total += float(s)
         count += float(c)
     loss = total / max(count, 1.0)
@@ -106,13 +145,17 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
                          f"{tokenizer.vocab_size}")
 
     trainer = Trainer(cfg, vocab_size)
+    trainer.initialize()
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
     data_iter = data_lib.train_iterator(cfg.data, tokenizer, global_batch_size=t_cfg.batch_size, seed=t_cfg.seed,
                                         process_index=jax.process_index(), process_count=jax.process_count())
     val_batches = []
     if t_cfg.eval_every and cfg.data.val_path:
-        val_batches = data_lib.eval_batches(cfg.data, tokenizer, batch_size=t_cfg.batch_size,
-                                            max_batches=t_cfg.eval_batches)
+        # Every process evaluates its own rows of each global batch (the same global batch on all hosts).
+        local = t_cfg.batch_size // jax.process_count()
+        val_batches = [{k: v[jax.process_index() * local:(jax.process_index() + 1) * local] for k, v in b.items()}
+                       for b in data_lib.eval_batches(cfg.data, tokenizer, batch_size=t_cfg.batch_size,
+                                                      max_batches=t_cfg.eval_batches)]
 
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     if not t_cfg.resume and jax.process_index() == 0:
@@ -133,7 +176,8 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
 
     _print(f"mixerlab: {','.join(sorted(set(cfg.layer_mixers)))} model, {n_params / 1e6:.2f}M parameters, "
            f"vocab {vocab_size} ({tokenizer.name}), {t_cfg.steps} steps of {t_cfg.batch_size}x{cfg.data.seq_len} "
-           f"tokens on {jax.device_count()} {jax.devices()[0].platform} device(s)"
+           f"tokens on {jax.device_count()} {jax.devices()[0].platform} device(s), mesh "
+           f"{dict(trainer.mesh.shape)}"
            + (f"; resuming at step {start_step}" if start_step else ""))
 
     train_losses: dict[int, float] = {}
@@ -147,7 +191,7 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
     try:
         for step in range(start_step + 1, t_cfg.steps + 1):
             step_start = time.perf_counter()
-            batch = _to_device(next(data_iter))
+            batch = trainer.global_batch(next(data_iter))
             trainer.params, trainer.opt_state, m = trainer.train_step(trainer.params, trainer.opt_state, batch)
             loss = float(m["loss"])  # one host sync per step: keeps the bar honest and the loss exact
             train_losses[step] = loss
