@@ -8,6 +8,7 @@ ARGS ?=
 export JAX_PLATFORMS ?= cpu
 export TPU_ACCELERATOR_TYPE ?= v5litepod-4
 export TPU_WORKER_HOSTNAMES ?= localhost
+export ALLOW_MULTIPLE_LIBTPU_LOAD ?= 1
 
 .PHONY: train test venv clean-venv
 

@@ -17,6 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/base.yaml", help="YAML config (default: configs/base.yaml)")
     parser.add_argument("--print_config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--compile_only", action="store_true",
+                        help="AOT-compile the train step for --topology (no TPU needed) and print a memory/FLOP report")
+    parser.add_argument("--topology", default="v5e:2x2", help="TPU topology for --compile_only, e.g. v5e:16x16, "
+                        "v6e:4x4, v5p:2x2x1 (default v5e:2x2)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("MIXERLAB_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
@@ -33,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
+
+    if args.compile_only:
+        return _compile_only(cfg, args.topology)
 
     from training.loop import train
 
@@ -52,6 +59,25 @@ def main(argv: list[str] | None = None) -> int:
         print("stopped by SIGTERM before the last step; run the same command to resume")
         return 143
     return 0
+
+
+def _compile_only(cfg, topology: str) -> int:
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")  # quiets libtpu's start-up on a CPU host
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from training.aot import compile_for_topology
+    from training.tokenizer import load_tokenizer
+
+    vocab = cfg.model.vocab_size
+    if vocab is None:
+        vocab = load_tokenizer(cfg.data.tokenizer.kind, cfg.data.tokenizer.path).vocab_size
+    try:
+        report = compile_for_topology(cfg, topology, vocab)
+    except Exception as e:  # a bad topology string or a compile failure (e.g. out of VMEM/HBM)
+        print(f"--compile_only for topology {topology!r} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(report.table())
+    return 0 if report.fits in (True, None) else 3
 
 
 if __name__ == "__main__":

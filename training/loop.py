@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from models.decoder import Decoder, cross_entropy
 from training import data as data_lib
 from training.checkpoint import Checkpointer
-from training import mesh as mesh_lib
+from training import flop_model, mesh as mesh_lib
 from training.metrics import MetricsWriter, plot_loss_curve
 from training.optim import make_optimizer, schedule
 from training.tokenizer import load_tokenizer
@@ -60,13 +60,11 @@ class Trainer:
         self.lr = schedule(cfg)
         replicated = mesh_lib.replicated(self.mesh)
         self.param_shardings = mesh_lib.param_shardings(self.abstract_params, self.mesh, cfg, vocab_size)
-        # The optimizer state's shardings follow the parameters': read them off the compiled init.
-        sharded_abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                                        self.abstract_params, self.param_shardings)
-        compiled = jax.jit(self.tx.init).lower(sharded_abstract).compile().output_shardings
-        self.opt_shardings = jax.tree.map(  # scalars (step counts) come back on one device: replicate them
-            lambda sh: sh if isinstance(sh, NamedSharding) else replicated, compiled)
-        self.rest_shardings = jax.tree.map(lambda _: replicated, nnx.to_pure_dict(abstract_rest))
+        self.opt_shardings = mesh_lib.follow_param_shardings(
+            jax.eval_shape(self.tx.init, self.abstract_params), self.abstract_params, self.param_shardings,
+            replicated)
+        self.abstract_rest = nnx.to_pure_dict(abstract_rest)
+        self.rest_shardings = jax.tree.map(lambda _: replicated, self.abstract_rest)
         self.batch_sharding = mesh_lib.batch_sharding(self.mesh)
         self._init_fn = lambda: self._split(Decoder(cfg, vocab_size, rngs=nnx.Rngs(seed)))
         metric_sh = replicated
@@ -147,6 +145,10 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
     trainer = Trainer(cfg, vocab_size)
     trainer.initialize()
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
+    flops = flop_model.training_flops(cfg, trainer.abstract_params, vocab_size)
+    chip = flop_model.peak_flops()
+    for note in flops.notes:
+        log.info("flop model: %s", note)
     data_iter = data_lib.train_iterator(cfg.data, tokenizer, global_batch_size=t_cfg.batch_size, seed=t_cfg.seed,
                                         process_index=jax.process_index(), process_count=jax.process_count())
     val_batches = []
@@ -177,7 +179,8 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
     _print(f"mixerlab: {','.join(sorted(set(cfg.layer_mixers)))} model, {n_params / 1e6:.2f}M parameters, "
            f"vocab {vocab_size} ({tokenizer.name}), {t_cfg.steps} steps of {t_cfg.batch_size}x{cfg.data.seq_len} "
            f"tokens on {jax.device_count()} {jax.devices()[0].platform} device(s), mesh "
-           f"{dict(trainer.mesh.shape)}"
+           f"{dict(trainer.mesh.shape)}; {flops.per_token / 1e6:.1f} MFLOP/token"
+           + (f", MFU against {chip[0]} peak" if chip else "")
            + (f"; resuming at step {start_step}" if start_step else ""))
 
     train_losses: dict[int, float] = {}
@@ -186,7 +189,7 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
     val_loss = None
     preemption = _SigtermFlag()
     bar = _progress(progress, start_step, t_cfg.steps)
-    window_tokens, window_seconds = 0.0, 0.0  # train-step time only: evals and checkpoints excluded
+    window_tokens, window_seconds, steps_in_window = 0.0, 0.0, 0  # train steps only: no evals/checkpoints
     last_step = start_step
     try:
         for step in range(start_step + 1, t_cfg.steps + 1):
@@ -212,17 +215,22 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
                 consecutive_skips = 0
             window_tokens += float(m["tokens"])
             window_seconds += time.perf_counter() - step_start
+            steps_in_window += 1
             last_step = step
             if bar is not None:
                 bar.update(1)
             if step % t_cfg.log_every == 0 or step == t_cfg.steps:
                 tok_s = window_tokens / max(window_seconds, 1e-9)
-                metrics.write(step, "train", {"loss": loss, "grad_norm": float(m["grad_norm"]),
-                                              "lr": float(trainer.lr(step - 1)), "tokens_per_s": tok_s,
-                                              "skipped_total": len(skipped_steps)})
+                row = {"loss": loss, "grad_norm": float(m["grad_norm"]), "lr": float(trainer.lr(step - 1)),
+                       "tokens_per_s": tok_s, "step_time_s": window_seconds / steps_in_window,
+                       "model_tflops_per_s": tok_s * flops.per_token / 1e12, "skipped_total": len(skipped_steps)}
+                if chip is not None:
+                    row["mfu"] = tok_s * flops.per_token / (jax.device_count() * chip[1])
+                metrics.write(step, "train", row)
                 if bar is not None:
-                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
-                window_tokens, window_seconds = 0.0, 0.0
+                    extra = {"mfu": f"{row['mfu']:.1%}"} if "mfu" in row else {}
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", **extra)
+                window_tokens, window_seconds, steps_in_window = 0.0, 0.0, 0
             if val_batches and (step % t_cfg.eval_every == 0 or step == t_cfg.steps):
                 ev = evaluate(trainer, val_batches)
                 val_loss = ev["loss"]

@@ -106,3 +106,21 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def follow_param_shardings(state, params, param_shardings, default):
+    """Shardings for an optimizer state: a leaf whose key path ends with a parameter's key path (Adam's
+    mu/nu, ...) and has its shape takes that parameter's sharding; everything else gets ``default``."""
+    flat_params = jax.tree_util.tree_flatten_with_path(params)[0]
+    by_path = {tuple(path): (x.shape, sh) for (path, x), sh in zip(flat_params, jax.tree.leaves(param_shardings))}
+    longest = max((len(p) for p in by_path), default=0)
+
+    def pick(path, leaf):
+        path = tuple(path)
+        for n in range(min(longest, len(path)), 0, -1):
+            hit = by_path.get(path[-n:])
+            if hit is not None and tuple(hit[0]) == tuple(getattr(leaf, "shape", ())):
+                return hit[1]
+        return default
+
+    return jax.tree_util.tree_map_with_path(pick, state)

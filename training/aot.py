@@ -1,0 +1,117 @@
+"""Ahead-of-time compile of the real train step for a TPU topology, without the hardware.
+
+    python train.py --config configs/muir_166m.yaml --compile_only --topology v5e:16x16
+
+libtpu (``jax[tpu]``) compiles for a named topology (``jax.experimental.topologies``); the report gives the
+per-chip parameter / optimizer / activation memory, whether it fits the chip's HBM, FLOPs per step (ours
+and the compiler's) and the compiler's estimated step time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from training import flop_model
+
+# HBM per chip (bytes), from the Cloud TPU documentation.
+HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
+
+
+@dataclasses.dataclass
+class CompileReport:
+    topology: str
+    chips: int
+    mesh: dict
+    params: int
+    param_bytes_per_chip: float
+    opt_bytes_per_chip: float
+    temp_bytes_per_chip: float
+    total_bytes_per_chip: float
+    hbm_bytes_per_chip: float | None
+    model_flops_per_step: float
+    compiler_flops_per_chip: float | None
+    compiler_seconds: float | None
+    compile_seconds: float
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.hbm_bytes_per_chip is None else self.total_bytes_per_chip <= self.hbm_bytes_per_chip
+
+    def table(self) -> str:
+        gib = lambda b: f"{b / 2**30:8.3f} GiB"
+        hbm = "unknown" if self.hbm_bytes_per_chip is None else gib(self.hbm_bytes_per_chip)
+        fits = {None: "unknown", True: "yes", False: "NO"}[self.fits]
+        rows = [
+            ("topology", f"{self.topology} ({self.chips} chips), mesh {self.mesh}"),
+            ("parameters", f"{self.params:,} ({self.params / 1e6:.2f}M)"),
+            ("params / chip", gib(self.param_bytes_per_chip)),
+            ("optimizer / chip", gib(self.opt_bytes_per_chip)),
+            ("activations+temp / chip", gib(self.temp_bytes_per_chip)),
+            ("total / chip", f"{gib(self.total_bytes_per_chip)} of {hbm} HBM: fits {fits}"),
+            ("model FLOPs / step", f"{self.model_flops_per_step:.4e} (analytic, training/flop_model.py)"),
+            ("compiler FLOPs / chip", "n/a" if self.compiler_flops_per_chip is None
+             else f"{self.compiler_flops_per_chip:.4e} (cost_analysis; Pallas kernels count their CostEstimate)"),
+            ("compiler step time", "n/a" if self.compiler_seconds is None
+             else f"{self.compiler_seconds * 1e3:.2f} ms (cost_analysis 'optimal_seconds', an estimate)"),
+            ("compile time", f"{self.compile_seconds:.1f} s"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _bytes_per_chip(abstract, shardings) -> float:
+    total = 0.0
+    for x, sh in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+        shard = sh.shard_shape(x.shape) if hasattr(sh, "shard_shape") else x.shape
+        total += float(np.prod(shard)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def chip_generation(topology: str) -> str:
+    return topology.split(":", 1)[0].strip().lower()
+
+
+def compile_for_topology(cfg, topology: str, vocab_size: int) -> CompileReport:
+    from jax.experimental import topologies
+
+    from training import mesh as mesh_lib
+    from training.loop import Trainer
+
+    topo = topologies.get_topology_desc(topology, "tpu")
+    devices = list(topo.devices)
+    mesh = mesh_lib.make_mesh(cfg, devices)
+    start = time.perf_counter()
+    trainer = Trainer(cfg, vocab_size, mesh=mesh)
+    params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                          trainer.abstract_params, trainer.param_shardings)
+    opt_abstract = jax.eval_shape(trainer.tx.init, trainer.abstract_params)
+    opt = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), opt_abstract,
+                       trainer.opt_shardings)
+    batch = trainer.abstract_batch(cfg.train.batch_size, cfg.data.seq_len)
+    # Non-parameter state (none in our models today) is a compile-time constant of the step.
+    trainer.rest = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), trainer.abstract_rest)
+    compiled = trainer.train_step.lower(params, opt, batch).compile()
+    compile_seconds = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+    param_b = _bytes_per_chip(trainer.abstract_params, trainer.param_shardings)
+    opt_b = _bytes_per_chip(opt_abstract, trainer.opt_shardings)
+    temp_b = float(getattr(mem, "temp_size_in_bytes", 0) or 0)
+    args_b = float(getattr(mem, "argument_size_in_bytes", 0) or 0)
+    out_b = float(getattr(mem, "output_size_in_bytes", 0) or 0)
+    alias_b = float(getattr(mem, "alias_size_in_bytes", 0) or 0)
+    code_b = float(getattr(mem, "generated_code_size_in_bytes", 0) or 0)
+    total_b = args_b + out_b - alias_b + temp_b + code_b
+    flops = flop_model.training_flops(cfg, trainer.abstract_params, vocab_size)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract_params))
+    return CompileReport(
+        topology=topology, chips=len(devices), mesh=dict(mesh.shape), params=n_params,
+        param_bytes_per_chip=param_b, opt_bytes_per_chip=opt_b, temp_bytes_per_chip=temp_b,
+        total_bytes_per_chip=total_b, hbm_bytes_per_chip=HBM_BYTES.get(chip_generation(topology)),
+        model_flops_per_step=flops.per_token * cfg.train.batch_size * cfg.data.seq_len,
+        compiler_flops_per_chip=cost.get("flops"), compiler_seconds=(cost.get("optimal_seconds") or 0) > 0 and cost.get("optimal_seconds") or None,
+        compile_seconds=compile_seconds)
