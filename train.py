@@ -21,6 +21,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="AOT-compile the train step for --topology (no TPU needed) and print a memory/FLOP report")
     parser.add_argument("--topology", default="v5e:2x2", help="TPU topology for --compile_only, e.g. v5e:16x16, "
                         "v6e:4x4, v5p:2x2x1 (default v5e:2x2)")
+    parser.add_argument("--distributed", action="store_true",
+                        help="multi-host: jax.distributed.initialize() with auto-detection (TPU pods, SLURM)")
+    parser.add_argument("--coordinator_address", default=None, help="multi-process: host:port of process 0")
+    parser.add_argument("--num_processes", type=int, default=None)
+    parser.add_argument("--process_id", type=int, default=None)
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("MIXERLAB_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
@@ -41,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_only:
         return _compile_only(cfg, args.topology)
 
+    from training.distributed import initialize
+
+    initialize(distributed=args.distributed, coordinator_address=args.coordinator_address,
+               num_processes=args.num_processes, process_id=args.process_id)
     from training.loop import train
 
     start = time.perf_counter()

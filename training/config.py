@@ -380,8 +380,6 @@ def validate(cfg: Config) -> None:
             raise ConfigError(
                 f"model.layer_pattern: {len(m.layer_pattern)} entries do not tile model.num_layers ({m.num_layers}); "
                 f"use a pattern whose length divides the number of layers")
-    if t.batch_size % max(1, _process_count_hint()):
-        raise ConfigError(f"train.batch_size: got {t.batch_size}; must be divisible by the process count")
     for key in ("data", "fsdp", "tensor"):
         value = getattr(cfg.mesh, key)
         if value == 0 or value < -1:
@@ -400,7 +398,3 @@ def validate(cfg: Config) -> None:
                 raise
             except ValueError as e:  # mixers raise ValueError naming their own keys
                 raise ConfigError(f"mixers.{name}: {e}") from None
-
-
-def _process_count_hint() -> int:
-    return int(os.environ.get("MIXERLAB_PROCESS_COUNT", "1"))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -169,7 +170,7 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
         restored = checkpointer.restore_newest(params=trainer.params, opt_state=trainer.opt_state)
         if restored is not None:
             start_step, trainer.params, trainer.opt_state, data_state, _meta = restored
-            data_iter.set_state(data_state)
+            data_iter.set_state(_own_data_state(data_state))
             metrics.truncate_after(start_step)
             log.info("resumed from %s at step %d", ckpt_dir, start_step)
     if jax.process_index() == 0:
@@ -238,7 +239,7 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
                 _print(f"step {step}: validation loss {ev['loss']:.4f}, perplexity {ev['perplexity']:.2f}", bar)
             if (c_cfg.every and (step % c_cfg.every == 0 or step == t_cfg.steps)) or preemption.requested:
                 checkpointer.save(step, params=trainer.params, opt_state=trainer.opt_state,
-                                  data_state=data_iter.get_state(), meta={"step": step, "val_loss": val_loss})
+                                  data_state=_all_data_states(data_iter), meta={"step": step, "val_loss": val_loss})
             if preemption.requested:
                 _print(f"SIGTERM: saved a checkpoint at step {step} in {ckpt_dir}; the same command resumes", bar)
                 break
@@ -310,3 +311,26 @@ def _set_aside_previous_run(run_dir: str) -> None:
             moved.append(f"{name}.previous-{n}")
     if moved:
         _print(f"train.resume=false: kept the previous run's files in {run_dir} as {', '.join(moved)}")
+
+
+def _all_data_states(data_iter) -> dict:
+    """Every process's grain iterator state (each host reads its own shard), gathered so that the primary
+    host's checkpoint holds all of them."""
+    mine = json.dumps(data_iter.get_state()).encode()
+    if jax.process_count() == 1:
+        return {"per_process": [json.loads(mine)]}
+    from jax.experimental import multihost_utils
+
+    length = int(np.max(multihost_utils.process_allgather(np.array([len(mine)], np.int32))))
+    padded = np.zeros(length, np.uint8)
+    padded[: len(mine)] = np.frombuffer(mine, np.uint8)
+    everyone = np.asarray(multihost_utils.process_allgather(padded))
+    return {"per_process": [json.loads(bytes(row).rstrip(b"\0")) for row in everyone]}
+
+
+def _own_data_state(saved: dict) -> dict:
+    states = saved["per_process"]
+    if len(states) != jax.process_count():
+        raise ValueError(f"the checkpoint's data state is from {len(states)} processes, this run has "
+                         f"{jax.process_count()}; resume with the same number of hosts (or start a new run)")
+    return states[jax.process_index()]
