@@ -32,8 +32,11 @@ class Block(nnx.Module):
             self.ffn = MLP(m.d_model, m.ffn_dim, activation=m.ffn_activation, init_std=m.init_std,
                            out_init_std=spec.out_init_std, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, segment_ids, positions):
-        x = x + self.mixer(self.mixer_norm(x), segment_ids=segment_ids, positions=positions)
+    def __call__(self, x, segment_ids, positions, remat: str = "none"):
+        mix = lambda mixer, h: mixer(h, segment_ids=segment_ids, positions=positions)
+        if remat == "mixer":  # keep only the mixer's input; recompute its internals in the backward pass
+            mix = nnx.remat(mix)
+        x = x + mix(self.mixer, self.mixer_norm(x))
         return x + self.ffn(self.ffn_norm(x))
 
     def decode(self, x, cache, positions):
@@ -47,6 +50,7 @@ class Decoder(nnx.Module):
         m = cfg.model
         self.dtype = jnp.dtype(m.dtype)
         self.tie_embeddings = m.tie_embeddings
+        self.remat = m.remat
         self.embed = nnx.Embed(vocab_size, m.d_model, embedding_init=normal(m.init_std), rngs=rngs)
         self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(m.num_layers)])
         self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps)
@@ -67,8 +71,11 @@ class Decoder(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x = self.embed(tokens_BT).astype(self.dtype)
+        run = lambda block, h: block(h, segment_ids, positions, self.remat)
+        if self.remat == "block":  # keep only each block's input; recompute the block in the backward pass
+            run = nnx.remat(run)
         for block in self.blocks:
-            x = block(x, segment_ids, positions)
+            x = run(block, x)
         return self._logits(x)
 
     def init_cache(self, batch_size: int, max_length: int):

@@ -59,6 +59,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     dtype: Literal["float32", "bfloat16"] = "float32"  # activation/compute dtype; parameters stay float32
+    remat: Literal["none", "block", "mixer"] = "none"  # activation checkpointing: per block or mixer only
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,3 +69,21 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     out = model(jnp.zeros((1, 8), jnp.int32))
     assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
+
+
+@pytest.mark.parametrize("remat", ["block", "mixer"])
+def test_remat_changes_memory_not_math(remat):
+    from flax import nnx
+
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 97, (2, 16)), jnp.int32)
+
+    def loss_and_grads(model):
+        def f(m):
+            return jnp.mean(m(tokens) ** 2)
+        return nnx.value_and_grad(f)(model)
+
+    base_loss, base_grads = loss_and_grads(_model("softmax"))
+    loss, grads = loss_and_grads(_model("softmax", **{"model.remat": remat}))
+    np.testing.assert_allclose(float(loss), float(base_loss), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(base_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
