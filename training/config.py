@@ -115,6 +115,13 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    start_step: int = 0  # first profiled step (0 = no profile)
+    num_steps: int = 3
+    all_hosts: bool = False  # profile every host, not only process 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -122,6 +129,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
+    profile: ProfileConfig = ProfileConfig()
     mixers: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
 
     # -- derived values used across the code base
@@ -347,6 +355,9 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}: got {value}; must be a positive integer")
+    if cfg.profile.start_step < 0 or cfg.profile.num_steps < 1:
+        raise ConfigError(f"profile: start_step must be >= 0 (0 = off) and num_steps >= 1, got "
+                          f"{cfg.profile.start_step}, {cfg.profile.num_steps}")
     for key, value in {"train.eval_every": t.eval_every, "train.eval_batches": t.eval_batches,
                        "checkpoint.every": cfg.checkpoint.every, "optim.warmup_steps": o.warmup_steps,
                        "data.num_workers": d.num_workers}.items():

@@ -189,16 +189,19 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
     consecutive_skips = 0
     val_loss = None
     preemption = _SigtermFlag()
+    profiler = _Profiler(cfg.profile, os.path.join(run_dir, "profile"))
     bar = _progress(progress, start_step, t_cfg.steps)
     window_tokens, window_seconds, steps_in_window = 0.0, 0.0, 0  # train steps only: no evals/checkpoints
     last_step = start_step
     try:
         for step in range(start_step + 1, t_cfg.steps + 1):
+            profiler.before(step)
             step_start = time.perf_counter()
             batch = trainer.global_batch(next(data_iter))
             trainer.params, trainer.opt_state, m = trainer.train_step(trainer.params, trainer.opt_state, batch)
             loss = float(m["loss"])  # one host sync per step: keeps the bar honest and the loss exact
             train_losses[step] = loss
+            profiler.after(step)
             if float(m["skipped"]):
                 skipped_steps.append(step)
                 consecutive_skips += 1
@@ -246,6 +249,7 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
             if stop_at_step is not None and step >= stop_at_step:
                 break
     finally:
+        profiler.close()
         preemption.restore()
         if bar is not None:
             bar.close()
@@ -259,6 +263,31 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
     return RunResult(run_dir=run_dir, final_step=last_step, train_losses=train_losses, val_loss=val_loss,
                      metrics_path=metrics.jsonl_path, plot_path=plot_path, checkpoint_dir=ckpt_dir,
                      skipped_steps=skipped_steps, preempted=preemption.requested)
+
+
+class _Profiler:
+    """Captures a jax.profiler trace (TensorBoard/xprof + a Perfetto JSON) of profile.num_steps steps."""
+
+    def __init__(self, cfg, directory: str):
+        self.first, self.last = cfg.start_step, cfg.start_step + cfg.num_steps - 1
+        self.enabled = cfg.start_step > 0 and (cfg.all_hosts or jax.process_index() == 0)
+        self.directory, self.active = directory, False
+
+    def before(self, step: int) -> None:
+        if self.enabled and step == self.first:
+            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+            self.active = True
+
+    def after(self, step: int) -> None:
+        if self.active and step >= self.last:
+            self.close()
+            _print(f"profile of steps {self.first}-{self.last} written to {self.directory} "
+                   f"(tensorboard --logdir {self.directory}; python tools/summarize_profile.py {self.directory})")
+
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
 
 
 class _SigtermFlag:

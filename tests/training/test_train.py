@@ -65,3 +65,17 @@ def test_resume_false_starts_fresh(tmp_path):
     train(_cfg(tmp_path, "fresh", *common), progress=False)
     again = train(_cfg(tmp_path, "fresh", *common, "train.resume=false"), progress=False)
     assert sorted(again.train_losses) == [1, 2, 3, 4, 5, 6]
+
+
+def test_profile_captures_a_trace_and_the_summary_tool_reads_it(tmp_path, capsys):
+    import importlib.util
+
+    cfg = _cfg(tmp_path, "prof", "train.steps=8", "train.eval_every=0", "checkpoint.every=0",
+               "profile.start_step=6", "profile.num_steps=2")
+    result = train(cfg, progress=False)
+    spec = importlib.util.spec_from_file_location("summarize_profile", "tools/summarize_profile.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main([os.path.join(result.run_dir, "profile"), "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "non-Python events" in out and "matmul" in out
