@@ -105,6 +105,7 @@ class MeshConfig:
 class TrainConfig:
     steps: int = 300
     batch_size: int = 8  # global, in sequences
+    microbatches: int = 1  # gradient accumulation: the batch runs as this many sequential micro-batches
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100  # 0 disables periodic validation
@@ -350,7 +351,7 @@ def validate(cfg: Config) -> None:
         "model.d_model": m.d_model, "model.num_layers": m.num_layers, "model.num_heads": m.num_heads,
         "model.ffn_dim": m.ffn_dim, "data.seq_len": d.seq_len, "train.steps": t.steps,
         "train.batch_size": t.batch_size, "train.log_every": t.log_every, "checkpoint.keep": cfg.checkpoint.keep,
-        "train.max_consecutive_skips": t.max_consecutive_skips,
+        "train.max_consecutive_skips": t.max_consecutive_skips, "train.microbatches": t.microbatches,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -363,6 +364,8 @@ def validate(cfg: Config) -> None:
                        "data.num_workers": d.num_workers}.items():
         if value < 0:
             raise ConfigError(f"{key}: got {value}; must be >= 0")
+    if t.batch_size % t.microbatches:
+        raise ConfigError(f"train.microbatches: got {t.microbatches}; must divide train.batch_size ({t.batch_size})")
     if o.lr <= 0:
         raise ConfigError(f"optim.lr: got {o.lr}; must be > 0")
     if not 0.0 <= o.min_lr_ratio <= 1.0:

@@ -94,8 +94,32 @@ class Trainer:
         logits = model(batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"])
         return cross_entropy(logits, batch["targets"], batch["loss_mask"])
 
+    def _summed_loss(self, params, batch):
+        loss, count = self._loss(params, batch)
+        return loss * count, count
+
+    def _loss_and_grads(self, params, batch):
+        """Mean token loss and its gradient; with train.microbatches = n the batch is split into n
+        strided micro-batches (rows j, j+n, ...: every device keeps its share) scanned with summed gradients."""
+        n = self.cfg.train.microbatches
+        grad_fn = jax.value_and_grad(self._summed_loss, has_aux=True)
+        if n == 1:
+            (total, count), grads = grad_fn(params, batch)
+        else:
+            micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1), batch)
+
+            def body(carry, mb):
+                (t1, c1), g1 = grad_fn(params, mb)
+                t0, c0, g0 = carry
+                return (t0 + t1, c0 + c1, jax.tree.map(jnp.add, g0, g1)), None
+
+            zero = jnp.zeros((), jnp.float32)
+            (total, count, grads), _ = jax.lax.scan(body, (zero, zero, jax.tree.map(jnp.zeros_like, params)), micro)
+        denom = jnp.maximum(count, 1.0)
+        return (total / denom, count), jax.tree.map(lambda g: g / denom, grads)
+
     def _train_step(self, params, opt_state, batch):
-        (loss, count), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch)
+        (loss, count), grads = self._loss_and_grads(params, batch)
         grad_norm = optax.global_norm(grads)
         updates, new_opt_state = self.tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)

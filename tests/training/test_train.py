@@ -79,3 +79,23 @@ def test_profile_captures_a_trace_and_the_summary_tool_reads_it(tmp_path, capsys
     assert tool.main([os.path.join(result.run_dir, "profile"), "--top", "5"]) == 0
     out = capsys.readouterr().out
     assert "non-Python events" in out and "matmul" in out
+
+
+def test_microbatches_give_the_same_step_as_one_batch(tmp_path):
+    from training.loop import Trainer
+    from training import data as data_lib
+    from training.tokenizer import load_tokenizer
+    import numpy as np
+
+    results = []
+    for n in (1, 4):
+        cfg = _cfg(tmp_path, f"micro{n}", "train.batch_size=8", f"train.microbatches={n}")
+        tok = load_tokenizer(cfg.data.tokenizer.kind, cfg.data.tokenizer.path)
+        trainer = Trainer(cfg, tok.vocab_size)
+        trainer.initialize()
+        batch = trainer.global_batch(next(data_lib.train_iterator(cfg.data, tok, global_batch_size=8, seed=0)))
+        params, _, m = trainer.train_step(trainer.params, trainer.opt_state, batch)
+        results.append((float(m["loss"]), float(m["grad_norm"]), jax.tree.leaves(params)))
+    (l1, g1, p1), (l4, g4, p4) = results
+    assert abs(l1 - l4) <= 1e-6 * abs(l1) and abs(g1 - g4) <= 1e-5 * abs(g1)
+    assert max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(p1, p4)) < 1e-6
