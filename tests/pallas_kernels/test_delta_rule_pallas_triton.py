@@ -1,0 +1,172 @@
+"""Pallas-Triton delta-rule kernel (pallas_kernels/delta_rule/pallas_triton.py).
+
+CPU: the kernels in interpret mode against the float64 reference (outputs, final state and the custom-VJP
+gradients of all six inputs), and lowering for CUDA (Triton's shape rules) without a GPU.
+GPU (``-m gpu``, skipped elsewhere): the compiled kernels against the reference in float32 and bfloat16.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from delta_rule_cases import gdn2_inputs, rel_rms_err, x64
+from pallas_kernels.delta_rule import pallas_triton, reference
+
+NAMES = ("q", "k", "erase_key", "v", "log_decay", "initial_state")
+
+
+def _documents(batch, length, boundaries):
+    starts = np.isin(np.arange(length), boundaries).astype(np.int32)
+    return jnp.asarray(np.tile(np.cumsum(starts), (batch, 1)).astype(np.int32))
+
+
+def _args(inputs, dtype):
+    return [inputs[n].astype(dtype) if n in ("q", "k", "erase_key", "v") else inputs[n].astype(jnp.float32)
+            for n in NAMES]
+
+
+def _reference(args, document, weights):
+    """float64 outputs and gradients of Σ o⊙w_o + Σ S_T⊙w_S."""
+    w_out, w_state = weights
+    with x64():
+        wide = [jnp.asarray(np.asarray(a, np.float64)) for a in args]
+
+        def loss(*xs):
+            out, state = reference.delta_rule_reference(*xs, document)
+            return jnp.sum(out * w_out) + jnp.sum(state * w_state), (out, state)
+
+        grads, (out, state) = jax.grad(loss, argnums=tuple(range(6)), has_aux=True)(*wide)
+        return np.asarray(out), np.asarray(state), [np.asarray(g) for g in grads]
+
+
+def _kernel(args, document, weights, *, interpret=True, **tiling):
+    w_out, w_state = (jnp.asarray(w, jnp.float32) for w in weights)
+
+    def loss(*xs):
+        out, state = pallas_triton.run(*xs, document, interpret=interpret, **tiling)
+        return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(state * w_state), (out, state)
+
+    grads, (out, state) = jax.jit(jax.grad(loss, argnums=tuple(range(6)), has_aux=True))(*args)
+    return out, state, grads
+
+
+def _weights(seed, batch, length, heads, key_dim, value_dim):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(batch, length, heads, value_dim)), rng.normal(size=(batch, heads, key_dim, value_dim))
+
+
+def _check(got, want, tol, grad_tol):
+    out, state, grads = got
+    ref_out, ref_state, ref_grads = want
+    assert rel_rms_err(out, ref_out) <= tol, rel_rms_err(out, ref_out)
+    assert rel_rms_err(state, ref_state) <= tol, rel_rms_err(state, ref_state)
+    for name, g, r in zip(NAMES, grads, ref_grads):
+        assert np.all(np.isfinite(np.asarray(g, np.float64))), name
+        assert rel_rms_err(g, r) <= grad_tol, (name, rel_rms_err(g, r))
+
+
+@pytest.mark.parametrize("chunk_size, leaf_size, boundaries", [
+    (64, 8, [5, 40, 64, 100]),  # T = 110: padded, segments inside and on a chunk edge
+    (32, 16, []),
+])
+def test_interpret_matches_reference_f32(chunk_size, leaf_size, boundaries):
+    b, t, h, dk, dv = 1, 110, 2, 32, 16
+    inputs = gdn2_inputs(0, b, t, h, dk, dv, dtype=np.float32)
+    args = _args(inputs, jnp.float32)
+    document = _documents(b, t, boundaries)
+    weights = _weights(1, b, t, h, dk, dv)
+    got = _kernel(args, document, weights, chunk_size=chunk_size, leaf_size=leaf_size)
+    _check(got, _reference(args, document, weights), tol=2e-6, grad_tol=1e-5)  # observed ≤ 1e-6
+
+
+def test_interpret_strong_decay_is_finite_and_accurate():
+    """λ ≈ −20 per token and channel (chunk-end Λ ≈ −1300): every exponent stays ≤ 0 (spec §8 item 9)."""
+    b, t, h, dk, dv = 1, 64, 2, 16, 16
+    inputs = gdn2_inputs(2, b, t, h, dk, dv, dtype=np.float32, strong_decay_heads=1)
+    args = _args(inputs, jnp.float32)
+    document = _documents(b, t, [])
+    weights = _weights(3, b, t, h, dk, dv)
+    got = _kernel(args, document, weights, chunk_size=64, leaf_size=8)
+    _check(got, _reference(args, document, weights), tol=1e-4, grad_tol=1e-4)
+
+
+def test_interpret_bf16_operands():
+    b, t, h, dk, dv = 1, 64, 1, 32, 32
+    inputs = gdn2_inputs(4, b, t, h, dk, dv, dtype=np.float32)
+    args = _args(inputs, jnp.bfloat16)
+    document = _documents(b, t, [20])
+    out, state = jax.jit(lambda *a: pallas_triton.run(*a, document, chunk_size=64, leaf_size=8,
+                                                      interpret=True))(*args)
+    assert out.dtype == jnp.bfloat16 and state.dtype == jnp.float32
+    ref_out, ref_state, _ = _reference(args, document, _weights(5, b, t, h, dk, dv))
+    assert rel_rms_err(out, ref_out) <= 2e-2
+    assert rel_rms_err(state, ref_state) <= 2e-2
+
+
+def _call(**kw):
+    base = dict(batch=2, length=4096, heads=16, key_dim=128, value_dim=128, dtype=jnp.dtype(jnp.bfloat16),
+                has_erase=True, decay="channel", has_initial_state=True, has_segments=False, chunk_size=64,
+                leaf_size=8, backend="gpu")
+    base.update(kw)
+    from pallas_kernels.delta_rule.api import DeltaRuleCall
+    return DeltaRuleCall(**base)
+
+
+def test_supports():
+    assert pallas_triton.supports(_call()) is None
+    assert pallas_triton.supports(_call(leaf_size=16)) is None
+    assert pallas_triton.supports(_call(chunk_size=128, leaf_size=16)) is None
+    for bad in (dict(backend="cpu"), dict(backend="tpu"), dict(chunk_size=256), dict(chunk_size=64, leaf_size=4),
+                dict(key_dim=96), dict(value_dim=8), dict(key_dim=512), dict(dtype=jnp.dtype(jnp.float64))):
+        reason = pallas_triton.supports(_call(**bad))
+        assert isinstance(reason, str) and reason, bad
+
+
+@pytest.mark.parametrize("chunk_size, leaf_size", [(64, 8), (64, 16)])
+def test_lowers_for_cuda_on_cpu(chunk_size, leaf_size):
+    """Forward and backward lower to Triton custom calls for CUDA (power-of-two blocks, supported ops)."""
+    s = jax.ShapeDtypeStruct
+    b, t, h, dk, dv = 1, 200, 2, 64, 32
+    specs = [s((b, t, h, dk), jnp.bfloat16)] * 3 + [s((b, t, h, dv), jnp.bfloat16), s((b, t, h, dk), jnp.float32),
+                                                   s((b, h, dk, dv), jnp.float32), s((b, t), jnp.int32)]
+
+    def loss(*a):
+        out, state = pallas_triton.run(*a, chunk_size=chunk_size, leaf_size=leaf_size)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(state)
+
+    grad = jax.grad(loss, argnums=tuple(range(6)))
+    text = jax.jit(grad).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 6  # forward: intra, scan, output; backward: intra, scan, grads
+
+
+def test_config_defaults():
+    cfg = pallas_triton.make_config(64, 8, 128, 128, jnp.bfloat16, batch_heads=8 * 16)
+    assert cfg.scan_block_v == 64 and cfg.inverse_precision == "tf32" and cfg.halves == (8, 16, 32)
+    assert pallas_triton.make_config(64, 8, 128, 128, jnp.bfloat16, batch_heads=16).scan_block_v == 16
+    assert dataclasses.replace(cfg, interpret=True).interpret
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU only
+
+
+gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype, tol, grad_tol, precision", [
+    (jnp.float32, 1e-5, 1e-4, "highest"), (jnp.float32, 3e-3, 1e-2, "tf32"), (jnp.bfloat16, 2e-2, 5e-2, "tf32")])
+def test_gpu_matches_reference(dtype, tol, grad_tol, precision):
+    b, t, h, dk, dv = 2, 512, 4, 128, 128
+    inputs = gdn2_inputs(6, b, t, h, dk, dv, dtype=np.float32)
+    args = _args(inputs, dtype)
+    document = _documents(b, t, [100, 256, 300])
+    weights = _weights(7, b, t, h, dk, dv)
+    got = _kernel(args, document, weights, interpret=False, chunk_size=64, leaf_size=8,
+                  inverse_precision=precision)
+    _check(got, _reference(args, document, weights), tol=tol, grad_tol=grad_tol)
