@@ -1,0 +1,96 @@
+"""Gate building blocks shared by the delta-family mixers: projections, inits, decay parameterisation.
+
+* ``dense(...)``       a bias-free ``nnx.Linear`` with the layer's init scheme.
+* ``LowRank``          ``x W_down W_up (+ c)``: two bias-free factors with **no nonlinearity between them**
+                       [FLA kda/gdn2 ``f_proj``/``g_proj``; SEED Table 19 truncates the product by SVD], and an
+                       optional additive bias ``c`` kept as a ``DynamicsParam`` (no weight decay).
+* ``a_log_init``       ``A_log = log U(lo, hi)`` per head (GDN: (0, 16); KDA/GDN-2/Muir: (1, 16)) [FLA].
+* ``dt_bias_init``     ``inv_softplus(dt)``, ``dt = exp(U(log 1e-3, log 1e-1))`` clamped >= 1e-4 [FLA].
+* ``log_decay``        ``lambda = -exp(A_log) * softplus(z + dt_bias)`` in float32 [FLA, GDN2-code].
+* ``ReadoutGain``      Muir's static readout gain gamma^stat: a ``DynamicsParam`` (no weight decay) that is
+                       nevertheless counted in the "matrices only" parameter convention (spec §9).
+
+Init schemes (``init_scheme`` option of every delta-family layer):
+  ``normal``          N(0, spec.init_std) (0.02) for every input-side matrix, as FLA's ``_init_weights``
+                      (initializer_range 0.02) and the rest of mixerlab's decoder [FLA].
+  ``xavier_uniform``  xavier_uniform with gain 2^-2.5 for every Linear, as the NVlabs GDN-2 training code
+                      [GDN2-code].
+The output projection always uses N(0, spec.out_init_std) (0.02/sqrt(2L)), the project-wide convention.
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mixers.base import DynamicsParam
+
+InitScheme = Literal["normal", "xavier_uniform"]
+XAVIER_GAIN = 2.0 ** -2.5
+
+
+class ReadoutGain(DynamicsParam):
+    """Muir's gamma^stat: dynamics (never weight-decayed) but counted as a "matrix" parameter (spec §9)."""
+
+
+def kernel_init(scheme: str, std: float):
+    if scheme == "normal":
+        return jax.nn.initializers.normal(stddev=std)
+    if scheme == "xavier_uniform":
+        # variance_scaling(gain^2, fan_avg, uniform) == torch.nn.init.xavier_uniform_(gain=gain)
+        return jax.nn.initializers.variance_scaling(XAVIER_GAIN ** 2, "fan_avg", "uniform")
+    raise ValueError(f"init_scheme must be 'normal' or 'xavier_uniform', got {scheme!r}")
+
+
+def dense(d_in: int, d_out: int, *, init_scheme: str, std: float, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=False, kernel_init=kernel_init(init_scheme, std),
+                      dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+def zeros_like_linear(layer: nnx.Linear) -> None:
+    layer.kernel[...] = jnp.zeros_like(layer.kernel[...])
+
+
+class LowRank(nnx.Module):
+    """``z = x W_down W_up + c`` (bias optional). Output in float32 (gate pre-activations)."""
+
+    def __init__(self, d_in: int, rank: int, d_out: int, *, use_bias: bool, init_scheme: str, std: float,
+                 dtype, rngs: nnx.Rngs):
+        self.down = dense(d_in, rank, init_scheme=init_scheme, std=std, dtype=dtype, rngs=rngs)
+        self.up = dense(rank, d_out, init_scheme=init_scheme, std=std, dtype=dtype, rngs=rngs)
+        self.bias = DynamicsParam(jnp.zeros((d_out,), jnp.float32)) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        z = self.up(self.down(x)).astype(jnp.float32)
+        return z + self.bias[...] if self.bias is not None else z
+
+
+def a_log_init(key: jax.Array, shape, low: float, high: float) -> jax.Array:
+    return jnp.log(jax.random.uniform(key, shape, jnp.float32, low, high))
+
+
+def inverse_softplus(x: jax.Array) -> jax.Array:
+    return x + jnp.log(-jnp.expm1(-x))
+
+
+def dt_bias_init(key: jax.Array, shape, dt_min: float = 1e-3, dt_max: float = 1e-1,
+                 dt_floor: float = 1e-4) -> jax.Array:
+    u = jax.random.uniform(key, shape, jnp.float32)
+    dt = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    return inverse_softplus(jnp.maximum(dt, dt_floor))
+
+
+def log_decay(z: jax.Array, a_log: jax.Array | None, dt_bias: jax.Array | None = None) -> jax.Array:
+    """``lambda = -exp(A_log) * softplus(z + dt_bias)`` (float32, <= 0). ``a_log`` broadcasts against z."""
+    z = z.astype(jnp.float32)
+    if dt_bias is not None:
+        z = z + dt_bias
+    sp = jax.nn.softplus(z)
+    return -sp if a_log is None else -jnp.exp(a_log) * sp
+
+
+def split_heads(x: jax.Array, num_heads: int) -> jax.Array:
+    return x.reshape(*x.shape[:-1], num_heads, x.shape[-1] // num_heads)

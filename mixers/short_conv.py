@@ -1,0 +1,77 @@
+"""Causal depthwise short convolution with segment resets and a decode cache.
+
+The same block as FLA's ``ShortConvolution`` [FLA ``fla/modules/conv/short_conv.py``]: depthwise (one kernel
+per channel), causal (left padding K-1), no bias, SiLU after the convolution. Two additions for mixerlab:
+
+* **Segment resets.** With packed documents the window of token t only sees tokens t-i of the *same*
+  segment: ``y_t = sum_i W[K-1-i] * x_{t-i} * [seg_{t-i} == seg_t]``. Nothing crosses a boundary.
+* **Decode cache.** The last K-1 *pre-conv* inputs per channel, ``[B, K-1, C]`` (oldest first).
+
+Kernel init is PyTorch's ``nn.Conv1d`` default (what FLA gets): U(-1/sqrt(K), 1/sqrt(K)), fan_in = K for a
+depthwise conv. The kernel is a ``ShortConvKernel`` (an ``nnx.Param`` subclass) so that parameter accounting
+can leave it out of the "matrices only" count by type (models/param_count.py).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class ShortConvKernel(nnx.Param):
+    """Depthwise short-conv kernel ``[K, C]`` (an ordinary weight; not a "matrix" for parameter accounting)."""
+
+
+class ShortConv(nnx.Module):
+    """Causal depthwise conv over ``[B, T, C]`` + SiLU (optional), resetting at segment boundaries."""
+
+    def __init__(self, channels: int, kernel_size: int = 4, *, activation: bool = True, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.channels = channels
+        self.kernel_size = kernel_size
+        self.activation = activation
+        self.dtype = dtype
+        bound = 1.0 / kernel_size ** 0.5
+        self.kernel = ShortConvKernel(
+            jax.random.uniform(rngs.params(), (kernel_size, channels), jnp.float32, -bound, bound))
+
+    def _act(self, y):
+        return jax.nn.silu(y) if self.activation else y
+
+    def __call__(self, x_BTC: jax.Array, segment_ids_BT: jax.Array | None = None) -> jax.Array:
+        B, T, C = x_BTC.shape
+        w_KC = self.kernel[...]
+        x = x_BTC.astype(jnp.float32)
+        acc = jnp.zeros((B, T, C), jnp.float32)
+        for i in range(self.kernel_size):  # tap i looks i tokens back
+            if i >= T:
+                break
+            x_shift = jnp.pad(x, ((0, 0), (i, 0), (0, 0)))[:, :T]
+            if segment_ids_BT is not None:
+                seg_shift = jnp.pad(segment_ids_BT, ((0, 0), (i, 0)), constant_values=-1)[:, :T]
+                x_shift = jnp.where((seg_shift == segment_ids_BT)[..., None], x_shift, 0.0)
+            acc = acc + x_shift * w_KC[self.kernel_size - 1 - i]
+        return self._act(acc).astype(self.dtype)
+
+    def init_cache(self, batch_size: int) -> jax.Array:
+        return jnp.zeros((batch_size, self.kernel_size - 1, self.channels), self.dtype)
+
+    def step(self, x_BC: jax.Array, cache_BKC: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """One token: ``cache`` holds the previous K-1 pre-conv inputs (oldest first)."""
+        window = jnp.concatenate([cache_BKC.astype(jnp.float32), x_BC[:, None].astype(jnp.float32)], axis=1)
+        w_KC = self.kernel[...]
+        acc = jnp.zeros(x_BC.shape, jnp.float32)
+        for i in range(self.kernel_size):  # same summation order as __call__
+            acc = acc + window[:, self.kernel_size - 1 - i] * w_KC[self.kernel_size - 1 - i]
+        new_cache = window[:, 1:].astype(cache_BKC.dtype)
+        return self._act(acc).astype(self.dtype), new_cache
+
+    def cache_from_sequence(self, x_BTC: jax.Array, segment_ids_BT: jax.Array | None = None) -> jax.Array:
+        """The decode cache after a prefill of ``x``: its last K-1 inputs of the last token's segment."""
+        B, T, C = x_BTC.shape
+        km1 = self.kernel_size - 1
+        x = jnp.pad(x_BTC, ((0, 0), (max(km1 - T, 0), 0), (0, 0)))[:, -km1:]
+        if segment_ids_BT is not None:
+            seg = jnp.pad(segment_ids_BT, ((0, 0), (max(km1 - T, 0), 0)), constant_values=-1)[:, -km1:]
+            x = jnp.where((seg == segment_ids_BT[:, -1:])[..., None], x, 0)
+        return x.astype(self.dtype)
