@@ -1,4 +1,3 @@
 """Token mixers. Importing this package registers every mixer (see mixers/registry.py)."""
-from mixers import deltanet, gated_deltanet, gdn2, kda, linear_attention, muir  # noqa: F401  (registration)
-
-from mixers import softmax_attention  # noqa: F401,E402
+from mixers import (  # noqa: F401  (registration)
+    deltanet, gated_deltanet, gdn2, interdomain, kda, linear_attention, muir, s4d, softmax_attention)

@@ -1,0 +1,128 @@
+"""The ``interdomain`` and ``s4d`` mixers: registered, build with defaults, causal, decode == forward, packed
+documents isolated, every optional flag, parameter kinds for the optimizer."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mixers.interdomain  # noqa: F401  (registration; the lead adds it to mixers/__init__.py)
+import mixers.s4d  # noqa: F401
+from mixers import registry
+from mixers.base import DynamicsParam, MixerSpec, SSMParam
+
+SPEC = MixerSpec(d_model=64, num_heads=2, head_dim=32, value_head_dim=32, layer_index=0, num_layers=2)
+ALL_FLAGS = dict(num_modes=8, query_mlp_hidden=16, value_conv=True, d_skip=True, output_gate="silu",
+                 selective_write=True, selective_decay=True, readout="bilinear", rope_placement="post_l2",
+                 s4d_inv_n="2M", c_init="normal", chunk_size=8)
+
+
+@pytest.fixture(autouse=True)
+def _full_precision_matmuls():
+    with jax.default_matmul_precision("float32"):
+        yield
+
+
+# jit the layer calls: eager op-by-op dispatch of the many small feature ops dominates otherwise
+_fwd = nnx.jit(lambda layer, x, seg, pos: layer(x, segment_ids=seg, positions=pos))
+_dec = nnx.jit(lambda layer, x, cache, p: layer.decode(x, cache, p))
+_pre = nnx.jit(lambda layer, x, seg, pos: layer.prefill(x, segment_ids=seg, positions=pos))
+
+
+def _build(name, spec=SPEC, **flags):
+    entry = registry.get(name)
+    return registry.build(name, spec, entry.options(**flags), rngs=nnx.Rngs(0))
+
+
+def _inputs(t, b=2, seed=0):
+    x = jnp.asarray(np.random.default_rng(seed).standard_normal((b, t, SPEC.d_model)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return x, jnp.ones((b, t), jnp.int32), pos
+
+
+def _perturb_params(layer, seed=1):
+    """Give zero-init parameters (query-MLP W_2, gate weights) non-trivial values so the flags matter."""
+    state = nnx.state(layer, nnx.Param)
+    leaves, tree = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [x + 0.05 * jax.random.normal(kk, x.shape, x.dtype) for x, kk in zip(leaves, keys)]
+    nnx.update(layer, jax.tree.unflatten(tree, leaves))
+
+
+def test_registered_with_frozen_options():
+    for name, cls in (("interdomain", mixers.interdomain.InterdomainOptions), ("s4d", mixers.s4d.S4DOptions)):
+        entry = registry.get(name)
+        assert entry.options is cls and dataclasses.is_dataclass(cls)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            cls().num_modes = 3
+
+
+@pytest.mark.parametrize("name", ["interdomain", "s4d"])
+def test_defaults_build_and_are_causal(name):
+    layer = _build(name)
+    x, seg, pos = _inputs(20)
+    y = _fwd(layer, x, seg, pos)
+    assert y.shape == x.shape and bool(jnp.all(jnp.isfinite(y)))
+    x2 = x.at[:, 12:].set(jax.random.normal(jax.random.key(3), x[:, 12:].shape))
+    y2 = _fwd(layer, x2, seg, pos)
+    np.testing.assert_array_equal(np.asarray(y2[:, :12]), np.asarray(y[:, :12]))  # prefix property
+    assert not np.allclose(y2[:, 12:], y[:, 12:])
+
+
+def test_parameter_kinds_for_the_optimizer():
+    layer = _build("interdomain")
+    core = layer.core
+    for p in (core.a_re, core.a_im, core.log_dt, layer.k_norm.scale, layer.k_norm.bias, layer.v_norm.scale):
+        assert isinstance(p, SSMParam)
+    assert isinstance(core.c_re, DynamicsParam) and not isinstance(core.c_re, SSMParam)  # IAs: main LR
+    assert isinstance(_build("interdomain", c_lr_group="ssm").core.c_im, SSMParam)  # IA1
+    assert core.a_re[...].shape == (2, 64) and core.c_re[...].shape == (2, 64, 64)
+    dt = np.exp(np.asarray(core.log_dt[...]))
+    assert ((dt >= 1e-3) & (dt <= 1e-1)).all()
+
+
+@pytest.mark.parametrize("name,flags", [("interdomain", ALL_FLAGS), ("s4d", dict(num_modes=8, use_rope=True, chunk_size=8))])
+def test_decode_and_packing_match_forward(name, flags):
+    layer = _build(name, **flags)
+    _perturb_params(layer)
+    t = 11
+    x, seg, pos = _inputs(t)
+    y = _fwd(layer, x, seg, pos)
+    cache = layer.init_cache(2, t)
+    steps = []
+    for i in range(t):
+        out, cache = _dec(layer, x[:, i:i + 1], cache, jnp.full((2,), i, jnp.int32))
+        steps.append(out[:, 0])
+    np.testing.assert_allclose(np.asarray(jnp.stack(steps, 1)), np.asarray(y), rtol=2e-5, atol=2e-5)
+    # prefill's cache continues the sequence
+    _, cache = _pre(layer, x[:, :7], seg[:, :7], pos[:, :7])
+    out, _ = _dec(layer, x[:, 7:8], cache, jnp.full((2,), 7, jnp.int32))
+    np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(y[:, 7]), rtol=2e-5, atol=2e-5)
+    # two packed documents == each alone
+    seg2 = jnp.asarray(np.repeat([[1] * 5 + [2] * 6], 2, 0), jnp.int32)
+    pos2 = jnp.asarray(np.repeat([list(range(5)) + list(range(6))], 2, 0), jnp.int32)
+    packed = _fwd(layer, x, seg2, pos2)
+    alone = _fwd(layer, x[:, 5:], seg2[:, 5:], pos2[:, 5:])
+    np.testing.assert_allclose(np.asarray(packed[:, 5:]), np.asarray(alone), rtol=2e-5, atol=2e-5)
+
+
+def test_flags_change_the_output_and_bad_combinations_fail():
+    x, seg, pos = _inputs(9)
+    base = _build("interdomain", num_modes=8)
+    _perturb_params(base)
+    y0 = _fwd(base, x, seg, pos)
+    for flag, value in (("selective_decay", True), ("readout", "bilinear")):
+        layer = _build("interdomain", num_modes=8, **{flag: value})
+        _perturb_params(layer)
+        assert not np.allclose(_fwd(layer, x, seg, pos), y0), flag
+    spec = dataclasses.replace(SPEC, value_head_dim=16)
+    with pytest.raises(ValueError, match="selective_write"):
+        _build("interdomain", spec, selective_write=True)
+    with pytest.raises(ValueError, match="s4d_inv_n"):
+        _build("interdomain", s4d_inv_n="3M")
+    with pytest.raises(ValueError, match="value_head_dim"):
+        _build("s4d", spec)
