@@ -1,0 +1,628 @@
+"""Muir's boundary-pivoted chunkwise delta rule as a Pallas (Mosaic TPU) kernel: forward here, backward in
+``pallas_tpu_bwd.py``, wired through ``jax.custom_vjp`` (spec shared/spec/delta-family.md §4.7, §5, §6;
+docs/kernels.md, TPU section).
+
+Contract (what ``api.delta_rule`` calls, see ``api.py``)::
+
+    run(q, k, erase, v, lam, state, document_BT, *, chunk_size, leaf_size, interpret=False)
+        -> (o [B, T, H, Dv] in v's dtype, final_state [B, H, Dk, Dv] float32)
+    supports(call: api.DeltaRuleCall) -> None | reason
+
+q, k, erase [B, T, H, Dk] and v [B, T, H, Dv] share one dtype; bfloat16 operands are fed to the MXU as
+bfloat16 (f32 accumulation), float32 operands at Precision.HIGHEST. lam is the channel-wise log-decay λ ≤ 0,
+state the initial state, document_BT the running count of segment boundaries (the state resets wherever it
+changes; the initial state belongs to each row's first document).
+
+Layout: inputs are moved to [B·H, T, D] and padded to a multiple of C (zeros, λ = 0, last document id), so a
+grid step sees (C, D) blocks. Grid (B·H "parallel", N_c "arbitrary"); the state S lives in a VMEM f32
+scratch across the chunk axis; S₀ of every chunk is written out ([B·H, N_c, Dk, Dv] f32), the only residual of
+the backward. Per chunk (every exponent is a range sum Σ_{a<s≤b} λ_s ≤ 0, never a difference of two prefix
+sums — spec §4.8 remedy (a) — and is clamped ≤ 0 before its exp; see docs/kernels.md):
+
+  1. Decay sums: leaf-local running sums pre_i = Σ_{leaf start≤s≤i} λ_s, suf_i = Σ_{i<s≤leaf end} λ_s (VPU
+     rolls + adds); leaf totals and "whole leaves before / after" sums on the MXU as 0/1 matmuls at f32
+     HIGHEST (the MXU cumulative log-decay, at leaf granularity: cumsum does not lower in Mosaic);
+     Λ_i = pre_i + Σ_{leaves before}, π = e^Λ, E_i = e^{suf_i + Σ_{leaves after}}.
+  2. The chunk is cut into "tiles" of Tt = min(C, 128) tokens (one MXU tile). Inside a tile:
+       leaves (n0 × n0, exact): for every diagonal offset d < n0 the exponent Σ_{i−d<s≤i} λ_s (a running sum
+       of rolled λ; masked rows set to 0 BEFORE the exp), a_d = Σ_c k̂_ic k_{i−d,c} e^{…},
+       m_d = Σ_c q̂_ic k_{i−d,c} e^{…} (VPU/XLU, lane reductions), placed on the d-th subdiagonal of the leaves;
+       tree levels h = n0 … Tt/2: pivot p = last token of each node's left half, F_i = ρ_i = e^{Σ_{p<s≤i} λ_s}
+       on right halves and κ_i = e^{Σ_{i<s≤p} λ_s} on left halves (both ≤ 1; range sums = whole leaves of the
+       half + pre/suf), one MXU matmul [K̂⊙F; Q̂⊙F](K⊙F)ᵀ per level, masked to the level's (R, L) blocks —
+       the cross blocks of every node of the level at once.
+  3. Tile inverse: Neumann leaves (I − N)(I + N²)(I + N⁴)…, then per level P ← P − P A_h P, which is the
+     2×2 merge P[R,L] = −P[R,R] A[R,L] P[L,L] applied to all nodes of the level (P block-diagonal).
+  4. Levels h ≥ Tt (C = 256: one node, h = 128) on 128-aligned blocks: A[R,L], M[R,L] with ρ, κ ≤ 1 and
+     P[R,L] = −P[R,R] A[R,L] P[L,L]; P and M are assembled in (C, C) VMEM scratch.
+  5. [U Y] = P [V̂ ‖ K̂⊙π] (one C × (Dv+Dk) matmul), Ũ = U − Y S₀, O = (Q̂⊙π) S₀ + M Ũ,
+     S_C = Diag(π_C) S₀ + (K⊙E)ᵀ Ũ.
+Segments: A, M keep same-document pairs; the S₀ terms (Q̂⊙π, K̂⊙π) only rows of the chunk-start document;
+E only rows of the chunk's last document; Diag(π_C) S₀ only when the chunk holds no boundary.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+F32 = jnp.float32
+_HIGHEST = jax.lax.Precision.HIGHEST
+MXU_TILE = 128  # tile edge of the intra-tile tree (v5e/v5p MXU width; v6e's 256-wide MXU takes two)
+SUPPORTED_CHUNKS = (64, 128, 256)
+SUPPORTED_DIMS = (64, 128, 256)
+# Raised scoped-VMEM limit (bytes). The default scoped limit is 16 MiB on v5e/v5p and 32 MiB on v6e; the
+# backward at C=256, d=256 needs more (docs/benchmarks/tpu_compile.md has the measured numbers).
+VMEM_LIMIT_BYTES = 32 * 1024 * 1024
+
+_SQ = pl.Squeezed() if hasattr(pl, "Squeezed") else None
+_CompilerParams = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# static geometry
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    chunk: int
+    leaf: int
+    dk: int
+    dv: int
+
+    @property
+    def tile(self) -> int:
+        return min(self.chunk, MXU_TILE)
+
+    @property
+    def n_tiles(self) -> int:
+        return self.chunk // self.tile
+
+    @property
+    def tile_levels(self) -> tuple[int, ...]:
+        """Half-sizes h of the tree levels handled inside a tile (masked full-tile matmuls)."""
+        out, h = [], self.leaf
+        while h < self.tile:
+            out.append(h)
+            h *= 2
+        return tuple(out)
+
+    @property
+    def top_levels(self) -> tuple[int, ...]:
+        """Half-sizes h ≥ tile of the levels handled on aligned blocks."""
+        out, h = [], self.tile
+        while h < self.chunk:
+            out.append(h)
+            h *= 2
+        return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    geometry: Geometry
+    heads: int
+    operand_dtype: str  # "bfloat16" | "float32"
+    interpret: Any = False  # False | True | pltpu.InterpretParams(...)
+    vmem_limit_bytes: Optional[int] = VMEM_LIMIT_BYTES
+
+    @property
+    def cdt(self):
+        return jnp.dtype(self.operand_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# in-kernel building blocks (values, not refs)
+
+
+def _precision(dtype):
+    return _HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def mm(a, b, cdt):
+    """a @ b with operands in ``cdt`` and f32 accumulation."""
+    return jax.lax.dot_general(a.astype(cdt), b.astype(cdt), (((1,), (0,)), ((), ())),
+                               precision=_precision(cdt), preferred_element_type=F32)
+
+
+def mm_nt(a, b, cdt):
+    """a @ bᵀ."""
+    return jax.lax.dot_general(a.astype(cdt), b.astype(cdt), (((1,), (1,)), ((), ())),
+                               precision=_precision(cdt), preferred_element_type=F32)
+
+
+def mm_tn(a, b, cdt):
+    """aᵀ @ b."""
+    return jax.lax.dot_general(a.astype(cdt), b.astype(cdt), (((0,), (0,)), ((), ())),
+                               precision=_precision(cdt), preferred_element_type=F32)
+
+
+def mm_f32(a, b):
+    """Exact-as-f32 matmul (Precision.HIGHEST): the cumulative sums and tiny bookkeeping products."""
+    return mm(a, b, F32)
+
+
+def iota2(shape):
+    return (jax.lax.broadcasted_iota(jnp.int32, shape, 0), jax.lax.broadcasted_iota(jnp.int32, shape, 1))
+
+
+def upper_ones(n):
+    i, j = iota2((n, n))
+    return (j >= i).astype(F32)
+
+
+def neg_exp(x):
+    """e^{min(x, 0)}: every exponent in this kernel is ≤ 0 in exact arithmetic; the clamp only removes the
+    rounding of an f32 sum of non-positive terms, so nothing can overflow."""
+    return jnp.exp(jnp.minimum(x, 0.0))
+
+
+def concat_cols(parts):
+    """Lane-axis concatenation when every part is 128-lane aligned; None otherwise (caller splits)."""
+    if all(p.shape[1] % 128 == 0 for p in parts):
+        return jnp.concatenate(parts, axis=1)
+    return None
+
+
+def fused_mm(lhs, rhs_parts, cdt, transpose_lhs=False):
+    """lhs @ [R1 ‖ R2 ‖ …] as ONE matmul when the parts are lane-aligned, else one per part."""
+    op = mm_tn if transpose_lhs else mm
+    fused = concat_cols(rhs_parts)
+    if fused is not None:
+        out = op(lhs, fused, cdt)
+        outs, start = [], 0
+        for p in rhs_parts:
+            outs.append(out[:, start:start + p.shape[1]])
+            start += p.shape[1]
+        return outs
+    return [op(lhs, p, cdt) for p in rhs_parts]
+
+
+def leaf_diagonals(lam_t, key_t, leaf):
+    """The leaf decay tensor one diagonal at a time, exact: yields (d, w_d, e_d) for d = 0 … n0−1 where, on
+    rows i with i mod n0 ≥ d, e_d = e^{Σ_{i−d<s≤i} λ_s} and w_d = k_{i−d} ⊙ e_d (d = 0: w = k, e = None).
+    The exponent is a running sum of rolled λ (a range sum of non-positive terms, never a difference of
+    prefix sums, so it does not cancel); rows with i mod n0 < d are set to 0 BEFORE the exp and masked by
+    the caller. ``lam_t`` is the raw per-token λ of the tile."""
+    rows = lam_t.shape[0]
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    yield 0, key_t, None
+    expo = lam_t
+    for d in range(1, leaf):
+        if d > 1:
+            expo = expo + pltpu.roll(lam_t, d - 1, 0)
+        e = neg_exp(jnp.where((r & (leaf - 1)) >= d, expo, 0.0))  # mask BEFORE the exp
+        yield d, pltpu.roll(key_t, d, 0) * e, e
+
+
+def offset_place(rows, leaf, d):
+    """Boolean [Tt, Tt]: entry (i, i−d) with i, i−d in the same leaf."""
+    i, j = iota2((rows, rows))
+    return (j == i - d) & ((i & (leaf - 1)) >= d)
+
+
+def leaf_range_sums(lam, leaf):
+    """(pre, suf) [C, Dk]: pre_i = Σ_{leaf start ≤ s ≤ i} λ_s and suf_i = Σ_{i < s ≤ leaf end} λ_s, as running
+    sums of rolled λ (range sums of non-positive terms: no cancellation, VPU/XLU)."""
+    rows = lam.shape[0]
+    pos = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (leaf - 1)
+    pre, run = lam, lam
+    for d in range(1, leaf):
+        run = run + pltpu.roll(lam, d, 0)  # Σ_{i−d ≤ s ≤ i}
+        pre = jnp.where(pos == d, run, pre)
+    suf, run = jnp.zeros_like(lam), jnp.zeros_like(lam)
+    for d in range(1, leaf):
+        run = run + pltpu.roll(lam, rows - d, 0)  # Σ_{i < s ≤ i+d}
+        suf = jnp.where(pos == leaf - 1 - d, run, suf)
+    return pre, suf
+
+
+def leaf_matrix(rows, leaf, rule):
+    """0/1 f32 [rows, rows/n0] from (token i, leaf l) index arrays: ``rule(i, l, leaf_of_i, start_of_l)``."""
+    i, l = iota2((rows, rows // leaf))
+    shift = int(math.log2(leaf))
+    return jnp.where(rule(i, l, i >> shift, l << shift), 1.0, 0.0).astype(F32)
+
+
+def level_exponent(pre, suf, totals, h, leaf):
+    """Exponent [C, Dk] of tree level h (pivot p = last token of each node's left half), as range sums:
+    right half  i: Σ_{p < s ≤ i} λ_s = (whole leaves of the right half before i's leaf) + pre_i,
+    left half   j: Σ_{j < s ≤ p} λ_s = (whole leaves of the left half after j's leaf) + suf_j.
+    The whole-leaf part is a 0/1 matmul over the leaf totals on the MXU (f32 HIGHEST)."""
+    rows = pre.shape[0]
+    node = int(math.log2(2 * h))
+
+    def rule(i, l, li, ls):
+        same_node = (i >> node) == (ls >> node)
+        ri, rl = (i & h) != 0, (ls & h) != 0
+        return same_node & ((ri & rl & (l < li)) | (~ri & ~rl & (l > li)))
+
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    return mm_f32(leaf_matrix(rows, leaf, rule), totals) + jnp.where((r & h) != 0, pre, suf)
+
+
+def cross_mask(rows, h):
+    """Boolean [Tt, Tt]: (i, j) with i in the right half and j in the left half of the same level-h node."""
+    i, j = iota2((rows, rows))
+    shift = int(math.log2(2 * h))
+    return ((i >> shift) == (j >> shift)) & ((i & h) != 0) & ((j & h) == 0)
+
+
+def tile_matrices(q_t, k_t, e_t, lam_t, factors_t, same_t, g: Geometry, cdt):
+    """A (strictly lower) and M (lower) of one tile, f32 [Tt, Tt], same-document pairs only. ``lam_t`` is the
+    raw λ (leaves), ``factors_t`` the pivot factors F_h of the tile's levels."""
+    rows = q_t.shape[0]
+    a = jnp.zeros((rows, rows), F32)
+    m = jnp.zeros((rows, rows), F32)
+    for d, w, _ in leaf_diagonals(lam_t, k_t, g.leaf):  # leaves: exact pairwise exponents on the VPU
+        place = offset_place(rows, g.leaf, d)
+        m = m + jnp.where(place, jnp.sum(q_t * w, axis=1, keepdims=True), 0.0)
+        if d:
+            a = a + jnp.where(place, jnp.sum(e_t * w, axis=1, keepdims=True), 0.0)
+    for h, f in zip(g.tile_levels, factors_t):  # pivoted cross blocks on the MXU, all nodes of a level at once
+        blk = mm_nt(jnp.concatenate([e_t * f, q_t * f], axis=0), k_t * f, cdt)  # [2Tt, Tt]
+        cross = cross_mask(rows, h)
+        a = a + jnp.where(cross, blk[:rows], 0.0)
+        m = m + jnp.where(cross, blk[rows:], 0.0)
+    i, j = iota2((rows, rows))
+    a = jnp.where(same_t & (j < i), a, 0.0)
+    m = jnp.where(same_t & (j <= i), m, 0.0)
+    return a, m
+
+
+def tile_inverse(a, g: Geometry, cdt):
+    """(I + A)⁻¹ of one tile: Neumann-product leaves, then the 2×2 merges of every level inside the tile."""
+    rows = a.shape[0]
+    i, j = iota2((rows, rows))
+    eye = (i == j).astype(F32)
+    shift = int(math.log2(g.leaf))
+    same_leaf = (i >> shift) == (j >> shift)
+    n = jnp.where(same_leaf, a, 0.0)
+    inv = eye - n
+    power = n
+    for _ in range(max(int(math.log2(g.leaf)) - 1, 0)):  # (I − N)(I + N²)(I + N⁴)…
+        power = mm(power, power, cdt)
+        inv = mm(inv, eye + power, cdt)
+    for h in g.tile_levels:  # P ← P − P A_h P  ≡  P[R,L] = −P[R,R] A[R,L] P[L,L] on every node
+        a_h = jnp.where(cross_mask(rows, h), a, 0.0)
+        inv = inv - mm(inv, mm(a_h, inv, cdt), cdt)
+    return inv
+
+
+class TopBlock(NamedTuple):
+    rows: slice  # R
+    cols: slice  # L
+    rho: Any  # [h, Dk] e^{Σ_{p<s≤i} λ_s}, i ∈ R
+    kappa: Any  # [h, Dk] e^{Σ_{j<s≤p} λ_s}, j ∈ L
+    same: Any  # [h, h] bool
+
+
+def top_blocks(g: Geometry, factors, dcol, drow):
+    """Static list of the aligned (R, L) node blocks of the levels h ≥ tile, with their pivot factors."""
+    out = []
+    for h, f in zip(g.top_levels, factors):
+        for a0 in range(0, g.chunk, 2 * h):
+            lo, hi = slice(a0, a0 + h), slice(a0 + h, a0 + 2 * h)
+            out.append(TopBlock(hi, lo, f[hi], f[lo], dcol[hi] == drow[:, lo]))
+    return out
+
+
+class Chunk(NamedTuple):
+    qf: Any
+    kf: Any
+    ef: Any
+    lam: Any  # λ
+    lam_cum: Any  # Λ
+    tile_factors: Any  # per tile, the F_h of the intra-tile levels
+    pi_s: Any  # π on the chunk-start document's rows, else 0
+    e_s: Any  # E on the chunk's last document's rows, else 0
+    pi_c_row: Any  # [1, Dk] π_C, 0 if the chunk holds a boundary
+    pi_c_col: Any  # [Dk, 1] the same as a column
+    blocks: list
+    u: Any  # U = P V̂
+    y: Any  # Y = P (K̂⊙π)
+    u_true: Any  # Ũ = U − Y S₀
+
+
+def chunk_core(q, k, e, v, lam, dcol, drow, s0, p_scr, m_scr, g: Geometry, cdt) -> Chunk:
+    """Steps 1–5 up to Ũ for one chunk; P and M are left in the (C, C) scratch refs."""
+    c, t = g.chunk, g.tile
+    qf, kf, ef = q.astype(F32), k.astype(F32), e.astype(F32)
+    # chunk-local decays as range sums: exact leaf-local running sums (VPU) + leaf totals combined on the MXU
+    pre, suf = leaf_range_sums(lam, g.leaf)
+    li, si = iota2((c // g.leaf, c))
+    totals = mm_f32(jnp.where((si >> int(math.log2(g.leaf))) == li, 1.0, 0.0), lam)  # leaf totals [C/n0, Dk]
+    before_after = jnp.concatenate([leaf_matrix(c, g.leaf, lambda i, l, li, ls: l < li),
+                                    leaf_matrix(c, g.leaf, lambda i, l, li, ls: l > li)], axis=0)
+    outer = mm_f32(before_after, totals)
+    lam_cum = pre + outer[:c]  # Λ_i = Σ_{s ≤ i} λ_s
+    to_end = suf + outer[c:]  # Σ_{s > i} λ_s
+    factors = [neg_exp(level_exponent(pre, suf, totals, h, g.leaf)) for h in g.tile_levels + g.top_levels]
+    n_tl = len(g.tile_levels)
+    last = drow[:, c - 1:c]  # [1, 1] relative document of the last token (0 = the chunk-start document)
+    start = dcol == 0
+    end = dcol == last
+    no_boundary = last == 0
+    pi_s = jnp.where(start, neg_exp(lam_cum), 0.0)
+    e_s = jnp.where(end, neg_exp(to_end), 0.0)
+    pi_c_row = jnp.where(no_boundary, neg_exp(lam_cum[c - 1:c, :]), 0.0)
+    pi_c_col = jnp.where(no_boundary, neg_exp(jnp.transpose(lam_cum[c - 8:c, :]))[:, 7:8], 0.0)
+    tile_factors = []
+    for ti in range(g.n_tiles):
+        s = slice(ti * t, (ti + 1) * t)
+        tile_factors.append([f[s] for f in factors[:n_tl]])
+        a_t, m_t = tile_matrices(qf[s], kf[s], ef[s], lam[s], tile_factors[-1], dcol[s] == drow[:, s], g, cdt)
+        p_scr[s, s] = tile_inverse(a_t, g, cdt)
+        m_scr[s, s] = m_t
+        for tj in range(ti + 1, g.n_tiles):
+            u = slice(tj * t, (tj + 1) * t)
+            p_scr[s, u] = jnp.zeros((t, t), F32)
+            m_scr[s, u] = jnp.zeros((t, t), F32)
+    blocks = top_blocks(g, factors[n_tl:], dcol, drow)
+    for b in blocks:
+        cols = kf[b.cols] * b.kappa
+        blk = mm_nt(jnp.concatenate([ef[b.rows] * b.rho, qf[b.rows] * b.rho], axis=0), cols, cdt)
+        h = blk.shape[1]
+        a_rl = jnp.where(b.same, blk[:h], 0.0)
+        m_scr[b.rows, b.cols] = jnp.where(b.same, blk[h:], 0.0)
+        p_scr[b.rows, b.cols] = -mm(mm(p_scr[b.rows, b.rows], a_rl, cdt), p_scr[b.cols, b.cols], cdt)
+
+    u, y = fused_mm(p_scr[...], [v, ef * pi_s], cdt)  # [U Y] = P [V̂ ‖ K̂⊙π]
+    u_true = u - mm(y, s0, cdt)
+    return Chunk(qf, kf, ef, lam, lam_cum, tile_factors, pi_s, e_s, pi_c_row, pi_c_col, blocks, u, y, u_true)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# forward kernel
+
+
+def _forward_kernel(q_ref, k_ref, e_ref, v_ref, lam_ref, dcol_ref, drow_ref, s_init_ref,
+                    o_ref, s0_ref, s_final_ref, s_scr, p_scr, m_scr, *, cfg: KernelConfig):
+    g, cdt = cfg.geometry, cfg.cdt
+    c = pl.program_id(1)
+
+    @pl.when(c == 0)
+    def _():
+        s_scr[...] = s_init_ref[...]
+
+    s0 = s_scr[...]
+    s0_ref[...] = s0
+    ch = chunk_core(q_ref[...], k_ref[...], e_ref[...], v_ref[...], lam_ref[...], dcol_ref[...],
+                    drow_ref[...], s0, p_scr, m_scr, g, cdt)
+    out = mm(ch.qf * ch.pi_s, s0, cdt) + mm(m_scr[...], ch.u_true, cdt)
+    o_ref[...] = out.astype(o_ref.dtype)
+    s_new = ch.pi_c_col * s0 + mm_tn(ch.kf * ch.e_s, ch.u_true, cdt)
+    s_scr[...] = s_new
+
+    @pl.when(c == pl.num_programs(1) - 1)
+    def _():
+        s_final_ref[...] = s_new
+
+
+# ---------------------------------------------------------------------------------------------------------
+# cost model (what the kernel actually issues; see docs/kernels.md for the comparison with Table 8)
+
+
+def core_counts(g: Geometry, breakdown: bool = False):
+    """(MXU FLOPs, VPU ops, exps) per chunk per head of steps 1–5 up to Ũ, as implemented (masked full-tile
+    matmuls counted at their full size). ``breakdown=True`` returns {stage: (mxu, vpu, exp)} instead."""
+    c, t, n0, dk, dv = g.chunk, g.tile, g.leaf, g.dk, g.dv
+    n_tl, n_lv = len(g.tile_levels), len(g.tile_levels) + len(g.top_levels)
+    n_sq = max(int(math.log2(n0)) - 1, 0)
+    top_mm = sum((c // (2 * h)) * 2 * (2 * h) * h * dk for h in g.top_levels)
+    top_merge = sum((c // (2 * h)) * 2 * 2 * h ** 3 for h in g.top_levels)
+    out = {
+        # leaf-local running sums (roll, add, select; forward and reverse), leaf totals, Λ and Σ_{s>i}, π, E
+        "decay sums Λ, π, E": (2 * (c // n0) * c * dk + 2 * (2 * c) * (c // n0) * dk,
+                               2 * (n0 - 1) * 3 * c * dk + 4 * c * dk, 2 * c * dk),
+        # per level: 0/1 [C, C/n0] matmul over the leaf totals + select, add, exp
+        "pivot factors F_h (all levels)": (n_lv * 2 * c * (c // n0) * dk, n_lv * 3 * c * dk, n_lv * c * dk),
+        # per offset: roll λ, add, select, exp, roll k, mul; 2 products + 2 lane reductions; 2 placements
+        "leaves (VPU, exact)": (0, c * n0 * (10 * dk + 4 * t), c * (n0 - 1) * dk),
+        # one [2Tt, Dk] x [Dk, Tt] matmul per intra-tile level per tile (+ 3 operand scalings)
+        "cross blocks, intra-tile levels": (g.n_tiles * n_tl * 2 * (2 * t) * t * dk, n_tl * 3 * c * dk, 0),
+        "cross blocks, top levels": (top_mm, len(g.top_levels) * 3 * c * dk, 0),
+        # Neumann (2 Tt³ matmuls per squaring step) + 2 Tt³ matmuls per intra-tile merge level; top merges
+        "tile inverse (Neumann + merges)": (g.n_tiles * (2 * n_sq + 2 * n_tl) * 2 * t ** 3, 0, 0),
+        "top merges": (top_merge, 0, 0),
+        "fused solve P[V ‖ K̂⊙π]": (2 * c * c * (dv + dk), c * dk, 0),
+        "Ũ = U − Y S₀": (2 * c * dk * dv, c * dv, 0),
+    }
+    if breakdown:
+        return out
+    return tuple(sum(v[n] for v in out.values()) for n in range(3))
+
+
+def forward_cost(g: Geometry, bh: int, n_chunks: int, io_bytes: int) -> pl.CostEstimate:
+    flops, _, exps = core_counts(g)
+    c, dk, dv = g.chunk, g.dk, g.dv
+    flops += 2 * c * dk * dv + 2 * c * c * dv  # O
+    flops += 2 * c * dk * dv  # S_C
+    per_chunk_bytes = (io_bytes * c * (3 * dk + 2 * dv) + 4 * c * dk  # q, k, k̂, v, o; λ
+                       + 4 * 2 * c + 4 * dk * dv)  # document ids (column and row); S₀ out
+    total = bh * n_chunks
+    return pl.CostEstimate(flops=int(total * flops), transcendentals=int(total * exps),
+                           bytes_accessed=int(total * per_chunk_bytes + bh * 2 * 4 * dk * dv))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pallas_call builders
+
+
+def _specs(cfg: KernelConfig, n_chunks: int, reverse: bool):
+    """BlockSpecs of the per-chunk inputs. ``reverse`` maps grid step c to chunk N_c − 1 − c."""
+    g, heads = cfg.geometry, cfg.heads
+    c_, dk, dv = g.chunk, g.dk, g.dv
+    ch = (lambda c: n_chunks - 1 - c) if reverse else (lambda c: c)
+    seq = lambda d: pl.BlockSpec((_SQ, c_, d), lambda b, c: (b, ch(c), 0))  # noqa: E731
+    dcol = pl.BlockSpec((_SQ, c_, 1), lambda b, c: (jax.lax.div(b, heads), ch(c), 0))
+    drow = pl.BlockSpec((_SQ, _SQ, 1, c_), lambda b, c: (jax.lax.div(b, heads), ch(c), 0, 0))
+    state = pl.BlockSpec((_SQ, dk, dv), lambda b, c: (b, 0, 0))
+    per_chunk_state = pl.BlockSpec((_SQ, _SQ, dk, dv), lambda b, c: (b, ch(c), 0, 0))
+    return seq, dcol, drow, state, per_chunk_state
+
+
+def compiler_params(cfg: KernelConfig):
+    kw = dict(dimension_semantics=("parallel", "arbitrary"))
+    if cfg.vmem_limit_bytes:
+        kw["vmem_limit_bytes"] = cfg.vmem_limit_bytes
+    return _CompilerParams(**kw)
+
+
+def scratch(g: Geometry, state_scratch: int = 1):
+    return ([pltpu.VMEM((g.dk, g.dv), F32)] * state_scratch
+            + [pltpu.VMEM((g.chunk, g.chunk), F32), pltpu.VMEM((g.chunk, g.chunk), F32)])
+
+
+def forward_call(cfg: KernelConfig, q, k, e, v, lam, dcol, drow, s_init):
+    """[B·H, Tp, D] inputs -> (o [B·H, Tp, Dv], S₀ per chunk [B·H, N_c, Dk, Dv] f32, final [B·H, Dk, Dv] f32)."""
+    g = cfg.geometry
+    bh, tp, _ = q.shape
+    n_chunks = tp // g.chunk
+    seq, dcol_spec, drow_spec, state, per_chunk_state = _specs(cfg, n_chunks, reverse=False)
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, cfg=cfg),
+        out_shape=(jax.ShapeDtypeStruct((bh, tp, g.dv), v.dtype),
+                   jax.ShapeDtypeStruct((bh, n_chunks, g.dk, g.dv), F32),
+                   jax.ShapeDtypeStruct((bh, g.dk, g.dv), F32)),
+        grid=(bh, n_chunks),
+        in_specs=[seq(g.dk), seq(g.dk), seq(g.dk), seq(g.dv), seq(g.dk), dcol_spec, drow_spec, state],
+        out_specs=(seq(g.dv), per_chunk_state, state),
+        scratch_shapes=scratch(g),
+        compiler_params=compiler_params(cfg),
+        cost_estimate=forward_cost(g, bh, n_chunks, jnp.dtype(cfg.cdt).itemsize),
+        interpret=cfg.interpret,
+        name="delta_rule_fwd",
+    )(q, k, e, v, lam, dcol, drow, s_init)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# custom VJP
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def chunked(q, k, e, v, lam, s_init, dcol, drow, cfg: KernelConfig):
+    out, _, final = forward_call(cfg, q, k, e, v, lam, dcol, drow, s_init)
+    return out, final
+
+
+def _chunked_fwd(q, k, e, v, lam, s_init, dcol, drow, cfg):
+    out, starts, final = forward_call(cfg, q, k, e, v, lam, dcol, drow, s_init)
+    return (out, final), (q, k, e, v, lam, dcol, drow, starts)
+
+
+def _chunked_bwd(cfg, residuals, cotangents):
+    from pallas_kernels.delta_rule import pallas_tpu_bwd
+
+    q, k, e, v, lam, dcol, drow, starts = residuals
+    d_out, d_final = cotangents
+    dq, dk, de, dv, dlam, d_init = pallas_tpu_bwd.backward_call(cfg, q, k, e, v, lam, dcol, drow, starts,
+                                                                d_out.astype(v.dtype), d_final.astype(F32))
+    return dq, dk, de, dv, dlam, d_init, None, None
+
+
+chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# public entry points
+
+
+def _to_bh(x, tp):
+    b, t, h, d = x.shape
+    x = x.transpose(0, 2, 1, 3).reshape(b * h, t, d)
+    return jnp.pad(x, ((0, 0), (0, tp - t), (0, 0))) if tp != t else x
+
+
+def chunk_documents(document_BT, chunk_size, tp):
+    """Relative document ids per chunk (0 = the document the chunk's carried-in state belongs to), as a
+    column [B, Tp, 1] and as rows [B, N_c, 1, C], int32. Padding repeats the last document."""
+    b, t = document_BT.shape
+    doc = document_BT.astype(jnp.int32)
+    if tp != t:
+        doc = jnp.pad(doc, ((0, 0), (0, tp - t)), mode="edge")
+    chunks = doc.reshape(b, tp // chunk_size, chunk_size)
+    carry = jnp.concatenate([chunks[:, :1, 0], chunks[:, :-1, -1]], axis=1)  # token before the chunk
+    rel = chunks - carry[..., None]
+    return rel.reshape(b, tp, 1), rel.reshape(b, tp // chunk_size, 1, chunk_size)
+
+
+def operand_dtype(dtype) -> str:
+    return "bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32"
+
+
+def run(q, k, erase, v, lam, state, document_BT, *, chunk_size, leaf_size, interpret=False,
+        vmem_limit_bytes: Optional[int] = VMEM_LIMIT_BYTES):
+    """The op's ``impl.run`` contract (see module docstring). Differentiable through ``jax.custom_vjp``
+    (forward and backward are Pallas kernels; nothing is autodiffed through the kernels)."""
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    cdt = operand_dtype(q.dtype)
+    reason = check_config(chunk_size, leaf_size, dk, dv)
+    if reason:
+        raise ValueError(f"delta_rule pallas_tpu: {reason}")
+    tp = -(-t // chunk_size) * chunk_size
+    cfg = KernelConfig(Geometry(chunk_size, leaf_size, dk, dv), h, cdt, interpret, vmem_limit_bytes)
+    ops = [_to_bh(x.astype(cdt), tp) for x in (q, k, erase, v)]
+    lam_bh = _to_bh(lam.astype(F32), tp)
+    dcol, drow = chunk_documents(document_BT, chunk_size, tp)
+    s_init = state.astype(F32).reshape(b * h, dk, dv)
+    out, final = chunked(*ops, lam_bh, s_init, dcol, drow, cfg)
+    out = out[:, :t].reshape(b, h, t, dv).transpose(0, 2, 1, 3).astype(v.dtype)
+    return out, final.reshape(b, h, dk, dv)
+
+
+def check_config(chunk_size, leaf_size, dk, dv) -> Optional[str]:
+    if chunk_size not in SUPPORTED_CHUNKS:
+        return f"chunk_size={chunk_size} not in {SUPPORTED_CHUNKS}"
+    tile = min(chunk_size, MXU_TILE)
+    if leaf_size < 4 or leaf_size & (leaf_size - 1) or leaf_size > min(tile // 2, 32):
+        return (f"leaf_size={leaf_size}: the TPU kernel needs a power of two in [4, {min(tile // 2, 32)}] "
+                f"(default 8)")
+    if dk not in SUPPORTED_DIMS or dv not in SUPPORTED_DIMS:
+        return f"key/value dims ({dk}, {dv}) not in {SUPPORTED_DIMS}"
+    return None
+
+
+def supports(call) -> Optional[str]:
+    """None if the Pallas TPU kernel serves ``call`` (an api.DeltaRuleCall), else the reason."""
+    if call.backend != "tpu":
+        return f"needs a TPU backend (got {call.backend!r}); on CPU use pallas_tpu.run(..., interpret=True)"
+    if jnp.dtype(call.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        return f"dtype {jnp.dtype(call.dtype).name} (TPU kernel: bfloat16 or float32)"
+    return check_config(call.chunk_size, call.leaf_size, call.key_dim, call.value_dim)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU helper: the op's normalisation, then the kernel in interpret mode
+
+
+def document_index(segment_ids, batch, length):
+    """Same rule as api.py: running count of positions where the segment id changes."""
+    if segment_ids is None:
+        return jnp.zeros((batch, length), jnp.int32)
+    boundary = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
+    return jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), jnp.cumsum(boundary, axis=1)], axis=1)
+
+
+def delta_rule_interpret(q, k, v, *, erase_key=None, log_decay=None, initial_state=None, segment_ids=None,
+                         chunk_size=64, leaf_size=8, interpret=True):
+    """``api.delta_rule`` semantics on the Pallas TPU kernel in interpret mode (runs on CPU). Unlike the op,
+    bfloat16 q/k/v/erase_key stay bfloat16 (the kernel's bf16 MXU path); λ and the state go to float32."""
+    b, t, h, dk = q.shape
+    erase = jnp.zeros_like(k) if erase_key is None else erase_key
+    if log_decay is None:
+        lam = jnp.zeros((b, t, h, dk), F32)
+    elif log_decay.ndim == 3:
+        lam = jnp.broadcast_to(log_decay.astype(F32)[..., None], (b, t, h, dk))
+    else:
+        lam = log_decay.astype(F32)
+    state = (jnp.zeros((b, h, dk, v.shape[-1]), F32) if initial_state is None
+             else initial_state.astype(F32))
+    return run(q, k, erase.astype(q.dtype), v, lam, state, document_index(segment_ids, b, t),
+               chunk_size=chunk_size, leaf_size=leaf_size, interpret=interpret)
