@@ -84,3 +84,14 @@ class OpTable:
         if reason is not None:  # the fallback must serve every validated call; this is a bug if it fires
             raise self._refuse(self.fallback, reason)
         return fallback
+
+
+def bad_argument(op: str, name: str, x, expected: str) -> ValueError:
+    """The one error an op raises for a bad argument: the op, the argument, what it got, what was expected."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        import numpy as np
+
+        got = f"shape {tuple(x.shape)} dtype {np.dtype(x.dtype).name}"
+    else:
+        got = repr(x)
+    return ValueError(f"{op}: argument {name!r} has {got}; expected {expected}")

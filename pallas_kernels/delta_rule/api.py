@@ -46,13 +46,8 @@ class DeltaRuleCall:
 # validation
 
 
-def _describe(x) -> str:
-    return f"shape {tuple(x.shape)} dtype {jnp.dtype(x.dtype).name}"
-
-
 def _fail(name: str, x, expected: str, op: str = "delta_rule") -> ValueError:
-    got = _describe(x) if hasattr(x, "shape") else repr(x)
-    return ValueError(f"{op}: argument {name!r} has {got}; expected {expected}")
+    return dispatch.bad_argument(op, name, x, expected)
 
 
 def _check_float(name, x, op="delta_rule"):

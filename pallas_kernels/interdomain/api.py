@@ -59,13 +59,8 @@ class InterdomainCall:
 # validation
 
 
-def _describe(x) -> str:
-    return f"shape {tuple(x.shape)} dtype {jnp.dtype(x.dtype).name}"
-
-
 def _fail(op, name: str, x, expected: str) -> ValueError:
-    got = _describe(x) if hasattr(x, "shape") else repr(x)
-    return ValueError(f"{op}: argument {name!r} has {got}; expected {expected}")
+    return dispatch.bad_argument(op, name, x, expected)
 
 
 def _check_float(op, name, x):

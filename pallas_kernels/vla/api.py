@@ -53,13 +53,8 @@ class VLACall:
     backend: str
 
 
-def _describe(x) -> str:
-    return f"shape {tuple(x.shape)} dtype {jnp.dtype(x.dtype).name}"
-
-
 def _fail(name, x, expected) -> ValueError:
-    got = _describe(x) if hasattr(x, "shape") and hasattr(x, "dtype") else repr(x)
-    return ValueError(f"vla: argument {name!r} has {got}; expected {expected}")
+    return dispatch.bad_argument("vla", name, x, expected)
 
 
 def _check_float(name, x):
