@@ -95,3 +95,29 @@ def bad_argument(op: str, name: str, x, expected: str) -> ValueError:
     else:
         got = repr(x)
     return ValueError(f"{op}: argument {name!r} has {got}; expected {expected}")
+
+
+_TARGET_BACKEND: list[str] = []
+
+
+def target_backend() -> str:
+    """The backend the ops are being built for: JAX's default backend, unless ``compiling_for`` says otherwise
+    (an ahead-of-time compile for TPU from a CPU host must pick the TPU kernels)."""
+    import jax
+
+    return _TARGET_BACKEND[-1] if _TARGET_BACKEND else jax.default_backend()
+
+
+class compiling_for:
+    """``with dispatch.compiling_for("tpu"): jax.jit(f).lower(...)`` — trace the ops for another backend."""
+
+    def __init__(self, backend: str):
+        self.backend = backend
+
+    def __enter__(self):
+        _TARGET_BACKEND.append(self.backend)
+        return self
+
+    def __exit__(self, *exc):
+        _TARGET_BACKEND.pop()
+        return False

@@ -93,8 +93,12 @@ def compile_for_topology(cfg, topology: str, vocab_size: int) -> CompileReport:
     batch = trainer.abstract_batch(cfg.train.batch_size, cfg.data.seq_len)
     # Non-parameter state (none in our models today) is a compile-time constant of the step.
     trainer.rest = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), trainer.abstract_rest)
+    from pallas_kernels import dispatch
+
     try:
-        compiled = trainer.train_step.lower(params, opt, batch).compile()
+        with dispatch.compiling_for("tpu"):  # the ops pick their TPU kernels, as they would on the TPU itself
+            lowered = trainer.train_step.lower(params, opt, batch)
+        compiled = lowered.compile()
     except Exception as e:  # the TPU compiler refuses programs that cannot fit in HBM
         if "RESOURCE_EXHAUSTED" in str(e) or "Ran out of memory" in str(e):
             raise MemoryError(f"does not fit on {topology} with mesh {dict(mesh.shape)}: {e}. Try more chips, "

@@ -91,7 +91,8 @@ class Trainer:
 
     def _loss(self, params, batch):
         model = self._model(params)
-        logits = model(batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # lets ops shard_map their kernels
+            logits = model(batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"])
         return cross_entropy(logits, batch["targets"], batch["loss_mask"])
 
     def _summed_loss(self, params, batch):

@@ -7,6 +7,7 @@ with q̂ = ``q``, k = ``k``, k̂ = ``erase_key``, v̂ = ``v``, λ = ``log_decay`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from typing import Optional
 
@@ -127,7 +128,7 @@ def validate(q, k, v, erase_key, log_decay, initial_state, segment_ids, chunk_si
         if not hasattr(segment_ids, "shape") or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
             raise _fail("segment_ids", segment_ids, f"an integer array of shape [B={b}, T={t}]")
         _check_shape("segment_ids", segment_ids, (b, t), "BT")
-    backend = jax.default_backend()
+    backend = dispatch.target_backend()
     chunk_size, leaf_size = resolve_chunking(chunk_size, leaf_size, backend)
     return DeltaRuleCall(b, t, h, dk, dv, jnp.dtype(q.dtype), erase_key is not None, decay,
                          initial_state is not None, segment_ids is not None, chunk_size, leaf_size, backend)
@@ -188,6 +189,30 @@ def _document_index(segment_ids, batch, length):
     return jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), jnp.cumsum(boundary, axis=1)], axis=1)
 
 
+def _sharded(run, heads: int):
+    """Pallas kernels cannot be partitioned by XLA: under a device mesh (``jax.sharding.use_abstract_mesh``,
+    set by the trainer) run them per shard with shard_map — batch over (data, fsdp), heads over tensor."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return run
+    from jax.sharding import PartitionSpec as P
+
+    names = mesh.axis_names
+    batch = tuple(a for a in ("data", "fsdp") if a in names) or None
+    head = "tensor" if "tensor" in names and heads % mesh.shape["tensor"] == 0 else None
+    tokens, state, docs = P(batch, None, head, None), P(batch, head, None, None), P(batch, None)
+
+    def per_shard(q, k, erase, v, lam, initial, document_BT, **kw):
+        return run(q, k, erase, v, lam, initial, document_BT, **kw)
+
+    def wrapped(q, k, erase, v, lam, initial, document_BT, **kw):
+        f = jax.shard_map(functools.partial(per_shard, **kw), mesh=mesh, check_vma=False,
+                          in_specs=(tokens, tokens, tokens, tokens, tokens, state, docs), out_specs=(tokens, state))
+        return f(q, k, erase, v, lam, initial, document_BT)
+
+    return wrapped
+
+
 def delta_rule(q, k, v, *, erase_key=None, log_decay=None, initial_state=None, segment_ids=None,
                chunk_size: Optional[int] = None, leaf_size: Optional[int] = None, implementation: str = "auto"):
     """Delta-family token mixer core.
@@ -220,7 +245,10 @@ def delta_rule(q, k, v, *, erase_key=None, log_decay=None, initial_state=None, s
         lam = log_decay.astype(dtype)
     state = (jnp.zeros((b, h, dk, v.shape[-1]), dtype) if initial_state is None
              else initial_state.astype(dtype))
-    out, final = impl.run(q, k, erase, v, lam, state, _document_index(segment_ids, b, t),
+    run = impl.run
+    if impl.name.startswith("pallas_"):
+        run = _sharded(run, h)
+    out, final = run(q, k, erase, v, lam, state, _document_index(segment_ids, b, t),
                           chunk_size=call.chunk_size, leaf_size=call.leaf_size)
     return out.astype(v.dtype), final
 

@@ -199,7 +199,7 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
     _check_segments(op, segment_ids, b, t)
     chunk = resolve_chunk_size(op, chunk_size)
     call = InterdomainCall(op, b, t, h, r, dv, m, jnp.dtype(q.dtype), selective, initial_state is not None,
-                           segment_ids is not None, chunk, jax.default_backend())
+                           segment_ids is not None, chunk, dispatch.target_backend())
     impl = TABLE.choose(implementation, call)
     dt = compute_dtype(q.dtype)
     lm = log_modulus.astype(dt)
@@ -267,7 +267,7 @@ def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segme
     _check_segments(op, segment_ids, b, t)
     chunk = resolve_chunk_size(op, chunk_size)
     call = InterdomainCall(op, b, t, h, 0, c, m, jnp.dtype(z.dtype), selective, initial_state is not None,
-                           segment_ids is not None, chunk, jax.default_backend())
+                           segment_ids is not None, chunk, dispatch.target_backend())
     impl = S4D_TABLE.choose(implementation, call)
     dt = compute_dtype(z.dtype)
     lm = jnp.broadcast_to(log_modulus.astype(dt), (b, t, h, m))

@@ -147,7 +147,7 @@ def validate(q, k, v, penalty_key, initial_state, segment_ids, initial_position,
             raise _fail("initial_position", initial_position, f"an int or an integer array of shape [B={b}]")
     chunk_size = resolve_chunk_size(chunk_size, refresh_period, refresh_offset)
     return VLACall(b, t, h, dk, dv, jnp.dtype(q.dtype), penalty_key is not None, initial_state is not None,
-                   segment_ids is not None, chunk_size, refresh_period, jax.default_backend())
+                   segment_ids is not None, chunk_size, refresh_period, dispatch.target_backend())
 
 
 def normalize(x, eps):
