@@ -50,6 +50,24 @@ def dense(d_in: int, d_out: int, *, init_scheme: str, std: float, dtype, rngs: n
                       dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
 
 
+def build_qkv(layer: nnx.Module, spec, options, rngs: nnx.Rngs, *, conv_activation: bool = True) -> None:
+    """The q, k, v projections (no bias) every recurrent mixer starts with, as ``layer.q_proj/k_proj/v_proj``,
+    and with ``options.use_short_conv`` the causal depthwise convs ``layer.q_conv/k_conv/v_conv``
+    (SiLU after the conv unless ``conv_activation=False``)."""
+    from mixers.short_conv import ShortConv
+
+    d, H, Dk, Dv = spec.d_model, spec.num_heads, spec.head_dim, spec.value_head_dim
+    kw = dict(init_scheme=options.init_scheme, std=spec.init_std, dtype=spec.dtype, rngs=rngs)
+    layer.q_proj = dense(d, H * Dk, **kw)
+    layer.k_proj = dense(d, H * Dk, **kw)
+    layer.v_proj = dense(d, H * Dv, **kw)
+    if options.use_short_conv:
+        ck = dict(kernel_size=options.conv_size, activation=conv_activation, dtype=spec.dtype, rngs=rngs)
+        layer.q_conv = ShortConv(H * Dk, **ck)
+        layer.k_conv = ShortConv(H * Dk, **ck)
+        layer.v_conv = ShortConv(H * Dv, **ck)
+
+
 def zeros_like_linear(layer: nnx.Linear) -> None:
     layer.kernel[...] = jnp.zeros_like(layer.kernel[...])
 

@@ -22,9 +22,9 @@ from flax import nnx
 import pallas_kernels
 from mixers.base import MixerSpec
 from mixers.gated_norm import GatedRMSNorm
-from mixers.gates import dense, split_heads
+from mixers.gates import build_qkv, dense, split_heads
 from mixers.registry import register
-from mixers.short_conv import ShortConv
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,15 +77,7 @@ class LinearAttention(nnx.Module):
         d, H, Dk, Dv = spec.d_model, spec.num_heads, spec.head_dim, spec.value_head_dim
         self.num_heads, self.head_dim, self.value_head_dim = H, Dk, Dv
         self.dtype = spec.dtype
-        kw = dict(init_scheme=options.init_scheme, std=spec.init_std, dtype=spec.dtype, rngs=rngs)
-        self.q_proj = dense(d, H * Dk, **kw)
-        self.k_proj = dense(d, H * Dk, **kw)
-        self.v_proj = dense(d, H * Dv, **kw)
-        if options.use_short_conv:
-            ck = dict(kernel_size=options.conv_size, activation=False, dtype=spec.dtype, rngs=rngs)
-            self.q_conv = ShortConv(H * Dk, **ck)
-            self.k_conv = ShortConv(H * Dk, **ck)
-            self.v_conv = ShortConv(H * Dv, **ck)
+        build_qkv(self, spec, options, rngs, conv_activation=False)
         if options.use_output_norm:
             self.o_norm = GatedRMSNorm(Dv, eps=options.norm_eps, dtype=spec.dtype)
         self.o_proj = dense(H * Dv, d, init_scheme="normal", std=spec.out_init_std, dtype=spec.dtype, rngs=rngs)

@@ -28,9 +28,9 @@ from flax import nnx
 from pallas_kernels.delta_rule.api import delta_rule, delta_rule_step
 from mixers.base import DynamicsParam, MixerSpec
 from mixers.gated_norm import GatedRMSNorm
-from mixers.gates import dense, split_heads
+from mixers.gates import build_qkv, dense, split_heads
 from mixers.registry import register
-from mixers.short_conv import ShortConv
+
 from pallas_kernels.vla import api as vla_api
 
 REFRESH_OFFSET = {"after_write": 0, "before_update": 1, "none": 0}
@@ -112,15 +112,7 @@ class _Projections(nnx.Module):
         self.spec, self.options = spec, options
         self.num_heads, self.head_dim, self.value_head_dim = H, Dk, Dv
         self.dtype = spec.dtype
-        kw = dict(init_scheme=options.init_scheme, std=spec.init_std, dtype=spec.dtype, rngs=rngs)
-        self.q_proj = dense(d, H * Dk, **kw)
-        self.k_proj = dense(d, H * Dk, **kw)
-        self.v_proj = dense(d, H * Dv, **kw)
-        if options.use_short_conv:
-            ck = dict(kernel_size=options.conv_size, activation=False, dtype=spec.dtype, rngs=rngs)
-            self.q_conv = ShortConv(H * Dk, **ck)
-            self.k_conv = ShortConv(H * Dk, **ck)
-            self.v_conv = ShortConv(H * Dv, **ck)
+        build_qkv(self, spec, options, rngs, conv_activation=False)
         self.o_proj = dense(H * Dv, d, init_scheme="normal", std=spec.out_init_std, dtype=spec.dtype, rngs=rngs)
 
     def _qkv(self, x, segment_ids):
