@@ -27,6 +27,7 @@ from pallas_kernels import dispatch
 from pallas_kernels.interdomain import decode, reference, xla
 
 DEFAULT_CHUNK_SIZE = 64
+DEFAULT_SUB_CHUNK_SIZE = 16  # spec B6: factorised inside 16 tokens keeps |Λ|^{-16} bounded
 
 
 class InterdomainState(NamedTuple):
@@ -52,6 +53,7 @@ class InterdomainCall:
     has_initial_state: bool
     has_segments: bool
     chunk_size: int
+    sub_chunk_size: int
     backend: str
 
 
@@ -81,6 +83,17 @@ def resolve_chunk_size(op, chunk_size):
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"{op}: chunk_size={chunk_size!r}; expected a positive int (default {DEFAULT_CHUNK_SIZE})")
     return chunk_size
+
+
+def resolve_sub_chunk_size(op, sub_chunk_size, chunk):
+    """None -> min(16, chunk): a chunk shorter than 16 is a single (factorised) sub-chunk."""
+    if sub_chunk_size is None:
+        return min(DEFAULT_SUB_CHUNK_SIZE, chunk)
+    if (not isinstance(sub_chunk_size, int) or isinstance(sub_chunk_size, bool) or sub_chunk_size < 1
+            or sub_chunk_size > chunk):
+        raise ValueError(f"{op}: sub_chunk_size={sub_chunk_size!r}; expected a positive int <= chunk_size={chunk} "
+                         f"(default min({DEFAULT_SUB_CHUNK_SIZE}, chunk_size))")
+    return sub_chunk_size
 
 
 def _check_dynamics(op, b, t, h, log_modulus, phase, input_gain):
@@ -122,24 +135,25 @@ def _document_index(segment_ids, batch, length):
 
 # ---------------------------------------------------------------------------------------------------------
 # implementations. Contract (interdomain): run(q, k, v, log_modulus [B,T,H,M], phase, gain, readout,
-# key_state, value_state, document_BT, *, chunk_size) -> (o, key, value); everything in the compute dtype.
-# (s4d): run(z, log_modulus, phase, gain, readout_vector, state, document_BT, *, chunk_size) -> (o, state).
+# key_state, value_state, document_BT, *, chunk_size, sub_chunk_size) -> (o, key, value); everything in the
+# compute dtype. (s4d): run(z, log_modulus, phase, gain, readout_vector, state, document_BT, *, chunk_size,
+# sub_chunk_size) -> (o, state).
 
 
-def _ref_ia(*args, chunk_size):
-    del chunk_size
+def _ref_ia(*args, chunk_size, sub_chunk_size):
+    del chunk_size, sub_chunk_size
     return _ia_ref(*args)
 
 
-def _ref_s4d(*args, chunk_size):
-    del chunk_size
+def _ref_s4d(*args, chunk_size, sub_chunk_size):
+    del chunk_size, sub_chunk_size
     return _s4d_ref(*args)
 
 
 _ia_ref = jax.jit(reference.interdomain_reference)
 _s4d_ref = jax.jit(reference.s4d_reference)
-_ia_xla = jax.jit(xla.interdomain_chunked, static_argnames="chunk_size")
-_s4d_xla = jax.jit(xla.s4d_chunked, static_argnames="chunk_size")
+_ia_xla = jax.jit(xla.interdomain_chunked, static_argnames=("chunk_size", "sub_chunk_size"))
+_s4d_xla = jax.jit(xla.s4d_chunked, static_argnames=("chunk_size", "sub_chunk_size"))
 _ia_step = jax.jit(decode.interdomain_step)
 _s4d_step = jax.jit(decode.s4d_step)
 
@@ -153,7 +167,8 @@ S4D_TABLE.register(dispatch.Implementation("xla", _s4d_xla))
 
 
 def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_state=None, segment_ids=None,
-                chunk_size: Optional[int] = None, implementation: str = "auto"):
+                chunk_size: Optional[int] = None, implementation: str = "auto",
+                sub_chunk_size: Optional[int] = None):
     """Interdomain attention core (complex diagonal S4D memory over [k̃, ṽ] with a query readout).
 
     Args:
@@ -167,6 +182,9 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
         belongs to the first segment of each row.
       segment_ids: [B, T] int; both states reset to zero at every t with seg[t] != seg[t−1].
       chunk_size: chunk length of "xla" (default 64; any positive int, T need not be a multiple).
+      sub_chunk_size: sub-chunk length of "xla" inside a chunk (spec B6: factorised within a sub-chunk,
+        stable relative form across). Default min(16, chunk_size); any int in [1, chunk_size], it need not
+        divide chunk_size.
       implementation: "auto" | "reference" | "xla".
 
     Returns:
@@ -198,8 +216,9 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
         _check_shape(op, "initial_state.value", initial_state[1], (b, h, 2 * m, dv), ("B", "H", "2M", "Dv"))
     _check_segments(op, segment_ids, b, t)
     chunk = resolve_chunk_size(op, chunk_size)
+    sub = resolve_sub_chunk_size(op, sub_chunk_size, chunk)
     call = InterdomainCall(op, b, t, h, r, dv, m, jnp.dtype(q.dtype), selective, initial_state is not None,
-                           segment_ids is not None, chunk, dispatch.target_backend())
+                           segment_ids is not None, chunk, sub, dispatch.target_backend())
     impl = TABLE.choose(implementation, call)
     dt = compute_dtype(q.dtype)
     lm = log_modulus.astype(dt)
@@ -211,7 +230,7 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
         key0, value0 = initial_state[0].astype(dt), initial_state[1].astype(dt)
     o, key, value = impl.run(q.astype(dt), k.astype(dt), v.astype(dt), lm, phase.astype(dt),
                              input_gain.astype(dt), readout.astype(dt), key0, value0,
-                             _document_index(segment_ids, b, t), chunk_size=chunk)
+                             _document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
     return o.astype(v.dtype), InterdomainState(key, value)
 
 
@@ -251,10 +270,11 @@ def interdomain_step(q, k, v, *, log_modulus, phase, input_gain, readout, state)
 
 
 def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segment_ids=None,
-        chunk_size: Optional[int] = None, implementation: str = "auto"):
+        chunk_size: Optional[int] = None, implementation: str = "auto", sub_chunk_size: Optional[int] = None):
     """S4D-only core: z [B, T, H, C]; log_modulus [H, M] or [B, T, H, M]; phase [H, M]; input_gain [H, 2M];
-    readout ω [H, 2M] (``readout_vector``); initial_state [B, H, 2M, C] or None; segment_ids as
-    ``interdomain``. Returns (o [B, T, H, C] in z's dtype, state [B, H, 2M, C] float32 / float64)."""
+    readout ω [H, 2M] (``readout_vector``); initial_state [B, H, 2M, C] or None; segment_ids, chunk_size and
+    sub_chunk_size as ``interdomain``. Returns (o [B, T, H, C] in z's dtype, state [B, H, 2M, C] float32 /
+    float64)."""
     op = "s4d"
     _check_float(op, "z", z)
     if z.ndim != 4 or z.shape[1] < 1:
@@ -266,14 +286,15 @@ def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segme
         _check_shape(op, "initial_state", initial_state, (b, h, 2 * m, c), ("B", "H", "2M", "C"))
     _check_segments(op, segment_ids, b, t)
     chunk = resolve_chunk_size(op, chunk_size)
+    sub = resolve_sub_chunk_size(op, sub_chunk_size, chunk)
     call = InterdomainCall(op, b, t, h, 0, c, m, jnp.dtype(z.dtype), selective, initial_state is not None,
-                           segment_ids is not None, chunk, dispatch.target_backend())
+                           segment_ids is not None, chunk, sub, dispatch.target_backend())
     impl = S4D_TABLE.choose(implementation, call)
     dt = compute_dtype(z.dtype)
     lm = jnp.broadcast_to(log_modulus.astype(dt), (b, t, h, m))
     x0 = jnp.zeros((b, h, 2 * m, c), dt) if initial_state is None else initial_state.astype(dt)
     o, x = impl.run(z.astype(dt), lm, phase.astype(dt), input_gain.astype(dt), readout.astype(dt), x0,
-                    _document_index(segment_ids, b, t), chunk_size=chunk)
+                    _document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
     return o.astype(z.dtype), x
 
 

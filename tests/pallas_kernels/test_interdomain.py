@@ -67,18 +67,24 @@ def _rms_rel(a, b):
     return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
 
 
-@pytest.mark.parametrize("selective,conjugate,chunks", [(False, True, (4, 64)), (True, True, (16,)),
-                                                        (True, False, (16,))])
-def test_chunked_equals_reference_float64(selective, conjugate, chunks):
+# (chunk_size, sub_chunk_size); None = the default min(16, chunk). T = 37 is a multiple of none of them; 12/5
+# and 8/3 leave a ragged last sub-chunk in every chunk, 64 > T is one partial chunk of four sub-chunks.
+@pytest.mark.parametrize("selective,conjugate,sizes", [
+    (False, True, ((4, None), (64, None), (12, 5))),
+    (True, True, ((16, None), (16, 3), (37, 37))),
+    (True, False, ((8, 3), (64, 16), (5, 1))),
+])
+def test_chunked_equals_reference_float64(selective, conjugate, sizes):
     with x64():
         args, kw, _ = _case(1, selective=selective, conjugate=conjugate)
         seg = _segments(SEG)
         ref_o, ref_s = ia.interdomain(*args, **kw, segment_ids=seg, implementation="reference")
-        for chunk in chunks:  # measured: ≤ 2e-15 relative (max-abs) for all; 64 > T: one partial chunk
-            o, s = ia.interdomain(*args, **kw, segment_ids=seg, implementation="xla", chunk_size=chunk)
+        for chunk, sub in sizes:  # measured: ≤ 2e-15 relative (max-abs) for all
+            o, s = ia.interdomain(*args, **kw, segment_ids=seg, implementation="xla", chunk_size=chunk,
+                                  sub_chunk_size=sub)
             assert o.dtype == jnp.float64 and s.key.dtype == jnp.float64
-            assert _rel(o, ref_o) <= 1e-10, chunk
-            assert _rel(s.key, ref_s.key) <= 1e-10 and _rel(s.value, ref_s.value) <= 1e-10, chunk
+            assert _rel(o, ref_o) <= 1e-10, (chunk, sub)
+            assert _rel(s.key, ref_s.key) <= 1e-10 and _rel(s.value, ref_s.value) <= 1e-10, (chunk, sub)
 
 
 def test_realified_readout_equals_complex128_readout():
@@ -128,7 +134,8 @@ def test_segments_equal_separate_documents():
     with x64():
         args, kw, _ = _case(4, selective=True)
         seg = _segments(SEG)
-        o, s = ia.interdomain(*args, **kw, segment_ids=seg, implementation="xla", chunk_size=8)
+        # boundaries at 15 and 25 fall inside sub-chunks (chunk 8, sub-chunks of 3, 3, 2)
+        o, s = ia.interdomain(*args, **kw, segment_ids=seg, implementation="xla", chunk_size=8, sub_chunk_size=3)
         start = 0
         for i, n in enumerate(SEG):
             sl = slice(start, start + n)
@@ -140,7 +147,8 @@ def test_segments_equal_separate_documents():
         assert _rel(s.key, s_i.key) <= 1e-12 and _rel(s.value, s_i.value) <= 1e-12
 
 
-def test_gradients_match_reference_float64():
+@pytest.mark.parametrize("chunk,sub", [(8, 3), (12, 5)])
+def test_gradients_match_reference_float64(chunk, sub):
     with x64():
         args, kw, _ = _case(5, selective=True, t=21)
         seg = _segments([9, 12])
@@ -149,21 +157,48 @@ def test_gradients_match_reference_float64():
         def loss(impl, q, k, v, log_mod, phase, gain, readout, key0, value0):
             o, s = ia.interdomain(q, k, v, log_modulus=log_mod, phase=phase, input_gain=gain, readout=readout,
                                   initial_state=ia.InterdomainState(key0, value0), segment_ids=seg,
-                                  implementation=impl, chunk_size=8)
+                                  implementation=impl, chunk_size=chunk, sub_chunk_size=sub)
             return jnp.sum(o * w) + jnp.sum(jnp.sin(s.key)) + jnp.sum(s.value ** 2)
 
         flat = (*args, kw["log_modulus"], kw["phase"], kw["input_gain"], kw["readout"], *kw["initial_state"])
         argnums = tuple(range(len(flat)))
         g_ref = jax.grad(lambda *a: loss("reference", *a), argnums=argnums)(*flat)
         g_xla = jax.grad(lambda *a: loss("xla", *a), argnums=argnums)(*flat)
-        for i, (a, b) in enumerate(zip(g_xla, g_ref)):  # measured: max 1.2e-15 over the 10 inputs
+        for i, (a, b) in enumerate(zip(g_xla, g_ref)):  # measured: max 1.4e-15 over the 10 inputs
             assert _rel(a, b) <= 1e-10, i
 
 
+def test_strong_decay_float32_stays_finite_with_sub_chunks():
+    """r down to −3 per token: |Λ|^{−64} up to ≈ e^{190} overflows float32, |Λ|^{−16} ≤ e^{48} does not. The
+    default sub-chunks (16) keep the factorised part bounded, so outputs, states and gradients stay finite and
+    accurate (measured 2026-11-29: outputs 2.2e-7 RMS-relative, states 3.6e-7 / 2.4e-7, dL/dq 2.3e-7;
+    factorising whole 64-token chunks, i.e. sub_chunk_size=64, gives NaN outputs and gradients here)."""
+    t = 100  # two chunks of 64 (the second one partial)
+    with x64():
+        args, kw, _ = _case(9, t=t)
+        kw["log_modulus"] = -jnp.asarray(np.random.default_rng(9).uniform(1.5, 3.0, (H, M)))
+        w = jnp.asarray(np.random.default_rng(1).standard_normal((B, t, H, V)))
+
+        def loss(q, args, kw, w, impl):
+            return jnp.sum(ia.interdomain(q, *args[1:], **kw, implementation=impl)[0] * w)
+
+        o64, s64 = ia.interdomain(*args, **kw, implementation="reference")
+        g64 = jax.grad(loss)(args[0], args, kw, w, "reference")
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    args, w = [f32(a) for a in args], f32(w)
+    kw = dict(kw, **{n: f32(kw[n]) for n in ("log_modulus", "phase", "input_gain", "readout")},
+              initial_state=ia.InterdomainState(*(f32(x) for x in kw["initial_state"])))
+    o, s = ia.interdomain(*args, **kw, implementation="xla")  # defaults: chunk 64, sub-chunk 16
+    g = jax.grad(loss)(args[0], args, kw, w, "xla")
+    assert _rms_rel(o, o64) <= 1e-5 and _rms_rel(s.key, s64.key) <= 1e-5 and _rms_rel(s.value, s64.value) <= 1e-5
+    assert _rms_rel(g, g64) <= 1e-5
+
+
 def test_float32_and_bfloat16_accuracy():
-    """Against the float64 reference on the unrounded inputs (T=37, chunk 16, selective decay, segments).
-    Measured (xla, 2026-11-29): float32 outputs 1.5e-7 RMS-relative, key/value states 1.4e-7 / 8e-8; bfloat16
-    inputs 2.6e-3 / 2.1e-3 / 1.2e-3 (dominated by rounding the inputs to bf16)."""
+    """Against the float64 reference on the unrounded inputs (T=37, chunk 32 with the default sub-chunks of 16,
+    selective decay, segments). Measured (xla, 2026-11-29): float32 outputs 1.5e-7 RMS-relative, key/value
+    states 1.7e-7 / 1.5e-7 (the float32 token reference: 3.0e-7 / 1.6e-7 / 1.2e-7); bfloat16 inputs
+    2.6e-3 / 2.1e-3 / 1.2e-3 (dominated by rounding the inputs to bf16)."""
     with x64():
         args, kw, _ = _case(6, selective=True, dt_max=0.1)
         seg = _segments(SEG)
@@ -172,7 +207,7 @@ def test_float32_and_bfloat16_accuracy():
                 initial_state=ia.InterdomainState(*(x.astype(jnp.float32) for x in kw["initial_state"])))
     for dtype, bound in ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)):
         o, s = ia.interdomain(*(a.astype(dtype) for a in args), **kw32, segment_ids=seg, implementation="xla",
-                              chunk_size=16)
+                              chunk_size=32)
         assert o.dtype == dtype and s.key.dtype == jnp.float32
         assert _rms_rel(o, o64) <= bound and _rms_rel(s.value, s64.value) <= bound, dtype
 
@@ -188,9 +223,10 @@ def test_s4d_core_chunked_reference_decode_and_complex():
         common = dict(log_modulus=kw["log_modulus"], phase=kw["phase"], input_gain=kw["input_gain"], readout=readout)
         seg = _segments(SEG)
         o_ref, s_ref = ia.s4d(z, **common, initial_state=x0, segment_ids=seg, implementation="reference")
-        for chunk in (5, 64):
-            o, s = ia.s4d(z, **common, initial_state=x0, segment_ids=seg, implementation="xla", chunk_size=chunk)
-            assert _rel(o, o_ref) <= 1e-10 and _rel(s, s_ref) <= 1e-10
+        for chunk, sub in ((5, None), (64, None), (12, 5)):
+            o, s = ia.s4d(z, **common, initial_state=x0, segment_ids=seg, implementation="xla", chunk_size=chunk,
+                          sub_chunk_size=sub)
+            assert _rel(o, o_ref) <= 1e-10 and _rel(s, s_ref) <= 1e-10, (chunk, sub)
         state, outs = x0, []
         for t in range(12):
             o_t, state = ia.s4d_step(z[:, t], **common, state=state)
@@ -237,6 +273,14 @@ def test_bad_arguments_raise_clear_errors():
         ia.interdomain(q, k, v, **kw, segment_ids=jnp.ones((B, T), jnp.float32))
     with pytest.raises(ValueError, match="chunk_size"):
         ia.interdomain(q, k, v, **kw, chunk_size=0)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match=f"sub_chunk_size={bad!r}; expected a positive int"):
+            ia.interdomain(q, k, v, **kw, sub_chunk_size=bad)
+    with pytest.raises(ValueError, match="sub_chunk_size=32; .* <= chunk_size=16"):
+        ia.interdomain(q, k, v, **kw, chunk_size=16, sub_chunk_size=32)
+    with pytest.raises(ValueError, match="s4d: sub_chunk_size=0"):
+        ia.s4d(v, **{n: kw[n] for n in ("log_modulus", "phase", "input_gain")}, readout=kw["readout"][:, 0],
+               sub_chunk_size=0)
     with pytest.raises(ValueError, match="pallas_tpu.*planned"):
         ia.interdomain(q, k, v, **kw, implementation="pallas_tpu")
     with pytest.raises(ValueError, match="unknown implementation"):
