@@ -2,21 +2,27 @@
 
 Pipeline of ``train_iterator`` (one per process)::
 
-    _ParquetDocs        grain.MapDataset: the process's documents, shuffled per epoch, repeated forever
-      .map(tokenize)    text -> tokens + [eos]          (in grain's prefetch threads, not up front)
-      .to_iter_dataset()
-    ConcatThenSplitIterDataset(length T+1)             grain's packer: segment ids 1..n, positions per segment
-      .map(_to_example)  row[:-1] / row[1:] -> inputs, targets, segment_ids, positions, loss_mask
+    per row slot r of the process (one slot per row of the global batch):
+      _ParquetDocs        grain.MapDataset: the slot's documents, shuffled per epoch, repeated forever
+        .map(tokenize)    text -> tokens + [eos]          (in grain's prefetch threads, not up front)
+        .to_iter_dataset()
+      ConcatThenSplitIterDataset(length T+1)           grain's packer: segment ids 1..n, positions per segment
+        .map(_to_example)  row[:-1] / row[1:] -> inputs, targets, segment_ids, positions, loss_mask
+    InterleaveIterDataset(slots)                        round robin: one row from each slot, in slot order
       .batch(b)
       [.mp_prefetch(num_workers)]
     _JsonStateIterDataset  get_state() is plain JSON; set_state() accepts it back
 
+Why row slots: row r of every global batch of B rows comes from slot r, which owns the contiguous documents
+[N*r/B, N*(r+1)/B) (sorted file order) and is shuffled by (seed, r) alone. Process p of P builds the slots
+[B*p/P, B*(p+1)/P), so the global batch is the same on 1 host or 64 as long as B is unchanged.
+
 Documents are addressed as (file, row group, row) from the Parquet footers, so nothing is read up front but
-metadata. Process p of P owns the contiguous slice [N*p/P, N*(p+1)/P) of the N documents (in sorted file
-order). Shuffling is per epoch and seeded by (seed, epoch): the process's row-group blocks are permuted, and
-documents are permuted within windows of ``SHUFFLE_WINDOW_BLOCKS`` consecutive blocks, so a reader keeps only
-a window of row groups in memory (one read per row group per epoch) instead of jumping across a whole corpus.
-The corpus in data/embedded is small enough that a window covers all of it (a full shuffle).
+metadata. Shuffling is per epoch and seeded by (seed, slot, epoch): a slot's row-group blocks are permuted,
+and documents are permuted within windows of consecutive blocks, so a reader keeps only a window of row
+groups in memory (one read per row group per epoch) instead of jumping across a whole corpus. The window is
+``SHUFFLE_WINDOW_BLOCKS * 8 // B`` blocks (at least 1): a process holds about (B/P) * (window + 2) row groups.
+The corpus in data/embedded is small enough that a window covers a whole slot (a full shuffle).
 
 Each batch is a dict of numpy arrays, local batch b = global_batch_size // process_count:
   inputs, targets, segment_ids, positions: int32 [b, T]; loss_mask: float32 [b, T]
@@ -40,13 +46,12 @@ from typing import Sequence
 import grain
 import numpy as np
 import pyarrow.parquet as pq
-from grain.experimental import ConcatThenSplitIterDataset
+from grain.experimental import ConcatThenSplitIterDataset, InterleaveIterDataset
 
 from training.tokenizer import _REPO_ROOT, Tokenizer, resolve_path
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 SHUFFLE_WINDOW_BLOCKS = 16  # row-group blocks whose documents are shuffled together
-ROW_GROUP_CACHE = SHUFFLE_WINDOW_BLOCKS + 2
 READ_THREADS = 4  # grain prefetch threads per process (tokenisation, Parquet reads)
 PREFETCH_DOCS = 64
 _STATE_VERSION = 1
@@ -116,8 +121,10 @@ class _ParquetDocs(grain.MapDataset):
     """The texts of a process's documents; index i of an infinite source is document (i mod n) of epoch
     i // n. Shuffled (see the module docstring) when ``seed`` is not None."""
 
-    def __init__(self, groups: _RowGroups, blocks, text_column: str, *, seed: int | None, infinite: bool):
+    def __init__(self, groups: _RowGroups, blocks, text_column: str, *, seed: int | None, infinite: bool,
+                 window_blocks: int = SHUFFLE_WINDOW_BLOCKS):
         super().__init__()
+        self._window = max(1, int(window_blocks))
         self._groups = groups
         self._blocks = list(blocks)
         self._sizes = [b - a for _, a, b in self._blocks]
@@ -175,8 +182,8 @@ class _ParquetDocs(grain.MapDataset):
             order = np.random.default_rng([self._seed, epoch, 0]).permutation(nb)
         windows = []  # (start doc, [block ids]) per window
         start = 0
-        for w in range(0, nb, SHUFFLE_WINDOW_BLOCKS):
-            ids = order[w:w + SHUFFLE_WINDOW_BLOCKS].tolist()
+        for w in range(0, nb, self._window):
+            ids = order[w:w + self._window].tolist()
             windows.append((start, ids, np.cumsum([0] + [self._sizes[i] for i in ids]).tolist()))
             start += windows[-1][2][-1]
         plan = ([w[0] for w in windows], windows)
@@ -223,7 +230,7 @@ class _ParquetDocs(grain.MapDataset):
                 table = pq.ParquetFile(self._groups.files[fi]).read_row_group(rg, columns=[self._text_column])
                 texts = table.column(0).to_pylist()
                 with self._lock:
-                    self._cache_put(self._texts, gi, texts, ROW_GROUP_CACHE)
+                    self._cache_put(self._texts, gi, texts, self._window + 2)
                     self._loading.pop(gi, None)
         return texts
 
@@ -266,9 +273,15 @@ def _to_example(row: dict) -> dict:
     }
 
 
-def _packed_rows(docs: grain.MapDataset, tokenizer: Tokenizer, seq_len: int) -> grain.IterDataset:
+def _slot_seed(seed: int, slot: int) -> int:
+    """The shuffle seed of row slot ``slot``: depends on the run's seed and the slot only (not on hosts)."""
+    return int(np.random.SeedSequence([int(seed), int(slot)]).generate_state(1)[0])
+
+
+def _packed_rows(docs: grain.MapDataset, tokenizer: Tokenizer, seq_len: int, *, threads: int = READ_THREADS,
+                 prefetch: int = PREFETCH_DOCS) -> grain.IterDataset:
     tokens = docs.map(_Tokenize(tokenizer)).to_iter_dataset(
-        grain.ReadOptions(num_threads=READ_THREADS, prefetch_buffer_size=PREFETCH_DOCS))
+        grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch))
     packed = ConcatThenSplitIterDataset(tokens, length_struct={"tokens": seq_len + 1})
     return packed.map(_to_example)
 
@@ -374,18 +387,25 @@ def train_iterator(cfg, tokenizer: Tokenizer, *, global_batch_size: int, seed: i
     files = resolve_parquet_files(cfg.train_path, "data.train_path", cfg.text_column)
     groups = _RowGroups(files)
     n = groups.num_docs
-    lo, hi = n * process_index // process_count, n * (process_index + 1) // process_count
-    if hi <= lo:
+    if n < global_batch_size:
         raise ValueError(f"data.train_path: {cfg.train_path!r} has {n} documents, fewer than the "
-                         f"{process_count} processes that share it")
-    docs = _ParquetDocs(groups, groups.blocks(lo, hi), cfg.text_column,
-                        seed=int(seed) if cfg.shuffle else None, infinite=True)
-    ds = _packed_rows(docs, tokenizer, cfg.seq_len).batch(local_batch, drop_remainder=True)
+                         f"{global_batch_size} rows of a batch (train.batch_size); every row reads its own "
+                         f"slice of the documents")
+    window = max(1, SHUFFLE_WINDOW_BLOCKS * 8 // global_batch_size)
+    threads = max(1, READ_THREADS // local_batch)
+    slots = []
+    for r in range(process_index * local_batch, (process_index + 1) * local_batch):
+        lo, hi = n * r // global_batch_size, n * (r + 1) // global_batch_size
+        docs = _ParquetDocs(groups, groups.blocks(lo, hi), cfg.text_column,
+                            seed=_slot_seed(seed, r) if cfg.shuffle else None, infinite=True, window_blocks=window)
+        slots.append(_packed_rows(docs, tokenizer, cfg.seq_len, threads=threads,
+                                  prefetch=max(2, PREFETCH_DOCS // local_batch)))
+    ds = InterleaveIterDataset(slots, cycle_length=local_batch).batch(local_batch, drop_remainder=True)
     if cfg.num_workers and cfg.num_workers > 0:
         _mark_absl_flags_parsed()
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(cfg.num_workers)))
     fingerprint = {"train_path": str(cfg.train_path), "seq_len": int(cfg.seq_len), "seed": int(seed),
-                   "shuffle": bool(cfg.shuffle), "local_batch": local_batch, "process_index": process_index,
+                   "shuffle": bool(cfg.shuffle), "global_batch": global_batch_size, "local_batch": local_batch, "process_index": process_index,
                    "process_count": process_count, "num_workers": int(cfg.num_workers or 0),
                    "tokenizer": getattr(tokenizer, "name", type(tokenizer).__name__)}
     return iter(_JsonStateIterDataset(ds, fingerprint))

@@ -67,7 +67,10 @@ class Trainer:
         self.abstract_rest = nnx.to_pure_dict(abstract_rest)
         self.rest_shardings = jax.tree.map(lambda _: replicated, self.abstract_rest)
         self.batch_sharding = mesh_lib.batch_sharding(self.mesh)
-        self._init_fn = lambda: self._split(Decoder(cfg, vocab_size, rngs=nnx.Rngs(seed)))
+        # The key is an argument, not a constant: with a constant key XLA constant-folds the random draws of
+        # every weight at compile time (minutes for a 1.34B model on GPU).
+        self._init_fn = lambda key: self._split(Decoder(cfg, vocab_size, rngs=nnx.Rngs(key)))
+        self._seed = seed
         metric_sh = replicated
         self.train_step = jax.jit(self._train_step, donate_argnums=(0, 1),
                                   in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding),
@@ -83,7 +86,8 @@ class Trainer:
 
     def initialize(self) -> None:
         """Draws the parameters (from train.seed) in their shardings and initialises the optimizer."""
-        self.params, self.rest = jax.jit(self._init_fn, out_shardings=(self.param_shardings, self.rest_shardings))()
+        self.params, self.rest = jax.jit(self._init_fn, out_shardings=(self.param_shardings, self.rest_shardings))(
+            jax.random.key(self._seed))
         self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
 
     def _model(self, params):
@@ -280,6 +284,8 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
             bar.close()
         checkpointer.close()
         metrics.close()
+        if hasattr(data_iter, "close"):  # stops grain's prefetch threads/processes now, not at interpreter exit
+            data_iter.close()
 
     plot_path = None
     if jax.process_index() == 0 and os.path.exists(metrics.jsonl_path):

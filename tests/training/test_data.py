@@ -149,15 +149,36 @@ def test_packing_invariants(corpus):
 
 
 def test_documents_end_with_eos_and_long_documents_continue(corpus):
-    """Unshuffled, the rows concatenated are exactly the documents (+EOS) in file order, continuations included."""
+    """Unshuffled, row r of the batches concatenated is exactly its slot's documents (+EOS) in file order,
+    continuations included: slot r of B owns documents [N*r/B, N*(r+1)/B)."""
     it = data.train_iterator(make_cfg(corpus.root / "train", shuffle=False), BYTE, global_batch_size=2, seed=0)
-    expected = [t for d in corpus.docs for t in list(d.encode("utf-8")) + [EOS]]
-    stream = []
-    while len(stream) < len(expected):
+    n = len(corpus.docs)
+    expected = [[t for d in corpus.docs[n * r // 2:n * (r + 1) // 2] for t in list(d.encode("utf-8")) + [EOS]]
+                for r in range(2)]
+    streams = [[], []]
+    while min(len(s) for s in streams) < max(len(e) for e in expected):
         b = next(it)
         for r in range(2):
-            stream.extend(b["inputs"][r].tolist() + [int(b["targets"][r, -1])])
-    assert stream[:len(expected)] == expected
+            streams[r].extend(b["inputs"][r].tolist() + [int(b["targets"][r, -1])])
+    for r in range(2):
+        assert streams[r][:len(expected[r])] == expected[r]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_global_batches_do_not_depend_on_the_number_of_processes(corpus, shuffle):
+    """Row slots: the global batch (process rows concatenated) is the same on 1, 2 or 4 hosts."""
+    cfg = make_cfg(corpus.root / "train", shuffle=shuffle)
+    one = take(data.train_iterator(cfg, BYTE, global_batch_size=4, seed=9), 6)
+    for procs in (2, 4):
+        parts = [take(data.train_iterator(cfg, BYTE, global_batch_size=4, seed=9, process_index=p,
+                                          process_count=procs), 6) for p in range(procs)]
+        joined = [{k: np.concatenate([parts[p][s][k] for p in range(procs)]) for k in one[s]} for s in range(6)]
+        assert_same(joined, one)
+
+
+def test_fewer_documents_than_batch_rows(corpus):
+    with pytest.raises(ValueError, match="train.batch_size"):
+        data.train_iterator(make_cfg(corpus.root / "train"), BYTE, global_batch_size=64, seed=0)
 
 
 def test_hf_tokenizer_pipeline_on_embedded_corpus():
@@ -249,7 +270,7 @@ def test_process_sharding_is_disjoint(letters):
         seen.append(docs)
     assert seen[0] and seen[1] and not seen[0] & seen[1]
     first_half = {ord(d[0]) for d in letters.docs[:20]}
-    assert seen[0] == first_half  # contiguous halves; 8 batches cover a whole epoch
+    assert seen[0] == first_half  # rows 0-1 own the first half (slots 0, 1); 8 batches cover it
     assert seen[1] == {ord(d[0]) for d in letters.docs[20:]}
 
 
