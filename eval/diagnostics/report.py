@@ -1,0 +1,86 @@
+"""Output of a diagnostic: a plain-text table on stdout, a JSON file and matplotlib figures."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+
+def format_value(x, digits: int = 4) -> str:
+    """Numbers with ``digits`` significant digits (scientific outside [1e-3, 1e6)); anything else as str."""
+    if isinstance(x, (bool, np.bool_)) or x is None:
+        return str(x)
+    if isinstance(x, (int, np.integer)):
+        return str(int(x))
+    if isinstance(x, (float, np.floating)):
+        x = float(x)
+        if not math.isfinite(x) or x == 0.0:
+            return str(x)
+        if 1e-3 <= abs(x) < 1e6:
+            return f"{x:.{digits}g}"
+        return f"{x:.{max(digits - 1, 1)}e}"
+    return str(x)
+
+
+def table(headers: list[str], rows: list[list], title: str = "") -> str:
+    """A fixed-width text table (markdown pipe syntax, so it can be pasted into docs)."""
+    cells = [[format_value(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = lambda items: "| " + " | ".join(s.ljust(w) for s, w in zip(items, widths)) + " |"  # noqa: E731
+    out = [title] if title else []
+    out += [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "tolist"):  # numpy / jax arrays and scalars
+        return _jsonable(np.asarray(x).tolist())
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)  # JSON has no inf / nan
+    return x
+
+
+def write_json(path: str, payload: dict) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(_jsonable(payload), f, indent=1)
+    return path
+
+
+def new_figure(ncols: int, width: float = 5.0, height: float = 3.8):
+    """A matplotlib figure with ``ncols`` side-by-side axes (Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
+    return fig, list(axes[0])
+
+
+def save_figure(fig, path: str) -> str:
+    import matplotlib.pyplot as plt
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def parse_int_list(text: str, name: str) -> list[int]:
+    """'0,1,2' -> [0, 1, 2]; a ValueError naming the option otherwise."""
+    try:
+        values = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected comma-separated integers, e.g. 0,1,2") from None
+    if not values:
+        raise ValueError(f"{name}={text!r}: expected at least one integer")
+    return values
