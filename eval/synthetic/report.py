@@ -1,0 +1,137 @@
+"""Sweep outputs: the accuracy table (text), the JSON record and the PNG plots (matplotlib, Agg)."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+
+import numpy as np
+
+
+def _group(records: list[dict], key: str = "accuracy") -> dict:
+    """(mixer, setting) -> list of values over seeds, keeping the sweep's order."""
+    out: dict = {}
+    for r in records:
+        out.setdefault((r["mixer"], r["setting"]), []).append(r[key])
+    return out
+
+
+def _ordered(records: list[dict], field: str) -> list:
+    seen = []
+    for r in records:
+        if r[field] not in seen:
+            seen.append(r[field])
+    return seen
+
+
+def accuracy_table(records: list[dict]) -> str:
+    """Rows = mixers, columns = settings; mean held-out accuracy over seeds, [min, max] when several."""
+    mixers, settings = _ordered(records, "mixer"), _ordered(records, "setting")
+    groups = _group(records)
+
+    def cell(values):
+        if len(values) == 1:
+            return f"{values[0]:.3f}"
+        return f"{np.mean(values):.3f} [{min(values):.3f},{max(values):.3f}]"
+
+    cells = [[cell(groups[(m, s)]) if (m, s) in groups else "-" for s in settings] for m in mixers]
+    widths = [max(len("mixer"), *(len(m) for m in mixers))]
+    widths += [max(len(s), *(len(row[j]) for row in cells)) for j, s in enumerate(settings)]
+    line = lambda items: "| " + " | ".join(str(x).ljust(w) for x, w in zip(items, widths)) + " |"
+    rows = [line(["mixer", *settings]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    rows += [line([m, *row]) for m, row in zip(mixers, cells)]
+    return "\n".join(rows)
+
+
+def write_json(path: str, *, records: list[dict], config: dict, task: dict, mixers: list[str], settings: list[str],
+               seeds: list, total_s: float, argv: list[str] | None = None) -> None:
+    import jax
+
+    payload = {
+        "command": " ".join(argv if argv is not None else sys.argv),
+        "mixers": mixers, "settings": settings, "seeds": seeds,
+        "config": config, "task": task,
+        "timings": {"total_s": total_s, "runs": [{"mixer": r["mixer"], "setting": r["setting"], "seed": r["seed"],
+                                                  "wall_s": r["wall_s"], "first_step_s": r["first_step_s"],
+                                                  "train_s": r["train_s"], "eval_s": r["eval_s"]}
+                                                 for r in records]},
+        "environment": {"jax": jax.__version__, "backend": jax.default_backend(),
+                        "devices": [str(d) for d in jax.devices()], "python": platform.python_version(),
+                        "machine": platform.machine(), "cpu_count": os.cpu_count()},
+        "results": records,
+    }
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, default=_plain)
+    os.replace(tmp, path)  # a reader never sees half a file
+
+
+def _plain(value):
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    if isinstance(value, tuple):
+        return list(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_capacity(records: list[dict], path: str, title: str = "") -> str:
+    """Held-out accuracy vs n, one line per mixer: the mean over seeds, shaded between min and max."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    settings = _ordered(records, "setting")
+    for mixer in _ordered(records, "mixer"):
+        points = []
+        for s in settings:
+            values = [r["accuracy"] for r in records if r["mixer"] == mixer and r["setting"] == s]
+            if values:
+                x = next(r["x"] for r in records if r["setting"] == s)
+                points.append((x, np.mean(values), min(values), max(values)))
+        points.sort()
+        xs, mean, lo, hi = (np.array(v) for v in zip(*points))
+        (line,) = ax.plot(xs, mean, "o-", label=mixer, lw=1.5)
+        if any(len([r for r in records if r["mixer"] == mixer and r["setting"] == s]) > 1 for s in settings):
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2)
+    ax.set_xticks(sorted({r["x"] for r in records}))
+    ax.set_xlabel("key-value pairs n")
+    ax.set_ylabel("held-out per-query accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_learning_curves(records: list[dict], path: str, title: str = "") -> str:
+    """Held-out accuracy at every evaluation step, one line per run."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for r in records:
+        points = [(h["step"], h["accuracy"]) for h in r["history"] if "accuracy" in h]
+        if points:
+            ax.plot(*zip(*points), "o-", ms=3, lw=1.2, label=f"{r['mixer']} {r['setting']} seed {r['seed']}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out per-token accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if len(records) <= 12:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
