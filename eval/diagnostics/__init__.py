@@ -1,5 +1,5 @@
 """The papers' diagnostics, each a command that prints a table and writes JSON and a PNG
-(docs/evaluation_diagnostics.md):
+(docs/evaluation.md, "Diagnostics"):
 
 * ``vla_state``        VLA ‖S_t‖_F, ‖A_t‖_F, ‖J_t‖₂ and ‖∏₂₅J‖₂ on random inputs vs linear attention and DeltaNet.
 * ``muir_row_energy``  Muir/GDN-2 stationary state-row energy: closed form vs the measured recurrence.

@@ -9,7 +9,7 @@ Modules, one job each:
   run.py         build the grid, generate with any generate_fn, score
   report.py      aggregates, markdown tables, JSON, heatmap PNG
   cli.py         python -m eval.ruler
-See docs/evaluation_ruler.md.
+See docs/evaluation.md (RULER section).
 """
 from eval.ruler.generators import Sample, generate_sample
 from eval.ruler.scoring import string_match_all, string_match_part
