@@ -5,6 +5,10 @@
     python -m eval.mqar --config configs/eval/mqar_zoology.yaml --layout zoology --pairs 64:4,128:8,256:16 \\
         --mixers softmax,gdn2 --out runs/eval/mqar_zoology
     ... train.steps=500 task.seq_len=128     (trailing section.key=value overrides, as in train.py)
+    python -m eval.mqar --merge runs/a/results.json runs/b/results.json --out runs/eval/merged
+
+--merge draws one table and capacity plot from the results.json of several sweeps (e.g. one process per
+mixer, run side by side on one GPU by tools/gpu_mqar_sweep.sh); it trains nothing.
 
 Mixers: registered names, or hybrids as a '+'-joined layer pattern (gdn2+softmax). Without --mixers the
 config's own model.mixer / model.layer_pattern is used; without --seeds its train.seed.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -102,7 +107,45 @@ def run_and_report(args, cfg, task, mixers, settings, seeds, out, *, overrides, 
     return records
 
 
+def merge(paths: list[str], out: str, title: str = "MQAR") -> list[dict]:
+    """One table.md, results.json and capacity.png from the results.json files of several sweeps."""
+    records, sources = [], []
+    for path in paths:
+        try:
+            with open(path) as f:
+                payload = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"error: --merge: cannot read {path}: {e}") from None
+        if not isinstance(payload.get("results"), list):
+            raise SystemExit(f"error: --merge: {path} has no 'results' list (not a results.json of eval.mqar)")
+        records += payload["results"]
+        sources.append({"path": path, "command": payload.get("command"), "environment": payload.get("environment")})
+    if not records:
+        raise SystemExit(f"error: --merge: no runs in {', '.join(paths)}")
+    os.makedirs(out, exist_ok=True)
+    table = report.accuracy_table(records)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(f"{title}; held-out per-query-token accuracy (mean [min,max] over seeds)\n\n{table}\n")
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"merged_from": sources, "results": records}, f, indent=1)
+    paths_out = [os.path.join(out, "results.json"), os.path.join(out, "table.md"),
+                 report.plot_capacity(records, os.path.join(out, "capacity.png"), title=title)]
+    if any(r.get("history") for r in records):
+        paths_out.append(report.plot_learning_curves(records, os.path.join(out, "learning_curves.png"), title=title))
+    print(f"held-out per-query-token accuracy ({title}, {len(records)} runs from {len(paths)} file(s)):\n{table}")
+    print("wrote " + ", ".join(paths_out))
+    return records
+
+
 def main(argv=None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--merge" in argv:
+        m = argparse.ArgumentParser(prog="python -m eval.mqar --merge", description="merge sweep results")
+        m.add_argument("--merge", nargs="+", required=True, metavar="RESULTS_JSON")
+        m.add_argument("--out", required=True, help="output directory of the merged table and plots")
+        m.add_argument("--title", default="MQAR vla_contiguous")
+        margs = m.parse_args(argv)
+        return merge(margs.merge, margs.out, margs.title)
     p = build_parser(__doc__)
     p.add_argument("--layout", choices=["vla_contiguous", "zoology"], help="default: the config's task.layout")
     p.add_argument("--n", help="vla_contiguous: comma-separated key-value pair counts (default: task.num_kv_pairs)")

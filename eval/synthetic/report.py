@@ -89,7 +89,11 @@ def plot_capacity(records: list[dict], path: str, title: str = "") -> str:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     settings = _ordered(records, "setting")
-    for mixer in _ordered(records, "mixer"):
+    styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--"), ("X", "-."), ("*", ":")]
+    mixers = _ordered(records, "mixer")
+    for index, mixer in enumerate(mixers):
+        marker, dash = styles[index % len(styles)]
+        size = 9 - 4 * index / max(1, len(mixers) - 1)  # later lines drawn smaller: equal curves stay visible
         points = []
         for s in settings:
             values = [r["accuracy"] for r in records if r["mixer"] == mixer and r["setting"] == s]
@@ -98,7 +102,7 @@ def plot_capacity(records: list[dict], path: str, title: str = "") -> str:
                 points.append((x, np.mean(values), min(values), max(values)))
         points.sort()
         xs, mean, lo, hi = (np.array(v) for v in zip(*points))
-        (line,) = ax.plot(xs, mean, "o-", label=mixer, lw=1.5)
+        (line,) = ax.plot(xs, mean, marker=marker, ls=dash, ms=size, label=mixer, lw=1.5)
         if any(len([r for r in records if r["mixer"] == mixer and r["setting"] == s]) > 1 for s in settings):
             ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2)
     ax.set_xticks(sorted({r["x"] for r in records}))
@@ -119,7 +123,7 @@ def plot_learning_curves(records: list[dict], path: str, title: str = "") -> str
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     for r in records:
-        points = [(h["step"], h["accuracy"]) for h in r["history"] if "accuracy" in h]
+        points = [(h["step"], h["accuracy"]) for h in r.get("history", ()) if "accuracy" in h]
         if points:
             ax.plot(*zip(*points), "o-", ms=3, lw=1.2, label=f"{r['mixer']} {r['setting']} seed {r['seed']}")
     ax.set_xlabel("step")

@@ -291,6 +291,34 @@ def test_mqar_cli_writes_table_json_and_plots(tmp_path, capsys):
         assert os.path.getsize(out / name) > 0
 
 
+def test_mqar_merge_joins_sweeps_and_names_bad_files(tmp_path, capsys):
+    from eval import mqar
+
+    def sweep(name, mixer, accs):
+        path = tmp_path / f"{name}.json"
+        records = [{"mixer": mixer, "setting": f"n={n}", "x": float(n), "seed": 42, "accuracy": a,
+                    "history": [{"step": 10, "accuracy": a}]} for n, a in accs]
+        path.write_text(json.dumps({"command": f"sweep {name}", "results": records}))
+        return str(path)
+
+    files = [sweep("a", "vla", [(4, 1.0), (8, 0.75)]), sweep("b", "softmax", [(4, 0.5)])]
+    records = mqar.main(["--merge", *files, "--out", str(tmp_path / "merged")])
+    assert [(r["mixer"], r["setting"]) for r in records] == [("vla", "n=4"), ("vla", "n=8"), ("softmax", "n=4")]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in (tmp_path / "merged" / "table.md").read_text().splitlines() if line.startswith("| ")}
+    assert rows["mixer"] == ["n=4", "n=8"] and rows["vla"] == ["1.000", "0.750"] and rows["softmax"] == ["0.500", "-"]
+    assert "3 runs from 2 file(s)" in capsys.readouterr().out
+    merged = json.load(open(tmp_path / "merged" / "results.json"))
+    assert [s["path"] for s in merged["merged_from"]] == files and len(merged["results"]) == 3
+    for name in ("capacity.png", "learning_curves.png"):
+        assert os.path.getsize(tmp_path / "merged" / name) > 0
+    (tmp_path / "bad.json").write_text('{"records": []}')
+    with pytest.raises(SystemExit, match=r"bad\.json has no 'results' list"):
+        mqar.main(["--merge", str(tmp_path / "bad.json"), "--out", str(tmp_path / "m2")])
+    with pytest.raises(SystemExit, match="cannot read .*missing.json"):
+        mqar.main(["--merge", str(tmp_path / "missing.json"), "--out", str(tmp_path / "m3")])
+
+
 def test_table_and_plot_aggregate_over_seeds(tmp_path):
     from eval.synthetic import report
 
