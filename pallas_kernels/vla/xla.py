@@ -26,16 +26,16 @@ erase/read key k̂ (spec A7.3: the generalised/DPLR delta rule, UT/WY chunk form
 ``pallas_kernels.delta_rule(q, α̂, v, erase_key=k̂)``; its chunkwise ``xla`` implementation (with its own
 custom VJP, segment resets and initial state) is reused as is.
 
-**Gradients.** The A-pass is differentiated by JAX autodiff through ``cholesky``/``triangular_solve``, with
+**Gradients.** The A-pass is differentiated by JAX autodiff through the Cholesky factorisation and the triangular
+solve (``small_linalg``: loops on CPU, where jaxlib's LAPACK Cholesky can deadlock XLA's thread pool), with
 ``jax.checkpoint`` on the per-chunk body (only the d×d chunk-boundary states are saved).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
-
 from pallas_kernels.vla.reference import floored_norm
+from pallas_kernels.vla.small_linalg import cholesky, solve_lower
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -72,8 +72,8 @@ def _chunk_body(A0, chunk, *, lambda0, refresh_magnitude, eps):
     # stage 1: first piece (carried document up to and including its refresh point)
     X1 = jnp.where(col(piece1), AU, 0.0)
     M1 = jnp.where(mat(piece1[:, :, None] & piece1[:, None, :]), _mm("bhik,bhjk->bhij", u, X1), 0.0)
-    L1 = jnp.linalg.cholesky(eye_c + 0.5 * (M1 + jnp.swapaxes(M1, -1, -2)))
-    W1 = solve_triangular(L1, X1, lower=True)             # zero rows outside piece 1
+    L1 = cholesky(eye_c + 0.5 * (M1 + jnp.swapaxes(M1, -1, -2)))
+    W1 = solve_lower(L1, X1)                              # zero rows outside piece 1
     BU2 = AU + refresh_magnitude * u - _mm("bhij,bhjk->bhik", _mm("bhik,bhjk->bhij", u, W1), W1)
     BK2 = AK + refresh_magnitude * k_hat - _mm("bhij,bhjk->bhik", _mm("bhik,bhjk->bhij", k_hat, W1), W1)
 
@@ -81,8 +81,8 @@ def _chunk_body(A0, chunk, *, lambda0, refresh_magnitude, eps):
     X = jnp.where(col(piece1), AU, jnp.where(col(piece2), BU2, u / lambda0))
     Y = jnp.where(col(piece1), AK, jnp.where(col(piece2), BK2, k_hat / lambda0))
     M = jnp.where(mat(same), _mm("bhik,bhjk->bhij", u, X), 0.0)
-    L = jnp.linalg.cholesky(eye_c + 0.5 * (M + jnp.swapaxes(M, -1, -2)))
-    W = solve_triangular(L, X, lower=True)
+    L = cholesky(eye_c + 0.5 * (M + jnp.swapaxes(M, -1, -2)))
+    W = solve_lower(L, X)
     causal_same = same & jnp.tril(jnp.ones((c, c), bool))[None]
     KW = jnp.where(mat(causal_same), _mm("bhik,bhjk->bhij", k_hat, W), 0.0)
     G = Y - _mm("bhij,bhjk->bhik", KW, W)
