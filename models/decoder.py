@@ -12,6 +12,7 @@ from flax import nnx
 from mixers import registry
 from mixers.base import MixerSpec
 from models.layers import MLP, RMSNorm, SwiGLU, normal
+from models.sharding import constrain_batch
 
 
 class Block(nnx.Module):
@@ -60,9 +61,8 @@ class Decoder(nnx.Module):
 
     def _logits(self, x):
         x = self.final_norm(x)
-        if self.tie_embeddings:
-            return self.embed.attend(x).astype(jnp.float32)
-        return self.lm_head(x).astype(jnp.float32)
+        logits = self.embed.attend(x) if self.tie_embeddings else self.lm_head(x)
+        return constrain_batch(logits.astype(jnp.float32))
 
     def __call__(self, tokens_BT, *, segment_ids=None, positions=None):
         b, t = tokens_BT.shape
@@ -70,12 +70,12 @@ class Decoder(nnx.Module):
             segment_ids = jnp.ones((b, t), jnp.int32)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        x = self.embed(tokens_BT).astype(self.dtype)
+        x = constrain_batch(self.embed(tokens_BT).astype(self.dtype))
         run = lambda block, h: block(h, segment_ids, positions, self.remat)
         if self.remat == "block":  # keep only each block's input; recompute the block in the backward pass
             run = nnx.remat(run)
         for block in self.blocks:
-            x = run(block, x)
+            x = constrain_batch(run(block, x))
         return self._logits(x)
 
     def init_cache(self, batch_size: int, max_length: int):

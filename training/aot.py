@@ -74,16 +74,16 @@ def chip_generation(topology: str) -> str:
     return topology.split(":", 1)[0].strip().lower()
 
 
-def compile_for_topology(cfg, topology: str, vocab_size: int) -> CompileReport:
+def compile_train_step(cfg, topology: str, vocab_size: int):
+    """(compiled train step, trainer, abstract optimizer state) for a TPU topology, without the hardware.
+    ``compiled.as_text()`` is the per-chip program (tests look at its buffer shapes)."""
     from jax.experimental import topologies
 
     from training import mesh as mesh_lib
     from training.loop import Trainer
 
     topo = topologies.get_topology_desc(topology, "tpu")
-    devices = list(topo.devices)
-    mesh = mesh_lib.make_mesh(cfg, devices)
-    start = time.perf_counter()
+    mesh = mesh_lib.make_mesh(cfg, list(topo.devices))
     trainer = Trainer(cfg, vocab_size, mesh=mesh)
     params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                           trainer.abstract_params, trainer.param_shardings)
@@ -104,7 +104,14 @@ def compile_for_topology(cfg, topology: str, vocab_size: int) -> CompileReport:
             raise MemoryError(f"does not fit on {topology} with mesh {dict(mesh.shape)}: {e}. Try more chips, "
                               f"model.remat=block, a smaller train.batch_size, or mesh.fsdp/-tensor") from None
         raise
+    return compiled, trainer, opt_abstract
+
+
+def compile_for_topology(cfg, topology: str, vocab_size: int) -> CompileReport:
+    start = time.perf_counter()
+    compiled, trainer, opt_abstract = compile_train_step(cfg, topology, vocab_size)
     compile_seconds = time.perf_counter() - start
+    devices, mesh = trainer.mesh.devices.flatten(), trainer.mesh
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})

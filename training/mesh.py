@@ -21,10 +21,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from models.sharding import BATCH_AXES  # the input batch and the activations share these axes
+
 log = logging.getLogger(__name__)
 
 AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
 
 
 def mesh_shape(cfg, num_devices: int, num_slices: int = 1) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
