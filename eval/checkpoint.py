@@ -15,7 +15,6 @@ import dataclasses
 import os
 
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from models.decoder import Decoder, abstract_model, build_model
@@ -80,7 +79,7 @@ def load_run(path: str, step: int | None = None) -> LoadedRun:
 
     checkpointer = Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_save=False)
     try:
-        steps = sorted(checkpointer.manager.all_steps())
+        steps = checkpointer.steps()
         if not steps:
             raise FileNotFoundError(f"checkpoint directory {ckpt_dir!r} holds no checkpoint (found: "
                                     f"{_listing(ckpt_dir)})")
@@ -92,16 +91,15 @@ def load_run(path: str, step: int | None = None) -> LoadedRun:
         graphdef, abstract_params, _ = nnx.split(abstract_model(cfg, vocab_size), nnx.Param, ...)
         template = _single_device_template(nnx.to_pure_dict(abstract_params))
         try:
-            restored = checkpointer.manager.restore(
-                step, args=ocp.args.Composite(params=ocp.args.StandardRestore(template)))
+            restored_params = checkpointer.restore_params(step, template)
         except Exception as e:  # orbax raises many types (missing item, shape mismatch, truncated files)
             raise ValueError(f"checkpoint step {step} in {ckpt_dir!r} could not be restored as the parameters of "
                              f"the model in {config_path!r} ({type(e).__name__}: {e})") from e
     finally:
-        checkpointer.manager.close()
+        checkpointer.close()
 
     # Non-parameter state (none today) comes from the model's own init; jit drops the unused parameter init.
     rest = jax.jit(lambda: nnx.split(build_model(cfg, vocab_size), nnx.Param, ...)[2])()
-    nnx.replace_by_pure_dict(abstract_params, restored.params)
+    nnx.replace_by_pure_dict(abstract_params, restored_params)
     model = nnx.merge(graphdef, abstract_params, rest)
     return LoadedRun(cfg=cfg, model=model, tokenizer=tokenizer, step=int(step))

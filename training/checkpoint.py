@@ -21,6 +21,9 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
     def save(self, step: int, *, params, opt_state, data_state: dict, meta: dict) -> None:
         self.manager.save(step, args=ocp.args.Composite(
             params=ocp.args.StandardSave(params),
@@ -39,6 +42,12 @@ class Checkpointer:
             meta=ocp.args.JsonRestore(),
         ))
         return out.params, out.opt_state, out.data, out.meta
+
+    def restore_params(self, step: int, params_template):
+        """Only the parameters of checkpoint ``step`` (an orbax partial restore: the optimizer state is not
+        read), into the structure, dtypes and shardings of ``params_template`` (arrays or ShapeDtypeStructs)."""
+        out = self.manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(params_template)))
+        return out.params
 
     def restore_newest(self, *, params, opt_state):
         """(step, params, opt_state, data_state, meta) of the newest checkpoint that restores, or None.
