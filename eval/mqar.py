@@ -24,6 +24,7 @@ import os
 import sys
 import time
 
+from eval.report import write_json
 from eval.synthetic import report
 from eval.synthetic.sweep import mqar_settings, run_sweep
 from eval.synthetic.task import load_eval_config
@@ -126,8 +127,7 @@ def merge(paths: list[str], out: str, title: str = "MQAR") -> list[dict]:
     table = report.accuracy_table(records)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(f"{title}; held-out per-query-token accuracy (mean [min,max] over seeds)\n\n{table}\n")
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"merged_from": sources, "results": records}, f, indent=1)
+    write_json(os.path.join(out, "results.json"), {"merged_from": sources, "results": records})
     paths_out = [os.path.join(out, "results.json"), os.path.join(out, "table.md"),
                  report.plot_capacity(records, os.path.join(out, "capacity.png"), title=title)]
     if any(r.get("history") for r in records):

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 from flax import nnx
 
-from eval.diagnostics import report
+from eval import report
 from eval.diagnostics.gate_factors import gate_names, max_rank, truncate_gate
 from eval.diagnostics.gate_hooks import GATE_FIELDS
 from eval.diagnostics.nll import GateEvaluator, delta_nll, mean_nll

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.diagnostics import report
+from eval import report
 from eval.diagnostics.row_energy_law import (KeyMoments, decoupled_row_energy, erase_rate,
                                              normalized_gaussian_key_moments, stationary_row_energy,
                                              transition_matrix)

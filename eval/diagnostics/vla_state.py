@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.diagnostics import report
+from eval import report
 from eval.diagnostics.trajectory import state_trajectory
 from pallas_kernels.vla import jacobian_window_norm, vla_diagnostics
 from pallas_kernels.vla.api import DEFAULT_EPS, normalize

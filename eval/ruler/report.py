@@ -10,6 +10,7 @@ import json
 import os
 from typing import Any, Iterable, Sequence
 
+from eval import report
 from eval.ruler import scoring
 
 DEPTH_WARNING = 0.1  # a (task, length) whose needles land further than this from the asked depth is flagged
@@ -116,12 +117,9 @@ def markdown(summary: dict, title: str = "RULER") -> str:
 # ------------------------------------------------------------------------------------------------ files
 def plot_heatmap(summary: dict, path: str) -> None:
     """One panel per task (and the average): rows = lengths, columns = depths, colour = score 0..100."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
+    plt = report.pyplot()
     lengths = [str(l) for l in summary["lengths"]]
     depths = [depth_key(d) for d in summary["depths"]]
     panels = [(t, summary["by_task_length_depth"][t]) for t in summary["tasks"]]

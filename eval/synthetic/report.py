@@ -1,12 +1,13 @@
 """Sweep outputs: the accuracy table (text), the JSON record and the PNG plots (matplotlib, Agg)."""
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
 
 import numpy as np
+
+from eval import report
 
 
 def _group(records: list[dict], key: str = "accuracy") -> dict:
@@ -35,13 +36,8 @@ def accuracy_table(records: list[dict]) -> str:
             return f"{values[0]:.3f}"
         return f"{np.mean(values):.3f} [{min(values):.3f},{max(values):.3f}]"
 
-    cells = [[cell(groups[(m, s)]) if (m, s) in groups else "-" for s in settings] for m in mixers]
-    widths = [max(len("mixer"), *(len(m) for m in mixers))]
-    widths += [max(len(s), *(len(row[j]) for row in cells)) for j, s in enumerate(settings)]
-    line = lambda items: "| " + " | ".join(str(x).ljust(w) for x, w in zip(items, widths)) + " |"
-    rows = [line(["mixer", *settings]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    rows += [line([m, *row]) for m, row in zip(mixers, cells)]
-    return "\n".join(rows)
+    rows = [[m, *(cell(groups[(m, s)]) if (m, s) in groups else "-" for s in settings)] for m in mixers]
+    return report.table(["mixer", *settings], rows)
 
 
 def write_json(path: str, *, records: list[dict], config: dict, task: dict, mixers: list[str], settings: list[str],
@@ -61,33 +57,12 @@ def write_json(path: str, *, records: list[dict], config: dict, task: dict, mixe
                         "machine": platform.machine(), "cpu_count": os.cpu_count()},
         "results": records,
     }
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, default=_plain)
-    os.replace(tmp, path)  # a reader never sees half a file
-
-
-def _plain(value):
-    if isinstance(value, (np.integer, np.floating)):
-        return value.item()
-    if isinstance(value, tuple):
-        return list(value)
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    report.write_json(path, payload)
 
 
 def plot_capacity(records: list[dict], path: str, title: str = "") -> str:
     """Held-out accuracy vs n, one line per mixer: the mean over seeds, shaded between min and max."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    fig, ax = report.pyplot().subplots(figsize=(7, 4.2), dpi=120)
     settings = _ordered(records, "setting")
     styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--"), ("X", "-."), ("*", ":")]
     mixers = _ordered(records, "mixer")
@@ -112,16 +87,12 @@ def plot_capacity(records: list[dict], path: str, title: str = "") -> str:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path)
 
 
 def plot_learning_curves(records: list[dict], path: str, title: str = "") -> str:
     """Held-out accuracy at every evaluation step, one line per run."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    fig, ax = report.pyplot().subplots(figsize=(7, 4.2), dpi=120)
     for r in records:
         points = [(h["step"], h["accuracy"]) for h in r.get("history", ()) if "accuracy" in h]
         if points:
@@ -133,9 +104,6 @@ def plot_learning_curves(records: list[dict], path: str, title: str = "") -> str
     ax.grid(alpha=0.3)
     if len(records) <= 12:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path)
 
 

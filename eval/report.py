@@ -1,4 +1,5 @@
-"""Output of a diagnostic: a plain-text table on stdout, a JSON file and matplotlib figures."""
+"""What every evaluation writes: a markdown table for stdout and docs, a JSON file (written atomically, numpy
+values converted) and matplotlib figures (Agg backend: no display needed)."""
 from __future__ import annotations
 
 import json
@@ -48,30 +49,36 @@ def _jsonable(x):
 
 
 def write_json(path: str, payload: dict) -> str:
+    """``payload`` as indented JSON; a reader (or a crash) never sees half a file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
         json.dump(_jsonable(payload), f, indent=1)
+    os.replace(tmp, path)
     return path
 
 
-def new_figure(ncols: int, width: float = 5.0, height: float = 3.8):
-    """A matplotlib figure with ``ncols`` side-by-side axes (Agg backend: no display needed)."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
+    return plt
+
+
+def new_figure(ncols: int, width: float = 5.0, height: float = 3.8):
+    """A matplotlib figure with ``ncols`` side-by-side axes."""
+    fig, axes = pyplot().subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
     return fig, list(axes[0])
 
 
-def save_figure(fig, path: str) -> str:
-    import matplotlib.pyplot as plt
-
+def save_figure(fig, path: str, dpi: int = 120) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
     return path
 
 
