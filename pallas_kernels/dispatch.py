@@ -97,6 +97,36 @@ def bad_argument(op: str, name: str, x, expected: str) -> ValueError:
     return ValueError(f"{op}: argument {name!r} has {got}; expected {expected}")
 
 
+def check_float(op: str, name: str, x) -> None:
+    import jax.numpy as jnp
+
+    if not hasattr(x, "shape") or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise bad_argument(op, name, x, "a floating-point array")
+
+
+def check_qkv(op: str, q, k, v) -> tuple[int, int, int, int, int]:
+    """The checks every token-mixer op makes on q, k [B, T, H, Dk] and v [B, T, H, Dv]: floating point, one
+    dtype, matching B, T, H (and Dk for k), nothing empty. Returns (B, T, H, Dk, Dv)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_float(op, name, x)
+        if x.ndim != 4:
+            raise bad_argument(op, name, x, "rank 4 [B, T, H, D]")
+    b, t, h, dk = q.shape
+    if tuple(k.shape) != (b, t, h, dk):
+        raise bad_argument(op, "k", k, f"shape [B={b}, T={t}, H={h}, Dk={dk}] (as q)")
+    if tuple(v.shape[:3]) != (b, t, h):
+        raise bad_argument(op, "v", v, f"shape [B={b}, T={t}, H={h}, Dv] (B, T, H as in q)")
+    dv = v.shape[3]
+    if t < 1 or dk < 1 or dv < 1:
+        raise bad_argument(op, "q", q, "non-empty T, Dk and Dv")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            import numpy as np
+
+            raise bad_argument(op, name, x, f"dtype {np.dtype(q.dtype).name} (the dtype of q)")
+    return b, t, h, dk, dv
+
+
 _TARGET_BACKEND: list[str] = []
 
 

@@ -52,8 +52,7 @@ def _fail(name: str, x, expected: str, op: str = "delta_rule") -> ValueError:
 
 
 def _check_float(name, x, op="delta_rule"):
-    if not hasattr(x, "shape") or not jnp.issubdtype(x.dtype, jnp.floating):
-        raise _fail(name, x, "a floating-point array", op)
+    dispatch.check_float(op, name, x)
 
 
 def _check_shape(name, x, shape, labels, op="delta_rule"):
@@ -92,20 +91,7 @@ def resolve_chunking(chunk_size, leaf_size, backend):
 
 
 def validate(q, k, v, erase_key, log_decay, initial_state, segment_ids, chunk_size, leaf_size) -> DeltaRuleCall:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_float(name, x)
-        if x.ndim != 4:
-            raise _fail(name, x, "rank 4 [B, T, H, D]")
-    b, t, h, dk = q.shape
-    _check_shape("k", k, (b, t, h, dk), "BTHK")
-    if tuple(v.shape[:3]) != (b, t, h):
-        raise _fail("v", v, f"shape [B={b}, T={t}, H={h}, Dv] (B, T, H as in q)")
-    dv = v.shape[3]
-    if t < 1 or dk < 1 or dv < 1:
-        raise _fail("q", q, "non-empty T, Dk and Dv")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise _fail(name, x, f"dtype {jnp.dtype(q.dtype).name} (the dtype of q)")
+    b, t, h, dk, dv = dispatch.check_qkv("delta_rule", q, k, v)
     if erase_key is not None:
         _check_float("erase_key", erase_key)
         _check_shape("erase_key", erase_key, (b, t, h, dk), "BTHK")

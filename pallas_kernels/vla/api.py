@@ -58,8 +58,7 @@ def _fail(name, x, expected) -> ValueError:
 
 
 def _check_float(name, x):
-    if not hasattr(x, "shape") or not jnp.issubdtype(x.dtype, jnp.floating):
-        raise _fail(name, x, "a floating-point array")
+    dispatch.check_float("vla", name, x)
 
 
 def _is_int(x) -> bool:
@@ -106,21 +105,7 @@ def resolve_chunk_size(chunk_size, refresh_period, refresh_offset):
 
 def validate(q, k, v, penalty_key, initial_state, segment_ids, initial_position, chunk_size,
              refresh_period, refresh_offset) -> VLACall:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_float(name, x)
-        if x.ndim != 4:
-            raise _fail(name, x, "rank 4 [B, T, H, D]")
-    b, t, h, dk = q.shape
-    if tuple(k.shape) != (b, t, h, dk):
-        raise _fail("k", k, f"shape [B={b}, T={t}, H={h}, Dk={dk}] (as q)")
-    if tuple(v.shape[:3]) != (b, t, h):
-        raise _fail("v", v, f"shape [B={b}, T={t}, H={h}, Dv] (B, T, H as in q)")
-    dv = v.shape[3]
-    if t < 1 or dk < 1 or dv < 1:
-        raise _fail("q", q, "non-empty T, Dk and Dv")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise _fail(name, x, f"dtype {jnp.dtype(q.dtype).name} (the dtype of q)")
+    b, t, h, dk, dv = dispatch.check_qkv("vla", q, k, v)
     if penalty_key is not None:
         _check_float("penalty_key", penalty_key)
         if tuple(penalty_key.shape) != (b, t, h, dk) or penalty_key.dtype != q.dtype:
