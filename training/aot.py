@@ -101,8 +101,10 @@ def compile_train_step(cfg, topology: str, vocab_size: int):
         compiled = lowered.compile()
     except Exception as e:  # the TPU compiler refuses programs that cannot fit in HBM
         if "RESOURCE_EXHAUSTED" in str(e) or "Ran out of memory" in str(e):
+            remat = "" if cfg.model.remat == "block" else f", model.remat=block (now {cfg.model.remat!r})"
             raise MemoryError(f"does not fit on {topology} with mesh {dict(mesh.shape)}: {e}. Try more chips, "
-                              f"model.remat=block, a smaller train.batch_size, or mesh.fsdp/-tensor") from None
+                              f"train.microbatches (gradient accumulation; now {cfg.train.microbatches}){remat}, "
+                              f"a smaller train.batch_size, or another mesh.fsdp / mesh.tensor split") from None
         raise
     return compiled, trainer, opt_abstract
 

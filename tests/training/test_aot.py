@@ -68,3 +68,12 @@ def test_activations_stay_batch_sharded_under_fsdp():
     full = lambda mode: {rows for rows, width in rows_by_mode[mode] if width in (256, 1024, 4096)}  # noqa: E731
     assert full("constrained") == {2}, rows_by_mode
     assert 8 in full("unconstrained"), rows_by_mode  # the control: the test can tell the difference
+
+
+def test_a_program_that_does_not_fit_says_so_and_what_to_try():
+    # 64 sequences of 4096 tokens per chip with an 8192-token vocabulary: the logits alone exceed v5e's 16 GiB.
+    out = _compile_only("configs/tiny.yaml", "v5e:2x2", "mesh.data=1", "mesh.fsdp=-1", "data.seq_len=4096",
+                        "train.batch_size=256")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "does not fit on v5e:2x2" in out.stderr and "exceeds available HBM" in out.stderr, out.stderr
+    assert "train.microbatches" in out.stderr and "mesh.fsdp" in out.stderr, out.stderr
