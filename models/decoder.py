@@ -65,6 +65,10 @@ class Decoder(nnx.Module):
         return constrain_batch(logits.astype(jnp.float32))
 
     def __call__(self, tokens_BT, *, segment_ids=None, positions=None):
+        return self._logits(self.hidden(tokens_BT, segment_ids=segment_ids, positions=positions))
+
+    def hidden(self, tokens_BT, *, segment_ids=None, positions=None):
+        """The residual stream after the last block (before the final norm): [B, T, d_model]."""
         b, t = tokens_BT.shape
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32)
@@ -76,7 +80,30 @@ class Decoder(nnx.Module):
             run = nnx.remat(run)
         for block in self.blocks:
             x = constrain_batch(run(block, x))
-        return self._logits(x)
+        return x
+
+    def chunked_loss(self, hidden_BTD, targets_BT, mask_BT, chunk: int):
+        """``cross_entropy(self._logits(hidden), ...)`` computed over slices of ``chunk`` tokens, each slice's
+        logits recomputed in the backward pass: only [B, chunk, V] logits are alive at a time instead of
+        [B, T, V] (for a 32K vocabulary the logits and their loss buffers are the largest activations)."""
+        b, t, d = hidden_BTD.shape
+        n = t // chunk
+        slices = lambda x: jnp.swapaxes(x.reshape(b, n, chunk, *x.shape[2:]), 0, 1)  # noqa: E731  [n, B, c, ...]
+
+        @jax.checkpoint
+        def piece(h, tgt, m):
+            logits = self._logits(h)
+            logz = jax.nn.logsumexp(logits, axis=-1)
+            picked = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
+            return jnp.sum((logz - picked) * m)
+
+        def body(total, xs):
+            return total + piece(*xs), None
+
+        total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                                (slices(hidden_BTD), slices(targets_BT), slices(mask_BT.astype(jnp.float32))))
+        count = jnp.sum(mask_BT)
+        return total / jnp.maximum(count, 1.0), count
 
     def init_cache(self, batch_size: int, max_length: int):
         return [block.mixer.init_cache(batch_size, max_length) for block in self.blocks]

@@ -106,6 +106,7 @@ class TrainConfig:
     steps: int = 300
     batch_size: int = 8  # global, in sequences
     microbatches: int = 1  # gradient accumulation: the batch runs as this many sequential micro-batches
+    loss_chunk: int = 0  # tokens per slice of the output layer + loss (recomputed in the backward); 0 = all of T
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100  # 0 disables periodic validation
@@ -364,6 +365,9 @@ def validate(cfg: Config) -> None:
                        "data.num_workers": d.num_workers}.items():
         if value < 0:
             raise ConfigError(f"{key}: got {value}; must be >= 0")
+    if t.loss_chunk < 0 or (t.loss_chunk and d.seq_len % t.loss_chunk):
+        raise ConfigError(f"train.loss_chunk: got {t.loss_chunk}; must be 0 (off) or divide data.seq_len "
+                          f"({d.seq_len})")
     if t.batch_size % t.microbatches:
         raise ConfigError(f"train.microbatches: got {t.microbatches}; must divide train.batch_size ({t.batch_size})")
     if o.lr <= 0:

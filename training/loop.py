@@ -95,7 +95,12 @@ class Trainer:
 
     def _loss(self, params, batch):
         model = self._model(params)
+        chunk = self.cfg.train.loss_chunk
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # lets ops shard_map their kernels
+            if chunk and chunk < batch["inputs"].shape[1]:
+                hidden = model.hidden(batch["inputs"], segment_ids=batch["segment_ids"],
+                                      positions=batch["positions"])
+                return model.chunked_loss(hidden, batch["targets"], batch["loss_mask"], chunk)
             logits = model(batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"])
         return cross_entropy(logits, batch["targets"], batch["loss_mask"])
 

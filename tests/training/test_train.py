@@ -17,6 +17,20 @@ def _cfg(tmp_path, name, *extra):
     return load_config("configs/tiny.yaml", [f"train.output_dir={tmp_path / name}", *extra])
 
 
+def _trainer_and_batch(tmp_path, name, batch_size, *extra):
+    """An initialised Trainer of the tiny config and its first global batch of ``batch_size`` rows."""
+    from training import data as data_lib
+    from training.loop import Trainer
+    from training.tokenizer import load_tokenizer
+
+    cfg = _cfg(tmp_path, name, f"train.batch_size={batch_size}", *extra)
+    tok = load_tokenizer(cfg.data.tokenizer.kind, cfg.data.tokenizer.path)
+    trainer = Trainer(cfg, tok.vocab_size)
+    trainer.initialize()
+    batch = trainer.global_batch(next(data_lib.train_iterator(cfg.data, tok, global_batch_size=batch_size, seed=0)))
+    return trainer, batch
+
+
 def test_tiny_run_writes_outputs_and_validates(tmp_path):
     cfg = _cfg(tmp_path, "outputs", "train.steps=30", "train.eval_every=15")
     result = train(cfg, progress=False)
@@ -81,19 +95,35 @@ def test_profile_captures_a_trace_and_the_summary_tool_reads_it(tmp_path, capsys
     assert "non-Python events" in out and "matmul" in out
 
 
+def test_loss_chunk_gives_the_same_loss_and_gradients(tmp_path):
+    # train.loss_chunk slices the output layer + loss over T and recomputes each slice in the backward pass;
+    # loss and every gradient must equal the whole-sequence computation (float32 rounding only).
+    import numpy as np
+
+    results = []
+    for chunk in (0, 16):
+        trainer, batch = _trainer_and_batch(tmp_path, f"chunk{chunk}", 4, f"train.loss_chunk={chunk}")
+        (loss, count), grads = jax.jit(trainer._loss_and_grads)(trainer.params, batch)
+        results.append((float(loss), float(count), jax.tree.leaves(grads)))
+    (l0, c0, g0), (l1, c1, g1) = results
+    assert c0 == c1 > 0 and abs(l0 - l1) <= 1e-6 * abs(l0), (l0, l1)
+    scale = max(float(np.max(np.abs(np.asarray(a)))) for a in g0)
+    assert max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(g0, g1)) <= 1e-5 * scale
+
+
+def test_loss_chunk_must_divide_the_sequence(tmp_path):
+    import pytest as _pytest
+
+    with _pytest.raises(ValueError, match=r"train.loss_chunk: got 7; must be 0 \(off\) or divide data.seq_len"):
+        _cfg(tmp_path, "bad", "train.loss_chunk=7")
+
+
 def test_microbatches_give_the_same_step_as_one_batch(tmp_path):
-    from training.loop import Trainer
-    from training import data as data_lib
-    from training.tokenizer import load_tokenizer
     import numpy as np
 
     results = []
     for n in (1, 4):
-        cfg = _cfg(tmp_path, f"micro{n}", "train.batch_size=8", f"train.microbatches={n}")
-        tok = load_tokenizer(cfg.data.tokenizer.kind, cfg.data.tokenizer.path)
-        trainer = Trainer(cfg, tok.vocab_size)
-        trainer.initialize()
-        batch = trainer.global_batch(next(data_lib.train_iterator(cfg.data, tok, global_batch_size=8, seed=0)))
+        trainer, batch = _trainer_and_batch(tmp_path, f"micro{n}", 8, f"train.microbatches={n}")
         params, _, m = trainer.train_step(trainer.params, trainer.opt_state, batch)
         results.append((float(m["loss"]), float(m["grad_norm"]), jax.tree.leaves(params)))
     (l1, g1, p1), (l4, g4, p4) = results
