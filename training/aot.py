@@ -102,7 +102,8 @@ def compile_train_step(cfg, topology: str, vocab_size: int):
     except Exception as e:  # the TPU compiler refuses programs that cannot fit in HBM
         if "RESOURCE_EXHAUSTED" in str(e) or "Ran out of memory" in str(e):
             remat = "" if cfg.model.remat == "block" else f", model.remat=block (now {cfg.model.remat!r})"
-            raise MemoryError(f"does not fit on {topology} with mesh {dict(mesh.shape)}: {e}. Try more chips, "
+            raise MemoryError(f"does not fit on {topology} with mesh {dict(mesh.shape)}: {e}. Try "
+                              f"train.loss_chunk=512 (now {cfg.train.loss_chunk}), more chips, "
                               f"train.microbatches (gradient accumulation; now {cfg.train.microbatches}){remat}, "
                               f"a smaller train.batch_size, or another mesh.fsdp / mesh.tensor split") from None
         raise

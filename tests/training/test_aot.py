@@ -76,4 +76,4 @@ def test_a_program_that_does_not_fit_says_so_and_what_to_try():
                         "train.batch_size=256")
     assert out.returncode == 1, out.stdout + out.stderr
     assert "does not fit on v5e:2x2" in out.stderr and "exceeds available HBM" in out.stderr, out.stderr
-    assert "train.microbatches" in out.stderr and "mesh.fsdp" in out.stderr, out.stderr
+    assert "train.loss_chunk" in out.stderr and "train.microbatches" in out.stderr and "mesh.fsdp" in out.stderr
