@@ -92,10 +92,7 @@ class Decoder(nnx.Module):
 
         @jax.checkpoint
         def piece(h, tgt, m):
-            logits = self._logits(h)
-            logz = jax.nn.logsumexp(logits, axis=-1)
-            picked = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
-            return jnp.sum((logz - picked) * m)
+            return jnp.sum(token_nll(self._logits(h), tgt) * m)
 
         def body(total, xs):
             return total + piece(*xs), None
@@ -128,10 +125,14 @@ def abstract_model(cfg, vocab_size: int) -> Decoder:
     return nnx.eval_shape(lambda: Decoder(cfg, vocab_size, rngs=nnx.Rngs(0)))
 
 
+def token_nll(logits_BTV, targets_BT):
+    """−log softmax(logits)[target] per position: [B, T]."""
+    logz = jax.nn.logsumexp(logits_BTV, axis=-1)
+    return logz - jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+
+
 def cross_entropy(logits_BTV, targets_BT, mask_BT):
     """Mean next-token NLL over the positions where mask is 1 (float32); also returns the token count."""
-    logz = jax.nn.logsumexp(logits_BTV, axis=-1)
-    picked = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    nll = (logz - picked) * mask_BT
+    nll = token_nll(logits_BTV, targets_BT) * mask_BT
     count = jnp.sum(mask_BT)
     return jnp.sum(nll) / jnp.maximum(count, 1.0), count

@@ -40,9 +40,10 @@ def _solve_lower_loop(low, b):
     index = jnp.arange(n)
 
     def row(i, x):
-        l_i = jnp.take(low, i, axis=-2) * (index < i).astype(low.dtype)  # L[i, :i]
-        rhs = jnp.take(b, i, axis=-2) - jnp.einsum("...k,...km->...m", l_i, x, precision=_HIGHEST)
-        x_i = rhs / jnp.take(jnp.take(low, i, axis=-2), i, axis=-1)[..., None]
+        row_i = jnp.take(low, i, axis=-2)  # L[i, :]
+        below = row_i * (index < i).astype(low.dtype)  # L[i, :i]
+        rhs = jnp.take(b, i, axis=-2) - jnp.einsum("...k,...km->...m", below, x, precision=_HIGHEST)
+        x_i = rhs / jnp.take(row_i, i, axis=-1)[..., None]
         return jax.lax.dynamic_update_index_in_dim(x, x_i, i, axis=-2)
 
     return jax.lax.fori_loop(0, n, row, jnp.zeros_like(b))
