@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 T0 = time.time()
 RESULTS: dict = {"sections": {}}
 OVERRIDES: dict = {}  # pallas_triton.Config fields for every call of ours (--overrides)
+TILING = {"chunk": 64, "leaf": 16}  # chunk and leaf of every call of ours (--chunk, --leaf)
 GDN2_VARIANT = [True]
 DEADLINE = [float("inf")]  # wall-clock time after which optional parts are skipped  # also time ours with the GDN-2 gates applied in the jit
 
@@ -152,7 +153,7 @@ def section_compile_probe(shape):
     x = gdn2_numpy(7, b, t, h, dk, dv)
     out = {}
     for label, dt, prec in (("bf16", jnp.bfloat16, "tf32"),):
-        cfg = ptr.make_config(64, 8, dk, dv, dt, batch_heads=b * h, **{**OVERRIDES, "inverse_precision": prec})
+        cfg = ptr.make_config(TILING["chunk"], TILING["leaf"], dk, dv, dt, batch_heads=b * h, **{**OVERRIDES, "inverse_precision": prec})
         q, k, e, v = (jnp.asarray(x[n]).astype(dt) for n in ("q", "k", "b", "v"))
         lam = jnp.asarray(x["g"])
         doc = jnp.zeros((b, t), jnp.int32)
@@ -220,7 +221,7 @@ def section_correctness_reference(shape):
         # reference on exactly the (rounded) inputs the kernel sees
         r_grads, (r_out, r_state) = (ref_grads, (ref_out, ref_state)) if dtype == jnp.float32 else loss_of(
             lambda *a: reference.delta_rule_reference(*[z.astype(jnp.float32) for z in a], doc))(*args)
-        fn = lambda *a, p=precision: pallas_triton.run(*a, doc, chunk_size=64, leaf_size=8,  # noqa: E731
+        fn = lambda *a, p=precision: pallas_triton.run(*a, doc, chunk_size=TILING["chunk"], leaf_size=TILING["leaf"],  # noqa: E731
                                                        **{**OVERRIDES, "inverse_precision": p})
         grads, (o, s) = loss_of(fn)(*args)
         o_poison = fn(*args)[0]
@@ -281,7 +282,7 @@ def section_fla_compare(shape, dtype_name):
         return reference.delta_rule_reference(f(q) * dk ** -0.5, f(k), f(bb) * f(k), f(w) * f(v), f(g), s0, d)
 
     jargs = [jnp.asarray(rounded[n]).astype(jdt if n != "g" else jnp.float32) for n in names] + [jnp.asarray(x["s0"])]
-    ours_grads, (o_o, s_o) = loss_of(ours_gdn2_fn(64, 8))(*jargs)
+    ours_grads, (o_o, s_o) = loss_of(ours_gdn2_fn(TILING["chunk"], TILING["leaf"], **OVERRIDES))(*jargs)
     ref_args = [jnp.asarray(rounded[n]) for n in names] + [jnp.asarray(x["s0"])]
     ref_grads, (o_r, s_r) = loss_of(ref_fn)(*ref_args)
     all_names = names + ("s0",)
@@ -301,7 +302,8 @@ def section_fla_compare(shape, dtype_name):
     return table
 
 
-def section_time_ours(shape, reps, chunk=64, leaf=8, breakdown=False, **overrides):
+def section_time_ours(shape, reps, breakdown=False, **overrides):
+    chunk, leaf = TILING["chunk"], TILING["leaf"]
     overrides = {**OVERRIDES, **overrides}
     import jax
     import jax.numpy as jnp
@@ -347,14 +349,20 @@ def section_time_ours(shape, reps, chunk=64, leaf=8, breakdown=False, **override
         output = jax.jit(lambda *a: ptr._output(cfg, *a, bf))
         scan_bwd = jax.jit(lambda *a: ptr._scan_bwd(cfg, *a))
         dsc, dut, dsi = scan_bwd(m, d_out, keff, qpi, y, pic, s0)
-        grads = jax.jit(lambda *a: ptr._grads(cfg, *a, (bf, bf, bf, bf, jnp.float32)))
+        rhs = jax.jit(lambda *a: ptr._rhs(cfg, *a))
+        cot = jax.jit(lambda *a: ptr._cotangents(cfg, *a, bf))
+        cot_args = (doc, carry, p, u, y, s0s, d_out, dut)
+        ut_, d_m, d_a, _ = cot(*cot_args)
+        key = jax.jit(lambda *a: ptr._key_grads(cfg, *a, (bf, bf, bf, jnp.float32)))
         parts = {
             "K1_intra": (intra, (q, k, e, v, lam, doc, carry)),
             "K1_intra_with_P": (intra_p, (q, k, e, v, lam, doc, carry)),
             "K2_scan": (scan, (y, u, keff, pic, s0)),
             "K3_output": (output, (qpi, s0s, m, ut)),
+            "B0_rhs": (rhs, (q, k, e, v, lam, doc, carry, p)),
             "B1_scan_bwd": (scan_bwd, (m, d_out, keff, qpi, y, pic, s0)),
-            "B2_grads": (grads, (q, k, e, lam, doc, carry, p, u, y, s0s, dsc, d_out, dut)),
+            "B2a_cotangents": (cot, cot_args),
+            "B2b_key_grads": (key, (q, k, e, lam, doc, carry, p, s0s, dsc, d_out, dut, ut_, d_m, d_a)),
         }
         res["breakdown"] = {}
         for name, (f, a) in parts.items():
@@ -461,6 +469,8 @@ def main():
     ap.add_argument("--shapes", default="8x4096,2x16384,1x32768")
     ap.add_argument("--skip", default="", help="comma list: correctness,fla_compare,fla,jla,cudnn,breakdown")
     ap.add_argument("--overrides", default="{}", help="JSON dict of pallas_triton.Config overrides")
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--leaf", type=int, default=16)
     ap.add_argument("--correctness-shape", default="2,1024,4,128,128")
     ap.add_argument("--modes", default="f32_highest,f32_tf32,bf16", help="correctness modes to run")
     ap.add_argument("--no-gdn2-variant", action="store_true")
@@ -470,6 +480,7 @@ def main():
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     OVERRIDES.update(json.loads(args.overrides))
+    TILING.update(chunk=args.chunk, leaf=args.leaf)
     corr_shape = tuple(int(v) for v in args.correctness_shape.split(","))
     CORRECTNESS_MODES[:] = [m for m in CORRECTNESS_MODES if m[0] in args.modes.split(",")]
     GDN2_VARIANT[0] = not args.no_gdn2_variant

@@ -7,9 +7,8 @@ o_t = q̂_t S_t.  Entry point: :func:`run` with the op's ``impl.run`` contract, 
 Structure (FLA-like: the state-independent work runs for every chunk in parallel, only the small
 S-dependent products are sequential):
 
-  forward   K1 ``intra``   grid (B, H, N)     per chunk: decay factors, A and M (exact leaves + pivoted
-                                               cross blocks), P = (I + A)⁻¹ (Neumann leaves + 2×2 merges),
-                                               U = P V̂, Y = P (K̂⊙π), Q̂⊙π, K⊙E, π_C
+  forward   K1 ``intra``   grid (B, H, N)     per chunk: A and M by pivoted blocks, P = (I + A)⁻¹ (Neumann
+                                               leaves + 2×2 merges), U = P V̂, Y = P (K̂⊙π), Q̂⊙π, K⊙E, π_C
             K2 ``scan``    grid (B, H, Dv/BV) sequential over chunks: S₀ saved, Ũ = U − Y S₀,
                                                S ← Diag(π_C) S + (K⊙E)ᵀ Ũ
             K3 ``output``  grid (B, H, N)     O = (Q̂⊙π) S₀ + M Ũ
@@ -21,16 +20,21 @@ S-dependent products are sequential):
   dtype: with bf16 inputs every consumer of S₀ and dS_C is a bf16 matmul operand anyway; the carried state
   and the final state are f32).
 
+Everything inside a kernel is a 2-D tile ([C, C], [C, BK], [C, Dv]) so that Triton never reshapes or
+converts layouts; K1 and B2 walk the key channels in blocks of BK (``block_k``) to bound registers.
+
 Numerics (every exponent ≤ 0, spec §4.7–§4.8):
-  * all log-decay sums are sums of λ ≤ 0 over token ranges; the only differences taken are inside one
-    leaf (n0 tokens): leaf-local cumsum Λ^leaf and Σ_{s>j in leaf} = total − Λ^leaf_j. Ranges that span
-    several leaves add whole-leaf totals (no cancellation across leaves);
-  * leaves (n0 × n0): exact e^{Λ_i − Λ_j}, masked to j ≤ i BEFORE the exp;
-  * cross blocks of the binary tree (half h = n0, 2n0, …, C/2): pivot at the last row of the left half,
-    ρ_i = e^{Σ_{p<s≤i} λ}, κ_j = e^{Σ_{j<s≤p} λ} (both ≤ 1), A[R,L] = (K̂⊙ρ)(K⊙κ)ᵀ, M likewise with Q̂.
-    On the GPU the cross blocks of one level are one masked C×Dk×C matmul;
-  * P = (I + A)⁻¹: leaves by the Neumann product (I − N)(I + N²)…, then per level P ← P − P A_ℓ P
-    (= −P_RR A_RL P_LL in the (R, L) blocks; f32 operands, ``inverse_precision``);
+  * A and M by the pivot tree all the way down to single tokens. A pair (i > j) belongs to exactly one
+    level: the node of size 2h whose left half holds j and right half holds i, pivot p = the left half's
+    last token. Its decay e^{Σ_{j<s≤i} λ} = ρ_i κ_j with ρ_i = e^{Σ_{p<s≤i} λ} and κ_j = e^{Σ_{j<s≤p} λ},
+    both ≤ 1. Per level the two sums are one matmul W_h λ with a 0/1 matrix (rows in a right half: the
+    half's prefix up to i; rows in a left half: the half's suffix after j) at f32 accuracy (TF32×3), so
+    every exponent is a sum of λ ≤ 0 over one half-node — no differences, no cancellation (a finer tree
+    than spec §4.7's exact n0×n0 leaves, same matrices). Then A_level = (K̂⊙F)(K⊙F)ᵀ masked to the level's
+    (right, left) block, M likewise with Q̂; M's diagonal is q̂_i·k_i (decay e^0);
+  * π (chunk start, e^{Σ_{0≤s≤i}}) and E (chunk end, e^{Σ_{j<s<C}}) the same way with the whole chunk;
+  * P = (I + A)⁻¹: leaves (``leaf`` × ``leaf``) by the Neumann product (I − N)(I + N²)…, then per level
+    P ← P − P A_ℓ P (= −P_RR A_RL P_LL in the (R, L) blocks; f32 operands, ``inverse_precision``);
   * state, accumulation, decay factors and the inverse in f32; matmul operands in the input dtype
     (bf16 inputs: bf16 tensor-core matmuls with f32 accumulation).
 Segments: ``document_BT`` (running count of boundaries); A and M keep same-document pairs, the S₀ rows
@@ -67,42 +71,53 @@ _MIN_DIM = 16  # tl.dot needs every matmul dimension ≥ 16
 @dataclasses.dataclass(frozen=True)
 class Config:
     chunk: int
-    leaf: int
+    leaf: int  # diagonal blocks of the inverse (Neumann product), then 2×2 merges up to the chunk
     key_dim: int
     value_dim: int
     operand_dtype: jnp.dtype  # matmul operands of the big products (bf16 or f32)
     inverse_precision: str = "highest"  # f32 matmuls (P = (I + A)⁻¹, f32 operands): "tf32" | "highest" | "ieee"
     scan_block_v: int = 64  # Dv block of the sequential kernels (more CTAs when B·H is small)
-    slab: int = 16  # key channels per pass of the exact n0×n0×slab leaf tensors
-    warps_intra: int = 8
+    block_k: int = 64  # key channels per pass of K1 and B2
+    warps_intra: int = 4
+    warps_rhs: int = 4
     warps_scan: int = 4
     warps_output: int = 4
-    warps_grads: int = 8
+    warps_cotangents: int = 4
+    warps_key_grads: int = 4
     stages_scan: int = 2
+    decay_sums: str = "auto"  # log-decay sums on the tensor cores: "tf32x2" | "tf32" | "auto" (see _split)
+    save_matrices: bool = True  # keep M and P (C×C per chunk, operand dtype) for the backward instead of
+    #                             running K1 again (≈ 17 % more residual bytes at C 64, D 128, bf16, f32 λ)
     interpret: bool = False
 
     @property
-    def leaves(self):
-        return self.chunk // self.leaf
+    def levels(self):
+        """Levels of the pivot tree, half sizes 1, 2, …, C/2 (every strictly lower pair is in one level);
+        the inverse merges the levels with half ≥ leaf."""
+        return int(math.log2(self.chunk))
 
     @property
-    def halves(self):
-        h, out = self.leaf, []
-        while h < self.chunk:
-            out.append(h)
-            h *= 2
-        return tuple(out)
+    def resolved_decay_sums(self):
+        """"auto": "tf32" with 16-bit operands (the sums' error stays under the operands' rounding), else
+        "tf32x2" (f32-accurate)."""
+        if self.decay_sums != "auto":
+            return self.decay_sums
+        return "tf32" if self.operand_dtype.itemsize == 2 else "tf32x2"
 
     @property
     def precision(self):
         """"tf32": one TF32 tensor-core pass; "highest": float32-accurate, as three TF32 passes on the GPU
         (Triton's tf32x3; a true IEEE f32 tl.dot is an FMA loop that compiles for minutes) and plain f32 in
         interpret mode; "ieee": Triton's FMA-based IEEE f32 dot (slow to compile and run; debugging only)."""
-        if self.inverse_precision == "tf32":
-            return jax.lax.Precision.DEFAULT
-        if self.inverse_precision == "highest" and not self.interpret:
-            return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-        return jax.lax.Precision.HIGHEST
+        return _precision(self.inverse_precision, self.interpret)
+
+
+def _precision(name, interpret):
+    if name == "tf32":
+        return jax.lax.Precision.DEFAULT
+    if name == "highest" and not interpret:
+        return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return jax.lax.Precision.HIGHEST
 
 
 def _pow2(x: int) -> bool:
@@ -119,12 +134,18 @@ def default_block_v(batch_heads: int, value_dim: int) -> int:
 
 def make_config(chunk, leaf, key_dim, value_dim, operand_dtype, *, batch_heads=128, interpret=False, **overrides):
     operand_dtype = jnp.dtype(operand_dtype)
-    slab = max(8, min(key_dim, 8192 // (chunk * leaf)))
     base = dict(chunk=chunk, leaf=leaf, key_dim=key_dim, value_dim=value_dim, operand_dtype=operand_dtype,
                 inverse_precision="highest" if interpret else "tf32",
-                scan_block_v=default_block_v(batch_heads, value_dim), slab=slab, interpret=interpret)
+                scan_block_v=default_block_v(batch_heads, value_dim), block_k=min(32, key_dim),
+                interpret=interpret)
     base.update(overrides)
-    return Config(**base)
+    cfg = Config(**base)
+    if cfg.decay_sums not in ("auto", "tf32", "tf32x2"):
+        raise ValueError(f"pallas_triton: decay_sums={cfg.decay_sums!r}; expected 'auto', 'tf32' or 'tf32x2'")
+    if cfg.key_dim % cfg.block_k or cfg.block_k < _MIN_DIM or not _pow2(cfg.block_k):
+        raise ValueError(f"pallas_triton: block_k={cfg.block_k} must be a power of two ≥ {_MIN_DIM} dividing "
+                         f"key_dim={cfg.key_dim}")
+    return cfg
 
 
 def supports(call) -> Optional[str]:
@@ -168,167 +189,170 @@ def _dot(a, b, cfg, *, trans_a=False, trans_b=False, f32=False):
     return _matmul(a.astype(cfg.operand_dtype), b.astype(cfg.operand_dtype), trans_a, trans_b, None)
 
 
-def _leaf_group_sum(tot, cfg, group, *, before):
-    """Σ of whole-leaf totals over the other leaves of the same aligned group of ``group`` leaves:
-    before=True: leaves m' < m; False: leaves m' > m. tot [nb, Dk] -> [nb, Dk] (sums of λ ≤ 0)."""
-    nb = cfg.leaves
-    m = _iota((nb, nb), 0)
-    mp = _iota((nb, nb), 1)
-    order = (mp < m) if before else (mp > m)
-    keep = order & ((mp // group) == (m // group))
-    return jnp.sum(jnp.where(keep[:, :, None], tot[None, :, :], 0.0), axis=1)
-
-
-class _Decay:
-    """Per-chunk log-decay sums (f32): leaf-local inclusive cumsum, leaf-local Σ_{s>j}, whole-leaf totals.
-    Level factors are products of two exps ≤ 1, e^{leaf-local part}·e^{sum of whole-leaf totals}, so the
-    [C, Dk] exps are taken once for all levels (the product underflows only where the true value does)."""
-
-    def __init__(self, lam, cfg):
-        nb, n0, dk = cfg.leaves, cfg.leaf, cfg.key_dim
-        lam3 = lam.reshape(nb, n0, dk)
-        self.cfg = cfg
-        inc = jnp.cumsum(lam3, axis=1)  # Σ_{leaf start ≤ s ≤ i}
-        self.tot = jnp.sum(lam3, axis=1)  # [nb, Dk]
-        self.exp_inc = jnp.exp(inc)
-        self.exp_rexc = jnp.exp(self.tot[:, None, :] - inc)  # Σ_{i < s ≤ leaf end} (difference inside one leaf)
-
-    def rho(self, group):
-        """e^{Σ_{start of the aligned group of leaves ≤ s ≤ i}}: [C, Dk] ≤ 1."""
-        cfg = self.cfg
-        pre = jnp.exp(_leaf_group_sum(self.tot, cfg, group, before=True))
-        return (self.exp_inc * pre[:, None, :]).reshape(cfg.chunk, cfg.key_dim)
-
-    def kappa(self, group):
-        """e^{Σ_{j < s ≤ end of the aligned group of leaves}}: [C, Dk] ≤ 1."""
-        cfg = self.cfg
-        suf = jnp.exp(_leaf_group_sum(self.tot, cfg, group, before=False))
-        return (self.exp_rexc * suf[:, None, :]).reshape(cfg.chunk, cfg.key_dim)
-
-    def chunk_total(self):
-        return jnp.sum(self.tot, axis=0)  # [Dk]
-
-
-def _level_mask(cfg, half):
-    """(i, j) with i in the right and j in the left half of the same node of size 2·half: [C, C]."""
+def _level(cfg, level):
+    """Level ``level`` of the pivot tree (half size h = 2^level; ``level`` may be traced, so a loop over the
+    levels keeps only one level's [C, C] constants alive). Returns
+      pairs [C, C] bool: (i, j) with i in the right and j in the left half of the same node of size 2h;
+      sums  [C, C] 0/1 f32: (W λ)_i = Σ_{p<s≤i} λ for rows in a right half (p: the pivot, last token of the
+            left half) and Σ_{i<s≤p} λ for rows in a left half."""
     c = cfg.chunk
     i = _iota((c, c), 0)
     j = _iota((c, c), 1)
-    return ((i // (2 * half)) == (j // (2 * half))) & (((i // half) % 2) == 1) & (((j // half) % 2) == 0)
+    node_i = jax.lax.shift_right_logical(i, level)
+    node_j = jax.lax.shift_right_logical(j, level)
+    right = (node_i & 1) == 1
+    pairs = ((node_i >> 1) == (node_j >> 1)) & right & ((node_j & 1) == 0)
+    sums = jnp.where((node_i == node_j) & jnp.where(right, j <= i, j > i), 1.0, 0.0).astype(F32)
+    return pairs, sums
 
 
-def _same_leaf(cfg):
+def _start_sums(cfg):
+    """0/1 [C, C] with (W λ)_i = Σ_{0≤s≤i} λ (decay from the chunk start to token i)."""
     c = cfg.chunk
-    return (_iota((c, c), 0) // cfg.leaf) == (_iota((c, c), 1) // cfg.leaf)
+    return jnp.where(_iota((c, c), 1) <= _iota((c, c), 0), 1.0, 0.0).astype(F32)
 
 
-def _embed_leaf_blocks(blocks, cfg):
-    """[nb, n0, n0] diagonal blocks -> block-diagonal [C, C]."""
-    nb, n0 = cfg.leaves, cfg.leaf
-    onehot = _iota((nb, 1, nb, 1), 0) == _iota((nb, 1, nb, 1), 2)
-    return jnp.where(onehot, blocks[:, :, None, :], 0.0).reshape(cfg.chunk, cfg.chunk)
+def _end_sums(cfg):
+    """0/1 [C, C] with (W λ)_j = Σ_{j<s<C} λ (decay from token j to the chunk end)."""
+    c = cfg.chunk
+    return jnp.where(_iota((c, c), 1) > _iota((c, c), 0), 1.0, 0.0).astype(F32)
 
 
-def _leaf_blocks(mat, cfg):
-    """[C, C] -> its [nb, n0, n0] diagonal blocks."""
-    nb, n0 = cfg.leaves, cfg.leaf
-    onehot = _iota((nb, 1, nb, 1), 0) == _iota((nb, 1, nb, 1), 2)
-    return jnp.sum(jnp.where(onehot, mat.reshape(nb, n0, nb, n0), 0.0), axis=2)
+def _split(lam, cfg):
+    """λ [C, BK] f32 as TF32-exact parts whose sum is λ, so that W λ (W a 0/1 matrix, exact in TF32) is a
+    sum of one-pass TF32 matmuls:
+      "tf32x2": (hi, lo), hi = λ with the low 13 mantissa bits cleared, lo = λ − hi (|lo| < 2⁻¹⁰|λ|, itself
+                kept to 2⁻¹⁰ by the tensor core): f32-accurate sums (~2⁻²⁰ relative per term);
+      "tf32":   (λ rounded to the nearest TF32,): 2⁻¹¹ relative per term — the largest error this adds to a
+                decay e^{Σλ} is |Σλ|·2⁻¹¹·e^{Σλ} ≤ 2⁻¹¹/e ≈ 1.8e-4, well under a bf16 operand's 2⁻⁹;
+    interpret mode: (λ,) with an f32 matmul."""
+    if cfg.interpret:
+        return (lam,)
+    bits = jax.lax.bitcast_convert_type(lam, jnp.int32)
+    if cfg.resolved_decay_sums == "tf32":
+        return (jax.lax.bitcast_convert_type((bits + 4096) & jnp.int32(-8192), F32),)
+    hi = jax.lax.bitcast_convert_type(bits & jnp.int32(-8192), F32)
+    return hi, lam - hi
 
 
-def _embed_columns(x, slab_index, cfg):
-    """[C, slab] placed at key channels [slab_index·slab, …) of a zero [C, Dk]."""
-    nslab = cfg.key_dim // cfg.slab
-    onehot = _iota((1, nslab, 1), 1) == slab_index
-    return jnp.where(onehot, x[:, None, :], 0.0).reshape(cfg.chunk, cfg.key_dim)
+def _decay(weights, lam_parts, cfg):
+    """e^{W λ} (W a 0/1 [C, C] matrix, λ as parts from :func:`_split`): every entry is e^{a sum of λ ≤ 0}
+    ≤ 1. [C, BK] f32."""
+    precision = jax.lax.Precision.HIGHEST if cfg.interpret else jax.lax.Precision.DEFAULT
+    sums = _matmul(weights, lam_parts[0], False, False, precision)
+    for part in lam_parts[1:]:
+        sums += _matmul(weights, part, False, False, precision)
+    return jnp.exp(sums)
 
 
-def _slab_columns(s, cfg):
-    """Key channels [s·slab, (s+1)·slab) for a (possibly traced) slab index s."""
-    return pl.ds(pl.multiple_of(s * cfg.slab, cfg.slab), cfg.slab)
-
-
-def _leaf_decay_slab(lam_ref, cols, cfg):
-    """Exact leaf decays e^{Λ_i − Λ_j} (j ≤ i, same leaf; zero elsewhere, masked before the exp) for the
-    key channels ``cols``: [nb, n0(i), n0(j), slab]."""
-    nb, n0, slab = cfg.leaves, cfg.leaf, cfg.slab
-    lam = lam_ref[:, cols].astype(F32).reshape(nb, n0, slab)
-    inc = jnp.cumsum(lam, axis=1)
-    causal = _iota((1, n0, n0, 1), 1) >= _iota((1, n0, n0, 1), 2)
-    diff = jnp.where(causal, inc[:, :, None, :] - inc[:, None, :, :], 0.0)
-    return jnp.where(causal, jnp.exp(diff), 0.0)
-
-
-def _rows_by_leaf(x, cfg, axis):
-    """[C, slab] -> [nb, n0, 1, slab] (axis=2: row index i) or [nb, 1, n0, slab] (axis=1: column j)."""
-    r = x.astype(F32).reshape(cfg.leaves, cfg.leaf, cfg.slab)
-    return r[:, :, None, :] if axis == 2 else r[:, None, :, :]
+def _key_block(b, cfg):
+    return pl.ds(pl.multiple_of(b * cfg.block_k, cfg.block_k), cfg.block_k)
 
 
 class _ChunkMasks:
+    """Document and causal masks of one chunk, built where they are used (properties, not stored), so that
+    no [C, C] mask stays live in registers across the key-block loops."""
+
     def __init__(self, doc, carry, last, cfg):
-        c = cfg.chunk
-        self.same_doc = doc[:, None] == doc[None, :]
-        self.causal = _iota((c, c), 0) >= _iota((c, c), 1)
-        self.strict = _iota((c, c), 0) > _iota((c, c), 1)
-        self.carried = (doc == carry)[:, None]  # rows whose document is the carried-in one
-        self.in_last = (doc == last)[:, None]  # rows in the chunk's last document
-        self.no_boundary = last == carry
+        self.doc, self.carry, self.last, self.c = doc, carry, last, cfg.chunk
+
+    def _rows_cols(self):
+        return _iota((self.c, self.c), 0), _iota((self.c, self.c), 1)
+
+    @property
+    def same_doc(self):
+        return self.doc[:, None] == self.doc[None, :]
+
+    @property
+    def eye(self):
+        i, j = self._rows_cols()
+        return i == j
+
+    @property
+    def causal(self):
+        i, j = self._rows_cols()
+        return i >= j
+
+    @property
+    def strict(self):
+        i, j = self._rows_cols()
+        return i > j
+
+    @property
+    def carried(self):
+        return (self.doc == self.carry)[:, None]  # rows whose document is the carried-in one
+
+    @property
+    def in_last(self):
+        return (self.doc == self.last)[:, None]  # rows in the chunk's last document
+
+    @property
+    def no_boundary(self):
+        return self.last == self.carry
 
 
 def _chunk_masks(doc_ref, carry_ref, cfg):
     return _ChunkMasks(doc_ref[...], carry_ref[...], doc_ref[cfg.chunk - 1], cfg)
 
 
-def _chunk_setup(lam_ref, doc_ref, carry_ref, cfg, masks=None):
-    """Decay sums, document masks and the chunk-boundary decays π (start), E (end), π_C."""
-    masks = _chunk_masks(doc_ref, carry_ref, cfg) if masks is None else masks
-    decay = _Decay(lam_ref[...].astype(F32), cfg)
-    start = jnp.where(masks.carried, decay.rho(cfg.leaves), 0.0)
-    end = jnp.where(masks.in_last, decay.kappa(cfg.leaves), 0.0)
-    chunk_decay = jnp.where(masks.no_boundary, jnp.exp(decay.chunk_total()), 0.0)
-    return masks, decay, start, end, chunk_decay
+def _start_decay(lam_split, masks, cfg):
+    """π = e^{Σ_{0≤s≤i} λ} for the rows of the carried-in document (0 elsewhere): [C, BK]."""
+    return jnp.where(masks.carried, _decay(_start_sums(cfg), lam_split, cfg), 0.0)
 
 
-def _chunk_matrices(q_ref, k_ref, e_ref, lam_ref, masks, decay, cfg):
-    """M (lower incl. diagonal) and P = (I + A)⁻¹, both [C, C] f32."""
-    c, dk = cfg.chunk, cfg.key_dim
-    # exact leaves, key channels in slabs (n0 × n0 × slab tensors)
-    def leaf_slab(s, acc):
-        cols = _slab_columns(s, cfg)
-        x = _leaf_decay_slab(lam_ref, cols, cfg) * _rows_by_leaf(k_ref[:, cols], cfg, 1)
-        return (acc[0] + jnp.sum(x * _rows_by_leaf(e_ref[:, cols], cfg, 2), axis=3),
-                acc[1] + jnp.sum(x * _rows_by_leaf(q_ref[:, cols], cfg, 2), axis=3))
+def _end_decays(lam, lam_split, masks, cfg):
+    """E = e^{Σ_{j<s<C} λ} for the rows of the chunk's last document [C, BK]; π_C (0 across a boundary) [BK]."""
+    end = jnp.where(masks.in_last, _decay(_end_sums(cfg), lam_split, cfg), 0.0)
+    return end, jnp.where(masks.no_boundary, jnp.exp(jnp.sum(lam, axis=0)), 0.0)
 
-    zeros = jnp.zeros((cfg.leaves, cfg.leaf, cfg.leaf), F32)
-    a_leaf, m_leaf = jax.lax.fori_loop(0, dk // cfg.slab, leaf_slab, (zeros, zeros))
-    leaf_doc = _same_leaf(cfg) & masks.same_doc
-    a_diag = jnp.where(leaf_doc & masks.strict, _embed_leaf_blocks(a_leaf, cfg), 0.0)
-    m_full = jnp.where(leaf_doc & masks.causal, _embed_leaf_blocks(m_leaf, cfg), 0.0)
 
-    # pivoted cross blocks, one masked matmul per tree level
-    q = q_ref[...].astype(F32)
-    k = k_ref[...].astype(F32)
-    e = e_ref[...].astype(F32)
-    a_levels = []
-    for half in cfg.halves:
-        group = half // cfg.leaf
-        rho = decay.rho(group)
-        col = k * decay.kappa(group)
-        mask = _level_mask(cfg, half) & masks.same_doc
-        a_levels.append(jnp.where(mask, _dot(e * rho, col, cfg, trans_b=True), 0.0))
-        m_full += jnp.where(mask, _dot(q * rho, col, cfg, trans_b=True), 0.0)
+def _chunk_matrices(q_ref, k_ref, e_ref, lam_ref, masks, cfg, qpi_out, keff_out, pic_out):
+    """M (lower incl. diagonal) and P = (I + A)⁻¹, both [C, C] f32; writes Q̂⊙π, K⊙E and π_C on the way."""
+    c = cfg.chunk
 
-    # P = (I + A)⁻¹: Neumann product on the leaves, then P ← P − P A_ℓ P level by level
-    eye = jnp.where(_iota((c, c), 0) == _iota((c, c), 1), 1.0, 0.0).astype(F32)
+    def key_block(b, acc):
+        a, m, diag = acc
+        cols = _key_block(b, cfg)
+        lam = lam_ref[:, cols].astype(F32)
+        lam_split = _split(lam, cfg)
+        q, k, e = q_ref[:, cols], k_ref[:, cols], e_ref[:, cols]  # operand dtype; products promote to f32
+        start = _start_decay(lam_split, masks, cfg)
+        end, chunk_decay = _end_decays(lam, lam_split, masks, cfg)
+        qpi_out[:, cols] = (q * start).astype(qpi_out.dtype)
+        keff_out[:, cols] = (k * end).astype(keff_out.dtype)
+        pic_out[cols] = chunk_decay
+
+        def level(l, acc):
+            pairs, sums = _level(cfg, l)
+            f = _decay(sums, lam_split, cfg)
+            kf = k * f
+            return (acc[0] + jnp.where(pairs, _dot(e * f, kf, cfg, trans_b=True), 0.0),
+                    acc[1] + jnp.where(pairs, _dot(q * f, kf, cfg, trans_b=True), 0.0))
+
+        a, m = jax.lax.fori_loop(0, cfg.levels, level, (a, m))
+        return a, m, diag + jnp.sum(q.astype(F32) * k.astype(F32), axis=1)
+
+    zeros = jnp.zeros((c, c), F32)
+    a, m, diag = jax.lax.fori_loop(0, cfg.key_dim // cfg.block_k, key_block, (zeros, zeros, jnp.zeros((c,), F32)))
+    a = jnp.where(masks.strict & masks.same_doc, a, 0.0)
+    m = jnp.where(masks.strict & masks.same_doc, m, 0.0) + jnp.where(masks.eye, diag[:, None], 0.0)
+    return m, _inverse(a, masks, cfg)
+
+
+def _inverse(a, masks, cfg):
+    """(I + A)⁻¹ for strictly lower A: Neumann product on the leaf blocks, then P ← P − P A_ℓ P per level."""
+    c = cfg.chunk
+    eye = jnp.where(masks.eye, 1.0, 0.0).astype(F32)
+    a_diag = jnp.where((_iota((c, c), 0) // cfg.leaf) == (_iota((c, c), 1) // cfg.leaf), a, 0.0)
     inverse = eye - a_diag
     power = a_diag
     for _ in range(int(math.log2(cfg.leaf)) - 1):
         power = _dot(power, power, cfg, f32=True)
         inverse = _dot(inverse, eye + power, cfg, f32=True)
-    for a_level in a_levels:
+    for level in range(int(math.log2(cfg.leaf)), cfg.levels):
+        a_level = jnp.where(_level(cfg, level)[0], a, 0.0)
         inverse = inverse - _dot(_dot(inverse, a_level, cfg, f32=True), inverse, cfg, f32=True)
-    return m_full, inverse
+    return inverse
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -338,17 +362,47 @@ def _chunk_matrices(q_ref, k_ref, e_ref, lam_ref, masks, decay, cfg):
 def _intra_kernel(cfg, with_inverse):
     def kernel(q_ref, k_ref, e_ref, v_ref, lam_ref, doc_ref, carry_ref,
                m_out, u_out, y_out, qpi_out, keff_out, pic_out, *maybe_p_out):
-        masks, decay, start, end, chunk_decay = _chunk_setup(lam_ref, doc_ref, carry_ref, cfg)
-        m, p = _chunk_matrices(q_ref, k_ref, e_ref, lam_ref, masks, decay, cfg)
+        masks = _chunk_masks(doc_ref, carry_ref, cfg)
+        m, p = _chunk_matrices(q_ref, k_ref, e_ref, lam_ref, masks, cfg, qpi_out, keff_out, pic_out)
         od = cfg.operand_dtype
         m_out[...] = m.astype(m_out.dtype)
         u_out[...] = _dot(p, v_ref[...], cfg).astype(od)
-        y_out[...] = _dot(p, e_ref[...].astype(F32) * start, cfg).astype(od)
-        qpi_out[...] = (q_ref[...].astype(F32) * start).astype(od)
-        keff_out[...] = (k_ref[...].astype(F32) * end).astype(od)
-        pic_out[...] = chunk_decay
+
+        def y_block(b, carry):
+            cols = _key_block(b, cfg)
+            start = _start_decay(_split(lam_ref[:, cols].astype(F32), cfg), masks, cfg)
+            y_out[:, cols] = _dot(p, e_ref[:, cols].astype(F32) * start, cfg).astype(od)
+            return carry
+
+        jax.lax.fori_loop(0, cfg.key_dim // cfg.block_k, y_block, 0)
         if with_inverse:
-            maybe_p_out[0][...] = p
+            maybe_p_out[0][...] = p.astype(maybe_p_out[0].dtype)
+
+    return kernel
+
+
+def _rhs_kernel(cfg):
+    """Backward with the forward's P saved: U = P V̂, Y = P (K̂⊙π), Q̂⊙π, K⊙E, π_C (no A, M or inverse)."""
+
+    def kernel(q_ref, k_ref, e_ref, v_ref, lam_ref, doc_ref, carry_ref, p_ref,
+               u_out, y_out, qpi_out, keff_out, pic_out):
+        masks = _chunk_masks(doc_ref, carry_ref, cfg)
+        od = cfg.operand_dtype
+        u_out[...] = _dot(p_ref[...], v_ref[...], cfg).astype(od)
+
+        def key_block(b, carry):
+            cols = _key_block(b, cfg)
+            lam = lam_ref[:, cols].astype(F32)
+            lam_split = _split(lam, cfg)
+            start = _start_decay(lam_split, masks, cfg)
+            end, chunk_decay = _end_decays(lam, lam_split, masks, cfg)
+            qpi_out[:, cols] = (q_ref[:, cols] * start).astype(od)
+            keff_out[:, cols] = (k_ref[:, cols] * end).astype(od)
+            pic_out[cols] = chunk_decay
+            y_out[:, cols] = _dot(p_ref[...], e_ref[:, cols] * start, cfg).astype(od)
+            return carry
+
+        jax.lax.fori_loop(0, cfg.key_dim // cfg.block_k, key_block, 0)
 
     return kernel
 
@@ -392,87 +446,79 @@ def _scan_bwd_kernel(cfg, n_chunks):
     return kernel
 
 
-def _grads_kernel(cfg):
-    c, dk, dv = cfg.chunk, cfg.key_dim, cfg.value_dim
-    bv = min(64, dv)
+def _cotangents_kernel(cfg):
+    """B2a, per chunk: Ũ = U − Y S₀, dM = dO Ũᵀ (causal), dV̂ = Pᵀ dŨ (the transposed solve, written out),
+    dA = −(dV̂ Uᵀ + dR Yᵀ) (strictly lower) with dR = Pᵀ dY, dY = −dŨ S₀ᵀ."""
+    nkb = cfg.key_dim // cfg.block_k
 
-    def kernel(q_ref, k_ref, e_ref, lam_ref, doc_ref, carry_ref, p_ref, u_ref, y_ref, s0_ref, dsc_ref, do_ref,
-               dut_ref, dq_out, dk_out, de_out, dv_out, dlam_out):
+    def kernel(doc_ref, carry_ref, p_ref, u_ref, y_ref, s0_ref, do_ref, dut_ref, ut_out, dm_out, da_out, dv_out):
         masks = _chunk_masks(doc_ref, carry_ref, cfg)
-        p = p_ref[...]
-        y = y_ref[...]
+        ut = u_ref[...].astype(F32) - _dot(y_ref[...], s0_ref[...], cfg)
+        ut_out[...] = ut.astype(ut_out.dtype)
+        d_m = _dot(do_ref[...], ut, cfg, trans_b=True)
+        dm_out[...] = jnp.where(masks.causal & masks.same_doc, d_m, 0.0).astype(dm_out.dtype)
+        d_v = _dot(p_ref[...], dut_ref[...], cfg, trans_a=True)
+        dv_out[...] = d_v.astype(dv_out.dtype)
 
-        d_qpi = jnp.zeros((c, dk), F32)
-        d_keff = jnp.zeros((c, dk), F32)
-        d_y = jnp.zeros((c, dk), F32)
-        d_pic = jnp.zeros((dk,), F32)
-        d_m = jnp.zeros((c, c), F32)
-        d_a = jnp.zeros((c, c), F32)
-        for vb in range(dv // bv):
-            cols = pl.ds(vb * bv, bv)
-            s0 = s0_ref[:, cols]
-            dsc = dsc_ref[:, cols]
-            d_out = do_ref[:, cols]
-            dut = dut_ref[:, cols]
-            u = u_ref[:, cols]
-            ut = u.astype(F32) - _dot(y, s0, cfg)
-            d_qpi += _dot(d_out, s0, cfg, trans_b=True)
-            d_keff += _dot(ut, dsc, cfg, trans_b=True)
-            d_y -= _dot(dut, s0, cfg, trans_b=True)
-            d_pic += jnp.sum(s0.astype(F32) * dsc.astype(F32), axis=1)
-            d_m += _dot(d_out, ut, cfg, trans_b=True)
-            d_v = _dot(p, dut, cfg, trans_a=True)
-            dv_out[:, cols] = d_v.astype(dv_out.dtype)
-            d_a += _dot(d_v, u, cfg, trans_b=True)
-        d_r = _dot(p, d_y, cfg, trans_a=True)
-        d_a = jnp.where(masks.strict & masks.same_doc, -(d_a + _dot(d_r, y, cfg, trans_b=True)), 0.0)
-        d_m = jnp.where(masks.causal & masks.same_doc, d_m, 0.0)
+        def key_block(b, acc):
+            cols = _key_block(b, cfg)
+            return acc + _dot(_d_rhs(p_ref, dut_ref, s0_ref, cols, cfg), y_ref[:, cols], cfg, trans_b=True)
 
-        # decay factors only now (fewer live registers in the value loop above)
-        _, decay, start, end, chunk_decay = _chunk_setup(lam_ref, doc_ref, carry_ref, cfg, masks)
+        d_a = jax.lax.fori_loop(0, nkb, key_block, _dot(d_v, u_ref[...], cfg, trans_b=True))
+        da_out[...] = jnp.where(masks.strict & masks.same_doc, -d_a, 0.0).astype(da_out.dtype)
 
-        # pair gradients through the pivoted cross blocks (same factors as the forward)
-        d_e_pair = jnp.zeros((c, dk), F32)
-        d_q_pair = jnp.zeros((c, dk), F32)
-        d_k_pair = jnp.zeros((c, dk), F32)
-        q = q_ref[...].astype(F32)
-        k = k_ref[...].astype(F32)
-        e = e_ref[...].astype(F32)
-        for half in cfg.halves:
-            group = half // cfg.leaf
-            rho, kappa = decay.rho(group), decay.kappa(group)
-            mask = _level_mask(cfg, half)
-            da_l = jnp.where(mask, d_a, 0.0)
-            dm_l = jnp.where(mask, d_m, 0.0)
-            col = k * kappa
-            d_e_pair += _dot(da_l, col, cfg) * rho
-            d_q_pair += _dot(dm_l, col, cfg) * rho
-            d_k_pair += (_dot(da_l, e * rho, cfg, trans_a=True) + _dot(dm_l, q * rho, cfg, trans_a=True)) * kappa
-        # ... and through the exact leaves, key channels in slabs
-        da_leaf = _leaf_blocks(d_a, cfg)[..., None]
-        dm_leaf = _leaf_blocks(d_m, cfg)[..., None]
+    return kernel
 
-        def leaf_slab(s, acc):
-            cols = _slab_columns(s, cfg)
-            x = _leaf_decay_slab(lam_ref, cols, cfg)
-            xk = x * _rows_by_leaf(k_ref[:, cols], cfg, 1)
-            rows_e = _rows_by_leaf(e_ref[:, cols], cfg, 2)
-            rows_q = _rows_by_leaf(q_ref[:, cols], cfg, 2)
-            shape = (c, cfg.slab)
-            return (acc[0] + _embed_columns(jnp.sum(da_leaf * xk, axis=2).reshape(shape), s, cfg),
-                    acc[1] + _embed_columns(jnp.sum(dm_leaf * xk, axis=2).reshape(shape), s, cfg),
-                    acc[2] + _embed_columns(
-                        jnp.sum((da_leaf * rows_e + dm_leaf * rows_q) * x, axis=1).reshape(shape), s, cfg))
 
-        d_e_pair, d_q_pair, d_k_pair = jax.lax.fori_loop(0, dk // cfg.slab, leaf_slab,
-                                                         (d_e_pair, d_q_pair, d_k_pair))
+def _d_rhs(p_ref, dut_ref, s0_ref, cols, cfg):
+    """dR = Pᵀ dY for the key block ``cols``: the cotangent of K̂⊙π (Y = P (K̂⊙π), dY = −dŨ S₀ᵀ). [C, BK]."""
+    d_y = -_dot(dut_ref[...], s0_ref[cols, :], cfg, trans_b=True)
+    return _dot(p_ref[...], d_y, cfg, trans_a=True)
 
-        dq_out[...] = (d_qpi * start + d_q_pair).astype(dq_out.dtype)
+
+def _key_grads_kernel(cfg):
+    """B2b, per chunk and key block (all blocks in parallel): dq̂, dk, dk̂, dλ of the block's key channels
+    from dA, dM, Ũ and the states."""
+    c = cfg.chunk
+
+    def kernel(q_ref, k_ref, e_ref, lam_ref, doc_ref, carry_ref, p_ref, s0_ref, dsc_ref, do_ref, dut_ref, ut_ref,
+               dm_ref, da_ref, dq_out, dk_out, de_out, dlam_out):
+        masks = _chunk_masks(doc_ref, carry_ref, cfg)
+        cols = pl.ds(0, cfg.block_k)  # this program's key block (the BlockSpecs select it)
+        lam = lam_ref[...].astype(F32)
+        lam_split = _split(lam, cfg)
+        q, k, e = q_ref[...], k_ref[...], e_ref[...]  # operand dtype; products promote to f32
+        s0 = s0_ref[...]
+        dsc = dsc_ref[...]
+        d_qpi = _dot(do_ref[...], s0, cfg, trans_b=True)
+        d_keff = _dot(ut_ref[...], dsc, cfg, trans_b=True)
+        d_pic = jnp.sum(s0.astype(F32) * dsc.astype(F32), axis=1)
+        d_r = _dot(p_ref[...], -_dot(dut_ref[...], s0, cfg, trans_b=True), cfg, trans_a=True)
+        del cols
+
+        # pair gradients through the pivot tree (same factors as the forward; F is ρ on right-half rows and
+        # κ on left-half rows)
+        def level(l, acc):
+            pairs, sums = _level(cfg, l)
+            f = _decay(sums, lam_split, cfg)
+            d_a = da_ref[...]
+            d_m = dm_ref[...]
+            da_l = jnp.where(pairs, d_a, jnp.zeros_like(d_a))
+            dm_l = jnp.where(pairs, d_m, jnp.zeros_like(d_m))
+            kf = k * f
+            return (acc[0] + _dot(da_l, kf, cfg) * f, acc[1] + _dot(dm_l, kf, cfg) * f,
+                    acc[2] + (_dot(da_l, e * f, cfg, trans_a=True) + _dot(dm_l, q * f, cfg, trans_a=True)) * f)
+
+        zeros = jnp.zeros((c, cfg.block_k), F32)
+        d_e_pair, d_q_pair, d_k_pair = jax.lax.fori_loop(0, cfg.levels, level, (zeros, zeros, zeros))
+        d_m_diag = jnp.sum(jnp.where(masks.eye, dm_ref[...].astype(F32), 0.0), axis=1)[:, None]
+        start = _start_decay(lam_split, masks, cfg)
+        end, chunk_decay = _end_decays(lam, lam_split, masks, cfg)
+        dq_out[...] = (d_qpi * start + d_q_pair + d_m_diag * k).astype(dq_out.dtype)
         de_out[...] = (d_r * start + d_e_pair).astype(de_out.dtype)
-        dk_out[...] = (d_keff * end + d_k_pair).astype(dk_out.dtype)
-
-        # log-decay: every exponent is Λ_i − Λ_j (pairs, π, E, π_C), so dΛ_i collects +g, dΛ_j −g;
-        # dλ = reverse cumsum of dΛ within the chunk.
+        dk_out[...] = (d_keff * end + d_k_pair + d_m_diag * q).astype(dk_out.dtype)
+        # log-decay: every exponent is Λ_i − Λ_j (pairs, π, E, π_C; Λ the chunk's inclusive cumsum), so
+        # dΛ_i collects +g, dΛ_j −g; dλ = reverse cumsum of dΛ within the chunk.
         end_terms = end * d_keff * k
         d_cum = (e * d_e_pair - k * d_k_pair + q * d_q_pair + start * (d_qpi * q + d_r * e) - end_terms)
         chunk_end = jnp.sum(end_terms, axis=0) + d_pic * chunk_decay
@@ -503,30 +549,46 @@ def _chunk_spec(*tail):
     return pl.BlockSpec((None, None, None, *tail), lambda b, h, n: (b, h, n, *([0] * len(tail))))
 
 
-def _intra(cfg, q, k, e, v, lam, doc, carry, with_inverse):
+def _rhs_blocks(cfg, q, v):
+    """Out shapes and specs of U, Y, Q̂⊙π, K⊙E (operand dtype) and π_C (f32), and the in specs of
+    q, k, k̂, v̂, λ, documents, carried document — shared by K1 and its backward twin."""
     b, t, h, dk = q.shape
     dv = v.shape[-1]
-    c = cfg.chunk
-    n = t // c
-    od = cfg.operand_dtype
-    shapes = [jax.ShapeDtypeStruct((b, h, n, c, c), od),  # M
-              jax.ShapeDtypeStruct((b, h, n, c, dv), od),  # U
+    c, n, od = cfg.chunk, t // cfg.chunk, cfg.operand_dtype
+    shapes = [jax.ShapeDtypeStruct((b, h, n, c, dv), od),  # U
               jax.ShapeDtypeStruct((b, h, n, c, dk), od),  # Y
               jax.ShapeDtypeStruct((b, h, n, c, dk), od),  # Q̂⊙π
               jax.ShapeDtypeStruct((b, h, n, c, dk), od),  # K⊙E
               jax.ShapeDtypeStruct((b, h, n, dk), F32)]  # π_C
-    specs = [_chunk_spec(c, c), _chunk_spec(c, dv), _chunk_spec(c, dk), _chunk_spec(c, dk), _chunk_spec(c, dk),
-             _chunk_spec(dk)]
-    if with_inverse:
-        shapes.append(jax.ShapeDtypeStruct((b, h, n, c, c), F32))
-        specs.append(_chunk_spec(c, c))
+    specs = [_chunk_spec(c, dv), _chunk_spec(c, dk), _chunk_spec(c, dk), _chunk_spec(c, dk), _chunk_spec(dk)]
     in_specs = [_token_spec(cfg, dk)] * 3 + [_token_spec(cfg, dv), _token_spec(cfg, dk),
                                              pl.BlockSpec((None, c), lambda b_, h_, n_: (b_, n_)),
                                              pl.BlockSpec((None, None), lambda b_, h_, n_: (b_, n_))]
-    return pl.pallas_call(_intra_kernel(cfg, with_inverse), out_shape=tuple(shapes), grid=(b, h, n),
+    return shapes, specs, in_specs, (b, h, n)
+
+
+def _intra(cfg, q, k, e, v, lam, doc, carry, with_inverse):
+    """K1: (M, U, Y, Q̂⊙π, K⊙E, π_C[, P])."""
+    shapes, specs, in_specs, grid = _rhs_blocks(cfg, q, v)
+    c = cfg.chunk
+    shapes = [jax.ShapeDtypeStruct((*grid, c, c), cfg.operand_dtype)] + shapes  # M
+    specs = [_chunk_spec(c, c)] + specs
+    if with_inverse:  # P in the operand dtype: every consumer is a matmul with operands in that dtype
+        shapes.append(jax.ShapeDtypeStruct((*grid, c, c), cfg.operand_dtype))
+        specs.append(_chunk_spec(c, c))
+    return pl.pallas_call(_intra_kernel(cfg, with_inverse), out_shape=tuple(shapes), grid=grid,
                           in_specs=in_specs, out_specs=tuple(specs), interpret=cfg.interpret,
                           compiler_params=_params(cfg, cfg.warps_intra), name="delta_rule_intra")(
         q, k, e, v, lam, doc, carry)
+
+
+def _rhs(cfg, q, k, e, v, lam, doc, carry, p):
+    """K1's backward twin with P given: (U, Y, Q̂⊙π, K⊙E, π_C)."""
+    shapes, specs, in_specs, grid = _rhs_blocks(cfg, q, v)
+    return pl.pallas_call(_rhs_kernel(cfg), out_shape=tuple(shapes), grid=grid,
+                          in_specs=in_specs + [_chunk_spec(cfg.chunk, cfg.chunk)], out_specs=tuple(specs),
+                          interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_rhs),
+                          name="delta_rule_rhs")(q, k, e, v, lam, doc, carry, p)
 
 
 def _scan(cfg, y, u, keff, pic, state):
@@ -575,35 +637,67 @@ def _scan_bwd(cfg, m, d_out, keff, qpi, y, pic, d_final):
         name="delta_rule_scan_bwd")(m, d_out, keff, qpi, y, pic, d_final)
 
 
-def _grads(cfg, q, k, e, lam, doc, carry, p, u, y, s0, dsc, d_out, dut, dtypes):
-    b, t, h, dk = q.shape
-    dv = u.shape[-1]
-    c = cfg.chunk
-    n = t // c
-    out_shape = (jax.ShapeDtypeStruct(q.shape, dtypes[0]), jax.ShapeDtypeStruct(k.shape, dtypes[1]),
-                 jax.ShapeDtypeStruct(e.shape, dtypes[2]), jax.ShapeDtypeStruct((b, t, h, dv), dtypes[3]),
-                 jax.ShapeDtypeStruct(lam.shape, dtypes[4]))
-    in_specs = [_token_spec(cfg, dk)] * 4 + [
-        pl.BlockSpec((None, c), lambda b_, h_, n_: (b_, n_)),
-        pl.BlockSpec((None, None), lambda b_, h_, n_: (b_, n_)),
-        _chunk_spec(c, c), _chunk_spec(c, dv), _chunk_spec(c, dk), _chunk_spec(dk, dv), _chunk_spec(dk, dv), _token_spec(cfg, dv),
-        _chunk_spec(c, dv)]
-    out_specs = (_token_spec(cfg, dk),) * 3 + (_token_spec(cfg, dv), _token_spec(cfg, dk))
-    return pl.pallas_call(_grads_kernel(cfg), out_shape=out_shape, grid=(b, h, n), in_specs=in_specs,
+def _cotangents(cfg, doc, carry, p, u, y, s0, d_out, dut, dv_dtype):
+    b, h, n, c, dv = u.shape
+    dk = y.shape[-1]
+    od = cfg.operand_dtype
+    out_shape = (jax.ShapeDtypeStruct((b, h, n, c, dv), od),  # Ũ
+                 jax.ShapeDtypeStruct((b, h, n, c, c), od),  # dM
+                 jax.ShapeDtypeStruct((b, h, n, c, c), od),  # dA
+                 jax.ShapeDtypeStruct((b, n * c, h, dv), dv_dtype))  # dV̂
+    in_specs = [pl.BlockSpec((None, c), lambda b_, h_, n_: (b_, n_)),
+                pl.BlockSpec((None, None), lambda b_, h_, n_: (b_, n_)),
+                _chunk_spec(c, c), _chunk_spec(c, dv), _chunk_spec(c, dk), _chunk_spec(dk, dv), _token_spec(cfg, dv),
+                _chunk_spec(c, dv)]
+    out_specs = (_chunk_spec(c, dv), _chunk_spec(c, c), _chunk_spec(c, c), _token_spec(cfg, dv))
+    return pl.pallas_call(_cotangents_kernel(cfg), out_shape=out_shape, grid=(b, h, n), in_specs=in_specs,
                           out_specs=out_specs, interpret=cfg.interpret,
-                          compiler_params=_params(cfg, cfg.warps_grads), name="delta_rule_grads")(
-        q, k, e, lam, doc, carry, p, u, y, s0, dsc, d_out, dut)
+                          compiler_params=_params(cfg, cfg.warps_cotangents), name="delta_rule_cotangents")(
+        doc, carry, p, u, y, s0, d_out, dut)
+
+
+def _key_grads(cfg, q, k, e, lam, doc, carry, p, s0, dsc, d_out, dut, ut, d_m, d_a, dtypes):
+    b, t, h, dk = q.shape
+    dv = ut.shape[-1]
+    c, bk = cfg.chunk, cfg.block_k
+    n = t // c
+    # grid (B, H, N·key blocks): chunk j // nkb, key block j % nkb
+    nkb = dk // bk
+    token = pl.BlockSpec((None, c, None, bk), lambda b_, h_, j: (b_, j // nkb, h_, j % nkb))
+    chunk = lambda *tail: pl.BlockSpec((None, None, None, *tail), lambda b_, h_, j: (b_, h_, j // nkb, *([0] * len(tail))))  # noqa
+    state_rows = pl.BlockSpec((None, None, None, bk, dv), lambda b_, h_, j: (b_, h_, j // nkb, j % nkb, 0))
+    in_specs = [token] * 4 + [
+        pl.BlockSpec((None, c), lambda b_, h_, j: (b_, j // nkb)),
+        pl.BlockSpec((None, None), lambda b_, h_, j: (b_, j // nkb)),
+        chunk(c, c), state_rows, state_rows, pl.BlockSpec((None, c, None, dv), lambda b_, h_, j: (b_, j // nkb, h_, 0)),
+        chunk(c, dv), chunk(c, dv), chunk(c, c), chunk(c, c)]
+    out_shape = (jax.ShapeDtypeStruct(q.shape, dtypes[0]), jax.ShapeDtypeStruct(k.shape, dtypes[1]),
+                 jax.ShapeDtypeStruct(e.shape, dtypes[2]), jax.ShapeDtypeStruct(lam.shape, dtypes[3]))
+    return pl.pallas_call(_key_grads_kernel(cfg), out_shape=out_shape, grid=(b, h, n * nkb), in_specs=in_specs,
+                          out_specs=(token,) * 4, interpret=cfg.interpret,
+                          compiler_params=_params(cfg, cfg.warps_key_grads), name="delta_rule_key_grads")(
+        q, k, e, lam, doc, carry, p, s0, dsc, d_out, dut, ut, d_m, d_a)
+
+
+def _grads(cfg, q, k, e, lam, doc, carry, p, u, y, s0, dsc, d_out, dut, dtypes):
+    """B2: dq̂, dk, dk̂, dV̂, dλ (B2a per chunk, then B2b per chunk and key block)."""
+    ut, d_m, d_a, dv = _cotangents(cfg, doc, carry, p, u, y, s0, d_out, dut, dtypes[3])
+    dq, dk, de, dlam = _key_grads(cfg, q, k, e, lam, doc, carry, p, s0, dsc, d_out, dut, ut, d_m, d_a,
+                                  (dtypes[0], dtypes[1], dtypes[2], dtypes[4]))
+    return dq, dk, de, dv, dlam
 
 
 # ---------------------------------------------------------------------------------------------------------
 # custom VJP (padded inputs, documents and the carried-in document per chunk)
 
 
-def _forward(cfg, q, k, e, v, lam, state, doc, carry):
-    m, u, y, qpi, keff, pic = _intra(cfg, q, k, e, v, lam, doc, carry, with_inverse=False)
+def _forward(cfg, q, k, e, v, lam, state, doc, carry, for_backward=False):
+    """o, S_T, and what the backward keeps: S₀, plus M and P when ``cfg.save_matrices``."""
+    keep = for_backward and cfg.save_matrices
+    m, u, y, qpi, keff, pic, *p = _intra(cfg, q, k, e, v, lam, doc, carry, with_inverse=keep)
     s0, ut, final = _scan(cfg, y, u, keff, pic, state)
     out = _output(cfg, qpi, s0, m, ut, v.dtype)
-    return out, final, s0
+    return out, final, (s0, m, p[0]) if keep else (s0, None, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -613,14 +707,17 @@ def _delta_rule(cfg, q, k, e, v, lam, state, doc, carry):
 
 
 def _delta_rule_fwd(cfg, q, k, e, v, lam, state, doc, carry):
-    out, final, s0 = _forward(cfg, q, k, e, v, lam, state, doc, carry)
-    return (out, final), (q, k, e, v, lam, state, doc, carry, s0)
+    out, final, saved = _forward(cfg, q, k, e, v, lam, state, doc, carry, for_backward=True)
+    return (out, final), (q, k, e, v, lam, state, doc, carry, *saved)
 
 
 def _delta_rule_bwd(cfg, residuals, cotangents):
-    q, k, e, v, lam, state, doc, carry, s0 = residuals
+    q, k, e, v, lam, state, doc, carry, s0, m, p = residuals
     d_out, d_final = cotangents
-    m, u, y, qpi, keff, pic, p = _intra(cfg, q, k, e, v, lam, doc, carry, with_inverse=True)
+    if p is None:  # recompute the chunk matrices (save_matrices=False: less memory, one more K1)
+        m, u, y, qpi, keff, pic, p = _intra(cfg, q, k, e, v, lam, doc, carry, with_inverse=True)
+    else:
+        u, y, qpi, keff, pic = _rhs(cfg, q, k, e, v, lam, doc, carry, p)
     dsc, dut, d_state = _scan_bwd(cfg, m, d_out.astype(v.dtype), keff, qpi, y, pic, d_final.astype(F32))
     dq, dk, de, dv, dlam = _grads(cfg, q, k, e, lam, doc, carry, p, u, y, s0, dsc, d_out.astype(v.dtype), dut,
                                   (q.dtype, k.dtype, e.dtype, v.dtype, lam.dtype))

@@ -69,17 +69,18 @@ def _check(got, want, tol, grad_tol):
         assert rel_rms_err(g, r) <= grad_tol, (name, rel_rms_err(g, r))
 
 
-@pytest.mark.parametrize("chunk_size, leaf_size, boundaries", [
-    (64, 8, [5, 40, 64, 100]),  # T = 110: padded, segments inside and on a chunk edge
-    (32, 16, []),
+@pytest.mark.parametrize("chunk_size, leaf_size, boundaries, options", [
+    (64, 8, [5, 40, 64, 100], {}),  # T = 110: padded, segments inside and on a chunk edge
+    (32, 16, [], {}),
+    (64, 16, [30, 64], {"save_matrices": False, "block_k": 16}),  # backward recomputes K1; 2 key blocks
 ])
-def test_interpret_matches_reference_f32(chunk_size, leaf_size, boundaries):
+def test_interpret_matches_reference_f32(chunk_size, leaf_size, boundaries, options):
     b, t, h, dk, dv = 1, 110, 2, 32, 16
     inputs = gdn2_inputs(0, b, t, h, dk, dv, dtype=np.float32)
     args = _args(inputs, jnp.float32)
     document = _documents(b, t, boundaries)
     weights = _weights(1, b, t, h, dk, dv)
-    got = _kernel(args, document, weights, chunk_size=chunk_size, leaf_size=leaf_size)
+    got = _kernel(args, document, weights, chunk_size=chunk_size, leaf_size=leaf_size, **options)
     _check(got, _reference(args, document, weights), tol=2e-6, grad_tol=1e-5)  # observed ≤ 1e-6
 
 
@@ -140,14 +141,37 @@ def test_lowers_for_cuda_on_cpu(chunk_size, leaf_size):
 
     grad = jax.grad(loss, argnums=tuple(range(6)))
     text = jax.jit(grad).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 6  # forward: intra, scan, output; backward: intra, scan, grads
+    assert text.count("__gpu$xla.gpu.triton") == 7  # forward: intra, scan, output; backward: intra, scan_bwd, cotangents, key_grads
+
+
+@pytest.mark.parametrize("mode", ["tf32", "tf32x2"])
+def test_decay_sum_parts_are_tf32_exact(mode):
+    """The GPU path's λ parts: each exact in TF32 (low 13 mantissa bits zero), summing to λ within the
+    stated error (tf32: 2⁻¹¹ relative, rounded to nearest; tf32x2: the TF32 rounding of lo, < 2⁻²⁰)."""
+    cfg = pallas_triton.make_config(64, 16, 64, 64, jnp.bfloat16, decay_sums=mode)
+    lam = -jnp.asarray(np.random.default_rng(0).exponential(2.0, size=(64, 32)), jnp.float32)
+    parts = pallas_triton._split(lam, cfg)
+    assert len(parts) == (1 if mode == "tf32" else 2)
+    bits = np.asarray(jax.lax.bitcast_convert_type(parts[0], jnp.int32))
+    assert np.all(bits & 8191 == 0)
+    total = sum(np.asarray(p, np.float64) for p in parts)
+    rel = np.abs(total - np.asarray(lam, np.float64)) / np.abs(np.asarray(lam, np.float64))
+    assert rel.max() <= (2.0 ** -11 if mode == "tf32" else 1e-12), rel.max()
+    if mode == "tf32":
+        assert rel.max() > 2.0 ** -14  # really rounded (the check above can fail)
 
 
 def test_config_defaults():
     cfg = pallas_triton.make_config(64, 8, 128, 128, jnp.bfloat16, batch_heads=8 * 16)
-    assert cfg.scan_block_v == 64 and cfg.inverse_precision == "tf32" and cfg.halves == (8, 16, 32)
+    assert cfg.scan_block_v == 64 and cfg.inverse_precision == "tf32" and cfg.levels == 6
     assert pallas_triton.make_config(64, 8, 128, 128, jnp.bfloat16, batch_heads=16).scan_block_v == 16
     assert dataclasses.replace(cfg, interpret=True).interpret
+    assert cfg.block_k == 32 and cfg.save_matrices and cfg.resolved_decay_sums == "tf32"
+    assert pallas_triton.make_config(64, 16, 128, 128, jnp.float32).resolved_decay_sums == "tf32x2"
+    with pytest.raises(ValueError, match="decay_sums"):
+        pallas_triton.make_config(64, 16, 128, 128, jnp.float32, decay_sums="fp8")
+    with pytest.raises(ValueError, match="block_k=48"):
+        pallas_triton.make_config(64, 16, 128, 128, jnp.float32, block_k=48)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -167,6 +191,6 @@ def test_gpu_matches_reference(dtype, tol, grad_tol, precision):
     args = _args(inputs, dtype)
     document = _documents(b, t, [100, 256, 300])
     weights = _weights(7, b, t, h, dk, dv)
-    got = _kernel(args, document, weights, interpret=False, chunk_size=64, leaf_size=8,
+    got = _kernel(args, document, weights, interpret=False, chunk_size=64, leaf_size=16,
                   inverse_precision=precision)
     _check(got, _reference(args, document, weights), tol=tol, grad_tol=grad_tol)
