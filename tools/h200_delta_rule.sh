@@ -12,7 +12,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCAT
 R=runs/delta_rule_h200_$PHASE && mkdir -p $R
 B="python3 tools/bench_delta_rule_gpu.py --correctness-shape 2,512,4,128,128"
 if [ "$PHASE" = ours ]; then
-  timeout 150 python3 -m pytest -q -m gpu tests/pallas_kernels/test_delta_rule_pallas_triton.py -p no:cacheprovider \
+  JAX_PLATFORMS=cuda timeout 150 python3 -m pytest -q -m gpu tests/pallas_kernels/test_delta_rule_pallas_triton.py -p no:cacheprovider \
     2>&1 | tee $R/pytest_gpu.log | tail -3
   timeout 420 $B --skip fla_compare,fla --modes f32_highest,f32_tf32,bf16 --shapes ${SHAPES:-8x4096,2x16384,1x32768} \
     --budget 400 --out $R/bench.json > $R/bench.log 2>&1

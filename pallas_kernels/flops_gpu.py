@@ -1,0 +1,121 @@
+"""Executed tensor-core FLOPs and HBM bytes of the GPU (Pallas → Triton) delta-rule kernels, per kernel, and
+the roofline time each would have on the H200 — to set the measured times of
+``tools/bench_delta_rule_gpu.py`` against (no JAX needed).
+
+Unlike ``pallas_kernels.flops`` (the ideal fused TPU kernel, Muir's Table 8), this counts what the
+kernels in ``pallas_kernels/delta_rule/pallas_triton.py`` execute:
+  * every matmul over its full tiles (the masked C×C pivot-level products count in full: they are computed
+    in full and masked afterwards);
+  * decay sums (0/1 matrix × λ) and the inverse run on TF32 tensor cores, charged at half the bf16 rate
+    (the datasheet's TF32 : bf16 ratio; not measured here); every other matmul is bf16;
+  * bytes: every HBM read and write of each kernel, at bf16 for the matmul intermediates (M, P, U, Y, Q̂⊙π,
+    K⊙E, Ũ, dŨ, dM, dA, S₀, dS_C), f32 for λ, dλ and π_C; the key-gradient kernel reads its per-chunk
+    operands once per key block (an upper bound: L2 absorbs part of it).
+Elementwise work (exp, masks) is not counted.
+
+    python -m pallas_kernels.flops_gpu [--chunk 64 --leaf 16 --dk 128 --dv 128 --block-k 32]
+        [--measured docs/benchmarks/raw/delta_rule_h200_2026-11-30.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Sequence
+
+BF16_FLOPS = 790e12  # measured on the H200 here (guide/architecture.md); TF32 charged at half of it
+HBM_BYTES_S = 4.2e12  # measured device copy on the H200 (guide/architecture.md)
+
+
+def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, save_matrices=True):
+    """{kernel: (bf16 FLOPs, tf32 FLOPs, HBM bytes)} per chunk of one head. ``sum_passes``: 1 for
+    decay_sums="tf32" (bf16 inputs), 2 for "tf32x2"."""
+    c, levels = chunk, int(math.log2(chunk))
+    mm = lambda m, k, n: 2 * m * k * n  # noqa: E731
+    sums = lambda count: count * sum_passes * mm(c, c, dk)  # noqa: E731  (count decay-sum matmuls over all keys)
+    inputs = c * (2 * (3 * dk + dv) + 4 * dk) + 4 * c  # q̂, k, k̂, v̂ (bf16), λ (f32), documents
+    tile = lambda width: 2 * c * width  # noqa: E731  a bf16 [C, width] tile
+    state = 2 * dk * dv  # S₀ / dS_C per chunk, bf16
+    n_inverse = 2 * (int(math.log2(leaf)) - 1) + 2 * (levels - int(math.log2(leaf)))
+    rhs_out = tile(dv) + 3 * tile(dk) + 4 * dk  # U, Y, Q̂⊙π, K⊙E, π_C
+    out = {
+        "K1_intra": (levels * 2 * mm(c, dk, c) + mm(c, c, dv) + mm(c, c, dk),
+                     sums(levels + 3) + n_inverse * mm(c, c, c),
+                     inputs + tile(c) * (2 if save_matrices else 1) + rhs_out),
+        "K2_scan": (2 * mm(c, dk, dv), 0, tile(dv) + 2 * tile(dk) + 4 * dk + state + tile(dv)),
+        "K3_output": (mm(c, dk, dv) + mm(c, c, dv), 0, tile(dk) + state + tile(c) + 2 * tile(dv)),
+    }
+    if save_matrices:
+        out["B0_rhs"] = (mm(c, c, dv) + mm(c, c, dk), sums(2), inputs + tile(c) + rhs_out)
+    else:
+        out["B0_intra_again"] = (out["K1_intra"][0], out["K1_intra"][1], out["K1_intra"][2] + tile(c))
+    nkb = dk // block_k
+    out |= {
+        "B1_scan_bwd": (mm(c, c, dv) + 3 * mm(c, dk, dv), 0,
+                        tile(c) + 3 * tile(dk) + 4 * dk + tile(dv) + state + tile(dv)),
+        "B2a_cotangents": (3 * mm(c, c, dv) + mm(c, dk, dv) + mm(c, dv, dk) + 2 * mm(c, c, dk), 0,
+                           4 * c + tile(c) + tile(dv) + tile(dk) + state + 2 * tile(dv)
+                           + tile(dv) + 2 * tile(c) + tile(dv)),
+        "B2b_key_grads": (3 * mm(c, dv, dk) + mm(c, c, dk) + levels * 4 * mm(c, c, dk), sums(levels + 2),
+                          inputs - c * 2 * dv + 2 * state
+                          + nkb * (tile(c) + 3 * tile(dv) + 2 * tile(c)) + c * (2 * 3 * dk + 4 * dk)),
+    }
+    return out
+
+
+def roofline_ms(counts, token_heads, chunk):
+    """{kernel: (ms at the FLOP roof, ms at the byte roof)} for ``token_heads`` tokens × heads."""
+    chunks = token_heads / chunk
+    return {name: (1e3 * chunks * (bf + 2 * tf) / BF16_FLOPS, 1e3 * chunks * nbytes / HBM_BYTES_S)
+            for name, (bf, tf, nbytes) in counts.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pallas_kernels.flops_gpu", description=__doc__.split("\n")[0])
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--leaf", type=int, default=16)
+    p.add_argument("--dk", type=int, default=128)
+    p.add_argument("--dv", type=int, default=128)
+    p.add_argument("--block-k", type=int, default=32)
+    p.add_argument("--sum-passes", type=int, default=1, choices=(1, 2))
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--measured", help="bench JSON of tools/bench_delta_rule_gpu.py (per-kernel breakdown)")
+    a = p.parse_args(argv)
+    counts = kernel_counts(a.chunk, a.leaf, a.dk, a.dv, a.block_k, a.sum_passes)
+    n = a.batch * a.seq * a.heads
+    roof = roofline_ms(counts, n, a.chunk)
+    measured = {}
+    if a.measured:
+        with open(a.measured) as f:
+            timings = json.load(f)["timings"]
+        key = f"{a.batch}x{a.seq}"
+        try:
+            measured = {k: v[0] for k, v in timings[key]["ours"]["breakdown"].items()}
+        except (KeyError, TypeError):
+            p.error(f"{a.measured}: no per-kernel breakdown for shape {key} (timings.{key}.ours.breakdown)")
+    print(f"GPU delta-rule kernels, C={a.chunk} leaf={a.leaf} d_k={a.dk} d_v={a.dv} block_k={a.block_k}, "
+          f"B·T·H = {a.batch}·{a.seq}·{a.heads}; H200 roofs {BF16_FLOPS / 1e12:.0f} TFLOP/s bf16 (TF32 at half), "
+          f"{HBM_BYTES_S / 1e12:.1f} TB/s")
+    print("| kernel | GFLOP bf16 | GFLOP tf32 | GB | roof ms (FLOPs) | roof ms (bytes) | measured ms | measured / roof |")
+    print("|---|---|---|---|---|---|---|---|")
+    tot = [0.0] * 6
+    chunks = n / a.chunk
+    for name, (bf, tf, nb) in counts.items():
+        t_f, t_b = roof[name]
+        got = measured.get(name)
+        ratio = f"{got / max(t_f, t_b):.1f}×" if got else "—"
+        print(f"| {name} | {chunks * bf / 1e9:.1f} | {chunks * tf / 1e9:.1f} | {chunks * nb / 1e9:.2f} | "
+              f"{t_f:.3f} | {t_b:.3f} | {got if got is None else f'{got:.3f}'} | {ratio} |".replace("| None |", "| — |"))
+        for i, x in enumerate((chunks * bf / 1e9, chunks * tf / 1e9, chunks * nb / 1e9, t_f, t_b, got or 0.0)):
+            tot[i] += x
+    print(f"| total | {tot[0]:.1f} | {tot[1]:.1f} | {tot[2]:.2f} | {tot[3]:.3f} | {tot[4]:.3f} | "
+          f"{tot[5]:.3f} | {tot[5] / max(tot[3], tot[4]):.1f}× |" if measured else
+          f"| total | {tot[0]:.1f} | {tot[1]:.1f} | {tot[2]:.2f} | {tot[3]:.3f} | {tot[4]:.3f} | — | — |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

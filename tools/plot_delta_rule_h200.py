@@ -1,0 +1,78 @@
+"""Plot the H200 delta-rule benchmark (docs/benchmarks/delta_rule_h200.md) from its raw JSON files:
+left, fwd+bwd time per shape for ours, fla, jax-linear-attention and cuDNN attention (fla: measured at
+8·4096 in its own call, the guide's anchors elsewhere, hatched); right, each of our kernels at 8·4096 against
+its roofline from pallas_kernels/flops_gpu.py.
+
+    python tools/plot_delta_rule_h200.py [--out docs/images/delta_rule_h200.png]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from pallas_kernels import flops_gpu  # noqa: E402
+
+RAW = "docs/benchmarks/raw"
+FLA_ANCHORS = {"8x4096": 11.56, "2x16384": 12.68, "1x32768": 14.44}  # shared/guide/architecture.md
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ours", default=f"{RAW}/delta_rule_h200_2026-11-30.json")
+    ap.add_argument("--fla", default=f"{RAW}/delta_rule_h200_fla_2026-11-30.json")
+    ap.add_argument("--out", default="docs/images/delta_rule_h200.png")
+    a = ap.parse_args()
+    with open(a.ours) as f:
+        timings = json.load(f)["timings"]
+    with open(a.fla) as f:
+        fla_run = json.load(f)["timings"]
+    shapes = list(timings)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [1.1, 1]})
+
+    series = [("ours (Pallas→Triton)", "tab:blue", lambda s: timings[s]["ours"]["core_fwd_bwd"][0], None),
+              ("fla-core 0.6.0 chunk_gdn2", "tab:orange",
+               lambda s: fla_run.get(s, {}).get("fla", {}).get("fwd_bwd", [FLA_ANCHORS[s]])[0],
+               lambda s: s not in fla_run),
+              ("jax-linear-attention gdn2", "tab:green", lambda s: timings[s]["jla"]["fwd_bwd"][0], None),
+              ("cuDNN flash attention", "tab:gray", lambda s: timings[s]["cudnn"]["fwd_bwd"][0], None)]
+    width = 0.2
+    for i, (label, color, value, is_anchor) in enumerate(series):
+        for j, s in enumerate(shapes):
+            v = value(s)
+            hatch = "//" if is_anchor and is_anchor(s) else None
+            left.bar(j + (i - 1.5) * width, v, width, color=color, hatch=hatch, edgecolor="white",
+                     label=label if j == 0 else None)
+            left.text(j + (i - 1.5) * width, v + 0.3, f"{v:.1f}", ha="center", fontsize=7)
+    left.set_xticks(range(len(shapes)), [s.replace("x", "·") + "·16·128" for s in shapes])
+    left.set_ylabel("fwd+bwd, median ms (bf16)")
+    left.set_title("H200, B·T·H·D (hatched: anchor, not re-measured)")
+    left.legend(fontsize=8)
+
+    measured = {k: v[0] for k, v in timings["8x4096"]["ours"]["breakdown"].items()}
+    roof = flops_gpu.roofline_ms(flops_gpu.kernel_counts(), 8 * 4096 * 16, 64)
+    names = [n for n in roof if n in measured]
+    ys = range(len(names))
+    right.barh([y + 0.2 for y in ys], [measured[n] for n in names], 0.4, color="tab:blue", label="measured")
+    right.barh([y - 0.2 for y in ys], [max(roof[n]) for n in names], 0.4, color="lightgray",
+               label="roofline (max of FLOP and byte time)")
+    right.set_yticks(list(ys), names)
+    right.invert_yaxis()
+    right.set_xlabel("ms at 8·4096·16·128")
+    right.set_title("our kernels vs their own roofline")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(a.out, dpi=120)
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()

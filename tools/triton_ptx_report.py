@@ -1,0 +1,110 @@
+"""Registers, spills and shared memory of the Pallas-Triton delta-rule kernels, without a GPU.
+
+Lowers forward+backward for CUDA on the CPU (as the CI lowering test does), captures the Triton IR that
+Pallas hands to XLA, compiles it with a local Triton for sm_90a and runs ``ptxas -v`` on the PTX. Triton and
+ptxas are not project dependencies: ``pip install triton==3.6.0`` (the GPU machine's version) into the venv
+and have ``ptxas`` (CUDA ≥ 12.3) on the PATH. XLA's own Triton may schedule slightly differently; use this
+for relative comparisons (did a change add spills?), then time on the GPU.
+
+    python tools/triton_ptx_report.py [--chunk 64 --leaf 16] [--overrides '{"block_k": 16}'] [--kernels intra,key_grads]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128)):
+    """{kernel name: Triton IR text} of forward + backward, captured from the Pallas lowering."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    from pallas_kernels.delta_rule import pallas_triton
+
+    captured = {}
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        text = result.module.operation.get_asm(enable_debug_info=False)
+        captured[re.search(r"tt.func (?:public )?@(\w+)", text).group(1)] = text
+        return result
+
+    b, t, h, dk, dv = shape
+    s = jax.ShapeDtypeStruct
+    specs = [s((b, t, h, dk), jnp.bfloat16)] * 3 + [s((b, t, h, dv), jnp.bfloat16), s((b, t, h, dk), jnp.float32),
+                                                   s((b, h, dk, dv), jnp.float32), s((b, t), jnp.int32)]
+
+    def loss(*a):
+        out, state = pallas_triton.run(*a, chunk_size=chunk, leaf_size=leaf, **overrides)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(state)
+
+    registration.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(*specs).lower(lowering_platforms=("cuda",))
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = lower
+    cfg = pallas_triton.make_config(chunk, leaf, dk, dv, jnp.bfloat16, batch_heads=b * h, **overrides)
+    warps = {name: getattr(cfg, f"warps_{name}", 4) for name in ("intra", "rhs", "scan", "output", "cotangents",
+                                                                  "key_grads")}
+    warps["scan_bwd"] = cfg.warps_scan
+    return captured, warps
+
+
+def ptxas_report(ttir, num_warps, num_stages=3):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ttir")
+        with open(path, "w") as f:
+            f.write(ttir)
+        compiled = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=num_warps, num_stages=num_stages))
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        err = subprocess.run(["ptxas", "-v", "-arch=sm_90a", ptx, "-o", os.devnull], capture_output=True,
+                             text=True).stderr
+    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, err)) else None  # noqa: E731
+    return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
+            "spill_loads": number(r"(\d+) bytes spill loads"), "shared_bytes": compiled.metadata.shared,
+            "wgmma": compiled.asm["ptx"].count("wgmma.mma_async"), "barriers": compiled.asm["ptx"].count("bar.sync")}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--leaf", type=int, default=16)
+    ap.add_argument("--overrides", default="{}", help="JSON dict of pallas_triton.Config fields")
+    ap.add_argument("--kernels", default="", help="comma list of kernel names (default: all)")
+    a = ap.parse_args()
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        sys.exit("tools/triton_ptx_report.py needs Triton: pip install triton==3.6.0 (and ptxas on the PATH)")
+    modules, warps = triton_modules(a.chunk, a.leaf, json.loads(a.overrides))
+    wanted = set(filter(None, a.kernels.split(",")))
+    print("| kernel | warps | registers | spill stores B | spill loads B | shared KB | wgmma | bar.sync |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, ttir in modules.items():
+        short = name.removeprefix("delta_rule_")
+        if wanted and short not in wanted:
+            continue
+        w = warps.get(short, 4)
+        r = ptxas_report(ttir, w, num_stages=2 if "scan" in short else 3)
+        print(f"| {short} | {w} | {r['registers']} | {r['spill_stores']} | {r['spill_loads']} | "
+              f"{r['shared_bytes'] / 1024:.0f} | {r['wgmma']} | {r['barriers']} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
