@@ -4,6 +4,7 @@ Every op keeps an :class:`OpTable`: the implementations it has, each with a ``su
 predicate, plus the names that are planned but not built yet. ``choose(requested, call)``:
 
 * ``"auto"`` tries the fast candidates in order (Pallas kernels first), logs ONE line per rejected candidate
+  and reason, once per process (not once per layer)
   (``logging`` at INFO, logger ``pallas_kernels.dispatch``) and falls back to the op's portable fallback
   (``"xla"``), which must accept every valid call;
 * an explicit name is served or refused with ONE ``ValueError`` naming the implementation, the reason and
@@ -38,6 +39,7 @@ class OpTable:
         self.fallback = fallback
         self.planned = tuple(planned)  # names that exist in the design but have no kernel yet
         self._impls: dict[str, Implementation] = {}
+        self._logged: set[tuple[str, str]] = set()  # (kernel, reason) already logged: once per process, not per layer
 
     def register(self, impl: Implementation) -> Implementation:
         if impl.name == AUTO or impl.name in self._impls:
@@ -78,7 +80,9 @@ class OpTable:
             reason = "not implemented yet" if impl is None else impl.supports(call)
             if reason is None:
                 return impl
-            logger.info("%s: auto skipped %s: %s", self.op, name, reason)
+            if (name, reason) not in self._logged:
+                self._logged.add((name, reason))
+                logger.info("%s: auto skipped %s: %s", self.op, name, reason)
         fallback = self._impls[self.fallback]
         reason = fallback.supports(call)
         if reason is not None:  # the fallback must serve every validated call; this is a bug if it fires

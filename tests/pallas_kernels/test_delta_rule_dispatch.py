@@ -28,10 +28,12 @@ def _call(**kw):
                         kw.pop("leaf_size", None))
 
 
-def test_auto_picks_xla_on_cpu_and_logs_each_rejected_kernel(caplog):
+def test_auto_picks_xla_on_cpu_and_logs_each_rejected_kernel_once(caplog):
+    api.TABLE._logged.clear()  # other tests in this process may have logged these reasons already
     with caplog.at_level(logging.INFO, logger="pallas_kernels.dispatch"):
         chosen = api.TABLE.choose("auto", _call(**_inputs()))
-    assert chosen.name == "xla"
+        again = api.TABLE.choose("auto", _call(**_inputs()))  # e.g. the next layer: no second log line
+    assert chosen.name == again.name == "xla"
     skipped = [r.getMessage() for r in caplog.records]
     assert len(skipped) == 2
     assert any("pallas_tpu" in m for m in skipped) and any("pallas_triton" in m for m in skipped)
