@@ -86,7 +86,9 @@ class Decoder(nnx.Module):
         """``cross_entropy(self._logits(hidden), ...)`` computed over slices of ``chunk`` tokens, each slice's
         logits recomputed in the backward pass: only [B, chunk, V] logits are alive at a time instead of
         [B, T, V] (for a 32K vocabulary the logits and their loss buffers are the largest activations)."""
-        b, t, d = hidden_BTD.shape
+        b, t = hidden_BTD.shape[:2]
+        if t % chunk:  # train.loss_chunk is validated against data.seq_len; this guards direct callers
+            raise ValueError(f"chunked_loss: chunk={chunk} must divide the sequence length {t}")
         n = t // chunk
         slices = lambda x: jnp.swapaxes(x.reshape(b, n, chunk, *x.shape[2:]), 0, 1)  # noqa: E731  [n, B, c, ...]
 

@@ -1,4 +1,5 @@
 """--compile_only: the real train step compiles for TPU topologies through libtpu (no TPU needed)."""
+import json
 import os
 import subprocess
 import sys
@@ -35,7 +36,7 @@ def test_muir_166m_compiles_for_v5e_2x2_and_reports_memory():
 
 
 _SHAPES_SCRIPT = """
-import re, sys
+import json, re, sys
 from training import config as config_lib
 from training.aot import compile_train_step
 import models.sharding
@@ -47,7 +48,7 @@ cfg = config_lib.load_config("configs/tiny.yaml", ["mesh.data=1", "mesh.fsdp=-1"
                                                   "data.seq_len=128", "model.d_model=256", "model.ffn_dim=1024"])
 compiled, trainer, _ = compile_train_step(cfg, "v5e:2x2", 4096)
 shapes = set(re.findall(r"\\[(\\d+),128,(\\d+)\\]", compiled.as_text()))  # [rows, T, width] buffers
-print(sorted({(int(rows), int(width)) for rows, width in shapes}))
+print(json.dumps(sorted({(int(rows), int(width)) for rows, width in shapes})))
 """
 
 
@@ -62,7 +63,7 @@ def test_activations_stay_batch_sharded_under_fsdp():
         out = subprocess.run([sys.executable, "-c", _SHAPES_SCRIPT, mode], cwd=REPO, env=env, capture_output=True,
                              text=True, timeout=1500)
         assert out.returncode == 0, out.stdout + out.stderr
-        rows_by_mode[mode] = eval(out.stdout.strip().splitlines()[-1])
+        rows_by_mode[mode] = [tuple(pair) for pair in json.loads(out.stdout.strip().splitlines()[-1])]
     # full-width activations: the residual stream (256), the FFN (1024), the logits (4096). (The embedding
     # lookup legitimately gathers all 8 rows of its 64-column shard, [8, 128, 64], before resharding.)
     full = lambda mode: {rows for rows, width in rows_by_mode[mode] if width in (256, 1024, 4096)}  # noqa: E731
