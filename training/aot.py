@@ -114,7 +114,7 @@ def compile_for_topology(cfg, topology: str, vocab_size: int) -> CompileReport:
     start = time.perf_counter()
     compiled, trainer, opt_abstract = compile_train_step(cfg, topology, vocab_size)
     compile_seconds = time.perf_counter() - start
-    devices, mesh = trainer.mesh.devices.flatten(), trainer.mesh
+    mesh = trainer.mesh
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
@@ -129,7 +129,7 @@ def compile_for_topology(cfg, topology: str, vocab_size: int) -> CompileReport:
     flops = flop_model.training_flops(cfg, trainer.abstract_params, vocab_size)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract_params))
     return CompileReport(
-        topology=topology, chips=len(devices), mesh=dict(mesh.shape), params=n_params,
+        topology=topology, chips=int(mesh.devices.size), mesh=dict(mesh.shape), params=n_params,
         param_bytes_per_chip=param_b, opt_bytes_per_chip=opt_b, temp_bytes_per_chip=temp_b,
         total_bytes_per_chip=total_b, hbm_bytes_per_chip=HBM_BYTES.get(chip_generation(topology)),
         model_flops_per_step=flops.per_token * cfg.train.batch_size * cfg.data.seq_len,
