@@ -86,6 +86,8 @@ class Config:
     warps_key_grads: int = 4
     stages_scan: int = 2
     decay_sums: str = "auto"  # log-decay sums on the tensor cores: "tf32x2" | "tf32" | "auto" (see _split)
+    pair_grads_f32: bool = False  # B2b's pivot-level matmuls with f32 operands (TF32 on the GPU): bf16 dλ error
+    #                               6.3e-3 -> 2.6e-3 in interpret mode; its GPU time is not measured yet
     save_matrices: bool = True  # keep M and P (C×C per chunk, operand dtype) for the backward instead of
     #                             running K1 again (≈ 17 % more residual bytes at C 64, D 128, bf16, f32 λ)
     interpret: bool = False
@@ -484,7 +486,6 @@ def _key_grads_kernel(cfg):
     def kernel(q_ref, k_ref, e_ref, lam_ref, doc_ref, carry_ref, p_ref, s0_ref, dsc_ref, do_ref, dut_ref, ut_ref,
                dm_ref, da_ref, dq_out, dk_out, de_out, dlam_out):
         masks = _chunk_masks(doc_ref, carry_ref, cfg)
-        cols = pl.ds(0, cfg.block_k)  # this program's key block (the BlockSpecs select it)
         lam = lam_ref[...].astype(F32)
         lam_split = _split(lam, cfg)
         q, k, e = q_ref[...], k_ref[...], e_ref[...]  # operand dtype; products promote to f32
@@ -494,7 +495,6 @@ def _key_grads_kernel(cfg):
         d_keff = _dot(ut_ref[...], dsc, cfg, trans_b=True)
         d_pic = jnp.sum(s0.astype(F32) * dsc.astype(F32), axis=1)
         d_r = _dot(p_ref[...], -_dot(dut_ref[...], s0, cfg, trans_b=True), cfg, trans_a=True)
-        del cols
 
         # pair gradients through the pivot tree (same factors as the forward; F is ρ on right-half rows and
         # κ on left-half rows)
@@ -506,8 +506,10 @@ def _key_grads_kernel(cfg):
             da_l = jnp.where(pairs, d_a, jnp.zeros_like(d_a))
             dm_l = jnp.where(pairs, d_m, jnp.zeros_like(d_m))
             kf = k * f
-            return (acc[0] + _dot(da_l, kf, cfg) * f, acc[1] + _dot(dm_l, kf, cfg) * f,
-                    acc[2] + (_dot(da_l, e * f, cfg, trans_a=True) + _dot(dm_l, q * f, cfg, trans_a=True)) * f)
+            wide = cfg.pair_grads_f32
+            return (acc[0] + _dot(da_l, kf, cfg, f32=wide) * f, acc[1] + _dot(dm_l, kf, cfg, f32=wide) * f,
+                    acc[2] + (_dot(da_l, e * f, cfg, trans_a=True, f32=wide)
+                              + _dot(dm_l, q * f, cfg, trans_a=True, f32=wide)) * f)
 
         zeros = jnp.zeros((c, cfg.block_k), F32)
         d_e_pair, d_q_pair, d_k_pair = jax.lax.fori_loop(0, cfg.levels, level, (zeros, zeros, zeros))
