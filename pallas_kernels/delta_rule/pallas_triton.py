@@ -7,31 +7,35 @@ o_t = q̂_t S_t.  Entry point: :func:`run` with the op's ``impl.run`` contract, 
 Structure (FLA-like: the state-independent work runs for every chunk in parallel, only the small
 S-dependent products are sequential):
 
-  forward   K1 ``intra``   grid (B, H, N)     per chunk: A and M by pivoted blocks, P = (I + A)⁻¹ (Neumann
-                                               leaves + 2×2 merges), U = P V̂, Y = P (K̂⊙π), Q̂⊙π, K⊙E, π_C
-            K2 ``scan``    grid (B, H, Dv/BV) sequential over chunks: S₀ saved, Ũ = U − Y S₀,
-                                               S ← Diag(π_C) S + (K⊙E)ᵀ Ũ
-            K3 ``output``  grid (B, H, N)     O = (Q̂⊙π) S₀ + M Ũ
-  backward  K1 again (also writes P), then
-            B1 ``scan_bwd`` grid (B, H, Dv/BV) reverse over chunks: dŨ = Mᵀ dO + (K⊙E) dS,
-                                               dS ← (Q̂⊙π)ᵀ dO + Diag(π_C) dS − Yᵀ dŨ   (dS_C saved)
-            B2 ``grads``   grid (B, H, N)     everything else of spec §6.2 per chunk, in parallel.
-  Saved for the backward: the (padded) inputs and the chunk-start states S₀ only (stored in the operand
-  dtype: with bf16 inputs every consumer of S₀ and dS_C is a bf16 matmul operand anyway; the carried state
-  and the final state are f32).
+  forward   K1 ``intra``      grid (B, H, N)       per chunk: A and M by the pivot tree, P = (I + A)⁻¹ (Neumann
+                                                   leaves + 2×2 merges), U = P V̂, Y = P (K̂⊙π), Q̂⊙π, K⊙E, π_C
+                                                   (and M, P for the backward)
+            K2 ``scan``       grid (B, H, Dv/BV)   sequential over chunks: S₀ saved, Ũ = U − Y S₀,
+                                                   S ← Diag(π_C) S + (K⊙E)ᵀ Ũ
+            K3 ``output``     grid (B, H, N)       O = (Q̂⊙π) S₀ + M Ũ
+  backward  B0 ``rhs``        grid (B, H, N)       U, Y, Q̂⊙π, K⊙E, π_C from the saved P (``save_matrices``;
+                                                   otherwise K1 runs again)
+            B1 ``scan_bwd``   grid (B, H, Dv/BV)   reverse over chunks: dŨ = Mᵀ dO + (K⊙E) dS,
+                                                   dS ← (Q̂⊙π)ᵀ dO + Diag(π_C) dS − Yᵀ dŨ   (dS_C saved)
+            B2a ``cotangents`` grid (B, H, N)      Ũ, dM, dV̂ = Pᵀ dŨ, dA (spec §6.2's transposed solve)
+            B2b ``key_grads`` grid (B, H, N·Dk/BK) per chunk and key block: dq̂, dk, dk̂, dλ
+  Saved for the backward: the (padded) inputs, the chunk-start states S₀, and M and P (C × C per chunk) —
+  all in the operand dtype (every consumer is a matmul operand in that dtype); the carried state and the
+  final state are f32.
 
 Everything inside a kernel is a 2-D tile ([C, C], [C, BK], [C, Dv]) so that Triton never reshapes or
-converts layouts; K1 and B2 walk the key channels in blocks of BK (``block_k``) to bound registers.
+converts layouts; K1, B0 and B2b walk the key channels in blocks of BK (``block_k``) to bound registers.
 
 Numerics (every exponent ≤ 0, spec §4.7–§4.8):
   * A and M by the pivot tree all the way down to single tokens. A pair (i > j) belongs to exactly one
     level: the node of size 2h whose left half holds j and right half holds i, pivot p = the left half's
     last token. Its decay e^{Σ_{j<s≤i} λ} = ρ_i κ_j with ρ_i = e^{Σ_{p<s≤i} λ} and κ_j = e^{Σ_{j<s≤p} λ},
     both ≤ 1. Per level the two sums are one matmul W_h λ with a 0/1 matrix (rows in a right half: the
-    half's prefix up to i; rows in a left half: the half's suffix after j) at f32 accuracy (TF32×3), so
-    every exponent is a sum of λ ≤ 0 over one half-node — no differences, no cancellation (a finer tree
-    than spec §4.7's exact n0×n0 leaves, same matrices). Then A_level = (K̂⊙F)(K⊙F)ᵀ masked to the level's
-    (right, left) block, M likewise with Q̂; M's diagonal is q̂_i·k_i (decay e^0);
+    half's prefix up to i; rows in a left half: the half's suffix after j) on TF32 tensor cores (see
+    :func:`_split` for the accuracy), so every exponent is a sum of λ ≤ 0 over one half-node — no
+    differences, no cancellation (a finer tree than spec §4.7's exact n0×n0 leaves, same matrices). Then
+    A_level = (K̂⊙F)(K⊙F)ᵀ masked to the level's (right, left) block, M likewise with Q̂; M's diagonal is
+    q̂_i·k_i (decay e^0);
   * π (chunk start, e^{Σ_{0≤s≤i}}) and E (chunk end, e^{Σ_{j<s<C}}) the same way with the whole chunk;
   * P = (I + A)⁻¹: leaves (``leaf`` × ``leaf``) by the Neumann product (I − N)(I + N²)…, then per level
     P ← P − P A_ℓ P (= −P_RR A_RL P_LL in the (R, L) blocks; f32 operands, ``inverse_precision``);
