@@ -312,18 +312,6 @@ def _end_decays(lam, lam_split, masks, cfg):
     return end, jnp.where(masks.no_boundary, jnp.exp(jnp.sum(lam, axis=0)), 0.0)
 
 
-def _write_boundary_rows(q_ref, k_ref, lam_ref, cols, masks, cfg, qpi_out, keff_out, pic_out):
-    """For the key block ``cols``: writes Q̂⊙π, K⊙E and π_C (K1 and B0 alike); returns λ's TF32 parts and π."""
-    lam = lam_ref[:, cols].astype(F32)
-    lam_split = _split(lam, cfg)
-    start = _start_decay(lam_split, masks, cfg)
-    end, chunk_decay = _end_decays(lam, lam_split, masks, cfg)
-    qpi_out[:, cols] = (q_ref[:, cols] * start).astype(qpi_out.dtype)
-    keff_out[:, cols] = (k_ref[:, cols] * end).astype(keff_out.dtype)
-    pic_out[cols] = chunk_decay
-    return lam_split, start
-
-
 def _chunk_matrices(q_ref, k_ref, e_ref, lam_ref, masks, cfg, qpi_out, keff_out, pic_out):
     """M (lower incl. diagonal) and P = (I + A)⁻¹, both [C, C] f32; writes Q̂⊙π, K⊙E and π_C on the way."""
     c = cfg.chunk
@@ -331,8 +319,14 @@ def _chunk_matrices(q_ref, k_ref, e_ref, lam_ref, masks, cfg, qpi_out, keff_out,
     def key_block(b, acc):
         a, m, diag = acc
         cols = _key_block(b, cfg)
-        lam_split, _ = _write_boundary_rows(q_ref, k_ref, lam_ref, cols, masks, cfg, qpi_out, keff_out, pic_out)
+        lam = lam_ref[:, cols].astype(F32)
+        lam_split = _split(lam, cfg)
         q, k, e = q_ref[:, cols], k_ref[:, cols], e_ref[:, cols]  # operand dtype; products promote to f32
+        start = _start_decay(lam_split, masks, cfg)
+        end, chunk_decay = _end_decays(lam, lam_split, masks, cfg)
+        qpi_out[:, cols] = (q * start).astype(qpi_out.dtype)
+        keff_out[:, cols] = (k * end).astype(keff_out.dtype)
+        pic_out[cols] = chunk_decay
 
         def level(l, acc):
             pairs, sums = _level(cfg, l)
@@ -404,7 +398,13 @@ def _rhs_kernel(cfg):
 
         def key_block(b, carry):
             cols = _key_block(b, cfg)
-            _, start = _write_boundary_rows(q_ref, k_ref, lam_ref, cols, masks, cfg, qpi_out, keff_out, pic_out)
+            lam = lam_ref[:, cols].astype(F32)
+            lam_split = _split(lam, cfg)
+            start = _start_decay(lam_split, masks, cfg)
+            end, chunk_decay = _end_decays(lam, lam_split, masks, cfg)
+            qpi_out[:, cols] = (q_ref[:, cols] * start).astype(od)
+            keff_out[:, cols] = (k_ref[:, cols] * end).astype(od)
+            pic_out[cols] = chunk_decay
             y_out[:, cols] = _dot(p_ref[...], e_ref[:, cols] * start, cfg).astype(od)
             return carry
 
