@@ -4,7 +4,8 @@
 # `carry: [".whl"]`; logs and JSON land in $OUT/delta_rule_h200_<phase>.tar.gz.
 #   PHASE=ours  GPU tests (-m gpu), correctness vs the reference (f32 highest/tf32, bf16), timing of ours,
 #               jax-linear-attention and cuDNN at the three shapes, per-kernel breakdown
-#   PHASE=fla   ours vs fla chunk_gdn2 on the same inputs (bf16), fla timing (SHAPES, default 8x4096)
+#   PHASE=fla   ours vs fla chunk_gdn2 on the same inputs (bf16), fla timing (SHAPES, default 8x4096);
+#               SKIP=fla_compare times only (the comparison's own fla autotuning costs about 4 minutes)
 set -u
 PHASE=${PHASE:-ours}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -17,7 +18,7 @@ if [ "$PHASE" = ours ]; then
   timeout 420 $B --skip fla_compare,fla --modes f32_highest,f32_tf32,bf16 --shapes ${SHAPES:-8x4096,2x16384,1x32768} \
     --budget 400 --out $R/bench.json > $R/bench.log 2>&1
 else
-  timeout 560 $B --skip probe,correctness,jla,cudnn,breakdown --no-gdn2-variant --fla-dtypes bf16 \
+  timeout 560 $B --skip probe,correctness,jla,cudnn,breakdown${SKIP:+,$SKIP} --no-gdn2-variant --fla-dtypes bf16 \
     --shapes ${SHAPES:-8x4096} --budget 540 --out $R/bench.json > $R/bench.log 2>&1
 fi
 grep -v "^\s*$" $R/bench.log | grep -v "^\[.*\] *kernel" | tail -20

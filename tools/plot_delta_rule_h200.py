@@ -1,6 +1,6 @@
 """Plot the H200 delta-rule benchmark (docs/benchmarks/delta_rule_h200.md) from its raw JSON files:
-left, fwd+bwd time per shape for ours, fla, jax-linear-attention and cuDNN attention (fla: measured at
-8·4096 in its own call, the guide's anchors elsewhere, hatched); right, each of our kernels at 8·4096 against
+left, fwd+bwd time per shape for ours, fla, jax-linear-attention and cuDNN attention (fla: measured in its
+own calls, one per file of --fla; a shape none of them measured shows the guide's anchor, hatched); right, each of our kernels at 8·4096 against
 its roofline from pallas_kernels/flops_gpu.py.
 
     python tools/plot_delta_rule_h200.py [--out docs/images/delta_rule_h200.png]
@@ -28,13 +28,16 @@ FLA_ANCHORS = {"8x4096": 11.56, "2x16384": 12.68, "1x32768": 14.44}  # shared/gu
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ours", default=f"{RAW}/delta_rule_h200_2026-11-30.json")
-    ap.add_argument("--fla", default=f"{RAW}/delta_rule_h200_fla_2026-11-30.json")
+    ap.add_argument("--fla", default=f"{RAW}/delta_rule_h200_fla_2026-11-30.json,"
+                    f"{RAW}/delta_rule_h200_fla_16k32k_2026-11-30.json", help="comma list of fla-phase JSON files")
     ap.add_argument("--out", default="docs/images/delta_rule_h200.png")
     a = ap.parse_args()
     with open(a.ours) as f:
         timings = json.load(f)["timings"]
-    with open(a.fla) as f:
-        fla_run = json.load(f)["timings"]
+    fla_run = {}
+    for path in a.fla.split(","):
+        with open(path) as f:
+            fla_run.update(json.load(f)["timings"])
     shapes = list(timings)
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [1.1, 1]})
 
@@ -54,7 +57,9 @@ def main():
             left.text(j + (i - 1.5) * width, v + 0.3, f"{v:.1f}", ha="center", fontsize=7)
     left.set_xticks(range(len(shapes)), [s.replace("x", "·") + "·16·128" for s in shapes])
     left.set_ylabel("fwd+bwd, median ms (bf16)")
-    left.set_title("H200, B·T·H·D (hatched: anchor, not re-measured)")
+    anchored = any(s not in fla_run for s in shapes)
+    left.set_title("H200, B·T·H·D" + (" (hatched: anchor, not re-measured)" if anchored else "")
+                   + "\nfla timed in its own device calls")
     left.legend(fontsize=8)
 
     measured = {k: v[0] for k, v in timings["8x4096"]["ours"]["breakdown"].items()}

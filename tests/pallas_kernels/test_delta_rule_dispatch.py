@@ -92,7 +92,8 @@ def test_default_leaf_rule(chunk, leaf):
 
 def test_default_chunk_per_backend():
     assert api.resolve_chunking(None, None, "cpu") == (64, 8)
-    assert api.resolve_chunking(None, None, "gpu") == (64, 8)
+    assert api.resolve_chunking(None, None, "gpu") == (64, 16)  # the leaf the H200 benchmarks measured
+    assert api.resolve_chunking(128, None, "gpu") == (128, 16)
     assert api.resolve_chunking(None, None, "tpu") == (256, 8)
     assert api.resolve_chunking(48, 6, "cpu") == (48, 6)  # any leaf with chunk / leaf a power of two
     assert api.resolve_chunking(7, 7, "cpu") == (7, 7)
