@@ -28,15 +28,17 @@ BF16_FLOPS = 790e12  # measured on the H200 here (guide/architecture.md); TF32 c
 HBM_BYTES_S = 4.2e12  # measured device copy on the H200 (guide/architecture.md)
 
 
-def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, save_matrices=True):
+def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, save_matrices=True,
+                  operand_bytes=2):
     """{kernel: (bf16 FLOPs, tf32 FLOPs, HBM bytes)} per chunk of one head. ``sum_passes``: 1 for
-    decay_sums="tf32" (bf16 inputs), 2 for "tf32x2"."""
-    c, levels = chunk, int(math.log2(chunk))
+    decay_sums="tf32" (bf16 inputs), 2 for "tf32x2". ``operand_bytes``: 2 for bf16/f16 inputs, 4 for f32
+    (then the "bf16" FLOPs run as f32 matmuls; the inputs, matmul intermediates and states scale with it)."""
+    c, levels, ob = chunk, int(math.log2(chunk)), operand_bytes
     mm = lambda m, k, n: 2 * m * k * n  # noqa: E731
     sums = lambda count: count * sum_passes * mm(c, c, dk)  # noqa: E731  (count decay-sum matmuls over all keys)
-    inputs = c * (2 * (3 * dk + dv) + 4 * dk) + 4 * c  # q̂, k, k̂, v̂ (bf16), λ (f32), documents
-    tile = lambda width: 2 * c * width  # noqa: E731  a bf16 [C, width] tile
-    state = 2 * dk * dv  # S₀ / dS_C per chunk, bf16
+    inputs = c * (ob * (3 * dk + dv) + 4 * dk) + 4 * c  # q̂, k, k̂, v̂ (operand dtype), λ (f32), documents
+    tile = lambda width: ob * c * width  # noqa: E731  an operand-dtype [C, width] tile
+    state = ob * dk * dv  # S₀ / dS_C per chunk, operand dtype
     n_inverse = 2 * (int(math.log2(leaf)) - 1) + 2 * (levels - int(math.log2(leaf)))
     rhs_out = tile(dv) + 3 * tile(dk) + 4 * dk  # U, Y, Q̂⊙π, K⊙E, π_C
     out = {
@@ -58,9 +60,23 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
                            4 * c + tile(c) + tile(dv) + tile(dk) + state + 2 * tile(dv)
                            + tile(dv) + 2 * tile(c) + tile(dv)),
         "B2b_key_grads": (3 * mm(c, dv, dk) + mm(c, c, dk) + levels * 4 * mm(c, c, dk), sums(levels + 2),
-                          inputs - c * 2 * dv + 2 * state
-                          + nkb * (tile(c) + 3 * tile(dv) + 2 * tile(c)) + c * (2 * 3 * dk + 4 * dk)),
+                          inputs - c * ob * dv + 2 * state
+                          + nkb * (tile(c) + 3 * tile(dv) + 2 * tile(c)) + c * (ob * 3 * dk + 4 * dk)),
     }
+    return out
+
+
+def kernel_exps(chunk=64, dk=128, save_matrices=True):
+    """{kernel: exponentials} per chunk of one head: one [C, Dk] e^{W λ} per decay-sum matmul (π, E, each
+    pivot level; K1 computes π twice) and π_C [Dk]; the other kernels take none."""
+    c, levels = chunk, int(math.log2(chunk))
+    k1 = (levels + 3) * c * dk + dk
+    out = {"K1_intra": k1, "K2_scan": 0, "K3_output": 0}
+    if save_matrices:
+        out["B0_rhs"] = 2 * c * dk + dk
+    else:
+        out["B0_intra_again"] = k1
+    out |= {"B1_scan_bwd": 0, "B2a_cotangents": 0, "B2b_key_grads": (levels + 2) * c * dk + dk}
     return out
 
 

@@ -56,6 +56,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import flops_gpu
+
 try:  # Pallas' Triton backend (deprecated upstream since JAX 0.11 but present in 0.10.2 and 0.11.2)
     from jax.experimental.pallas import triton as pltriton
 except ImportError:  # pragma: no cover
@@ -91,7 +93,7 @@ class Config:
     stages_scan: int = 2
     decay_sums: str = "auto"  # log-decay sums on the tensor cores: "tf32x2" | "tf32" | "auto" (see _split)
     pair_grads_f32: bool = False  # B2b's pivot-level matmuls with f32 operands (TF32 on the GPU): bf16 dλ error
-    #                               6.3e-3 -> 2.6e-3 in interpret mode; its GPU time is not measured yet
+    #                               6.3e-3 -> 2.5e-3 in interpret mode, +3.1 ms in B2b on the H200 (of 5.1)
     save_matrices: bool = True  # keep M and P (C×C per chunk, operand dtype) for the backward instead of
     #                             running K1 again (≈ 17 % more residual bytes at C 64, D 128, bf16, f32 λ)
     interpret: bool = False
@@ -539,6 +541,22 @@ def _key_grads_kernel(cfg):
 # pallas_call wrappers (inputs already padded to a multiple of the chunk)
 
 
+def _cost(cfg, kernel, batch_heads, n_chunks, save_matrices=True):
+    """pl.CostEstimate of one pallas_call: the executed FLOPs (full masked tiles), exps and HBM bytes that
+    pallas_kernels/flops_gpu.py counts per chunk and head (tests/pallas_kernels/test_flops_gpu.py checks the
+    FLOP and exp counts against the kernels' own jaxprs). The Triton lowering of JAX 0.10/0.11 drops it;
+    interpret mode and tooling read it."""
+    operand_bytes = jnp.dtype(cfg.operand_dtype).itemsize
+    sum_passes = 2 if cfg.resolved_decay_sums == "tf32x2" and not cfg.interpret else 1  # as _split
+    counts = flops_gpu.kernel_counts(cfg.chunk, cfg.leaf, cfg.key_dim, cfg.value_dim, cfg.block_k, sum_passes,
+                                     save_matrices, operand_bytes)
+    exps = flops_gpu.kernel_exps(cfg.chunk, cfg.key_dim, save_matrices)
+    bf, tf, nbytes = counts[kernel]
+    chunks = batch_heads * n_chunks
+    return pl.CostEstimate(flops=int(chunks * (bf + tf)), transcendentals=int(chunks * exps[kernel]),
+                           bytes_accessed=int(chunks * nbytes))
+
+
 def _params(cfg, warps, stages=None):
     if cfg.interpret or pltriton is None:
         return None
@@ -584,6 +602,7 @@ def _intra(cfg, q, k, e, v, lam, doc, carry, with_inverse):
         specs.append(_chunk_spec(c, c))
     return pl.pallas_call(_intra_kernel(cfg, with_inverse), out_shape=tuple(shapes), grid=grid,
                           in_specs=in_specs, out_specs=tuple(specs), interpret=cfg.interpret,
+                          cost_estimate=_cost(cfg, "K1_intra", grid[0] * grid[1], grid[2], with_inverse),
                           compiler_params=_params(cfg, cfg.warps_intra), name="delta_rule_intra")(
         q, k, e, v, lam, doc, carry)
 
@@ -594,6 +613,7 @@ def _rhs(cfg, q, k, e, v, lam, doc, carry, p):
     return pl.pallas_call(_rhs_kernel(cfg), out_shape=tuple(shapes), grid=grid,
                           in_specs=in_specs + [_chunk_spec(cfg.chunk, cfg.chunk)], out_specs=tuple(specs),
                           interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_rhs),
+                          cost_estimate=_cost(cfg, "B0_rhs", grid[0] * grid[1], grid[2]),
                           name="delta_rule_rhs")(q, k, e, v, lam, doc, carry, p)
 
 
@@ -611,7 +631,7 @@ def _scan(cfg, y, u, keff, pic, state):
         in_specs=[per_bh(n, c, dk), per_bhv(n, c, bv), per_bh(n, c, dk), per_bh(n, dk), per_bhv(dk, bv)],
         out_specs=(per_bhv(n, dk, bv), per_bhv(n, c, bv), per_bhv(dk, bv)),
         interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_scan, cfg.stages_scan),
-        name="delta_rule_scan")(y, u, keff, pic, state)
+        cost_estimate=_cost(cfg, "K2_scan", b * h, n), name="delta_rule_scan")(y, u, keff, pic, state)
 
 
 def _output(cfg, qpi, s0, m, ut, out_dtype):
@@ -620,7 +640,7 @@ def _output(cfg, qpi, s0, m, ut, out_dtype):
     return pl.pallas_call(
         _output_kernel(cfg), out_shape=jax.ShapeDtypeStruct((b, n * c, h, dv), out_dtype), grid=(b, h, n),
         in_specs=[_chunk_spec(c, dk), _chunk_spec(dk, dv), _chunk_spec(c, c), _chunk_spec(c, dv)],
-        out_specs=_token_spec(cfg, dv), interpret=cfg.interpret,
+        out_specs=_token_spec(cfg, dv), interpret=cfg.interpret, cost_estimate=_cost(cfg, "K3_output", b * h, n),
         compiler_params=_params(cfg, cfg.warps_output), name="delta_rule_output")(qpi, s0, m, ut)
 
 
@@ -640,6 +660,7 @@ def _scan_bwd(cfg, m, d_out, keff, qpi, y, pic, d_final):
                   per_bhv(dk, bv)],
         out_specs=(per_bhv(n, dk, bv), per_bhv(n, c, bv), per_bhv(dk, bv)),
         interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_scan, cfg.stages_scan),
+        cost_estimate=_cost(cfg, "B1_scan_bwd", b * h, n),
         name="delta_rule_scan_bwd")(m, d_out, keff, qpi, y, pic, d_final)
 
 
@@ -658,6 +679,7 @@ def _cotangents(cfg, doc, carry, p, u, y, s0, d_out, dut, dv_dtype):
     out_specs = (_chunk_spec(c, dv), _chunk_spec(c, c), _chunk_spec(c, c), _token_spec(cfg, dv))
     return pl.pallas_call(_cotangents_kernel(cfg), out_shape=out_shape, grid=(b, h, n), in_specs=in_specs,
                           out_specs=out_specs, interpret=cfg.interpret,
+                          cost_estimate=_cost(cfg, "B2a_cotangents", b * h, n),
                           compiler_params=_params(cfg, cfg.warps_cotangents), name="delta_rule_cotangents")(
         doc, carry, p, u, y, s0, d_out, dut)
 
@@ -681,6 +703,7 @@ def _key_grads(cfg, q, k, e, lam, doc, carry, p, s0, dsc, d_out, dut, ut, d_m, d
                  jax.ShapeDtypeStruct(e.shape, dtypes[2]), jax.ShapeDtypeStruct(lam.shape, dtypes[3]))
     return pl.pallas_call(_key_grads_kernel(cfg), out_shape=out_shape, grid=(b, h, n * nkb), in_specs=in_specs,
                           out_specs=(token,) * 4, interpret=cfg.interpret,
+                          cost_estimate=_cost(cfg, "B2b_key_grads", b * h, n),
                           compiler_params=_params(cfg, cfg.warps_key_grads), name="delta_rule_key_grads")(
         q, k, e, lam, doc, carry, p, s0, dsc, d_out, dut, ut, d_m, d_a)
 

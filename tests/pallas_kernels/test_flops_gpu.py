@@ -1,8 +1,15 @@
-"""pallas_kernels/flops_gpu.py: counts by hand for one config, kernel names = the benchmark's breakdown."""
+"""pallas_kernels/flops_gpu.py: counts by hand for one config, kernel names = the benchmark's breakdown, and
+the Triton kernels' pl.CostEstimate against their own jaxprs."""
 import json
+import math
 import pathlib
 
+import jax
+import jax.numpy as jnp
+import pytest
+
 from pallas_kernels import flops_gpu
+from pallas_kernels.delta_rule import pallas_triton as ptr
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RAW = ROOT / "docs/benchmarks/raw/delta_rule_h200_2026-11-30.json"
@@ -35,3 +42,74 @@ def test_cli_with_measured_times(capsys):
     assert flops_gpu.main(["--measured", str(RAW)]) == 0
     out = capsys.readouterr().out
     assert "| B2b_key_grads |" in out and "| total |" in out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the kernels' pl.CostEstimate against their own jaxprs: every dot_general and exp the kernel body executes,
+# loops unrolled by their trip counts, times the grid
+
+
+def _executed(jaxpr, scale=1):
+    """(matmul FLOPs, exp elements) of one program of a kernel jaxpr; scan bodies count ``length`` times."""
+    flops = exps = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            flops += scale * 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
+        elif name == "exp":
+            exps += scale * math.prod(eqn.outvars[0].aval.shape)
+        assert name not in ("while", "cond"), f"{name}: trip count unknown to this counter"
+        inner = scale * (eqn.params["length"] if name == "scan" else 1)
+        for value in eqn.params.values():
+            sub = getattr(value, "jaxpr", value)
+            if hasattr(sub, "eqns"):
+                f, e = _executed(sub, inner)
+                flops, exps = flops + f, exps + e
+    return flops, exps
+
+
+def _pallas_calls(fn, *args):
+    return [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == "pallas_call"]
+
+
+@pytest.mark.parametrize("dtype_name, leaf, block_k, save", [("bfloat16", 16, 32, True), ("float32", 8, 64, True),
+                                                              ("bfloat16", 16, 32, False)])
+def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save):
+    """Each of the seven Triton pallas_calls declares the FLOPs and exps its body executes (traced, not run:
+    interpret=False, nothing is lowered on the CPU), and the bytes of flops_gpu.kernel_counts."""
+    dtype = jnp.dtype(dtype_name)
+    b, t, h, dk, dv, c = 2, 192, 3, 128, 64, 64
+    cfg = ptr.make_config(c, leaf, dk, dv, dtype, batch_heads=b * h, block_k=block_k, save_matrices=save)
+    rng = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, e = (jax.random.normal(r, (b, t, h, dk), dtype) for r in rng[:3])
+    v = jax.random.normal(rng[3], (b, t, h, dv), dtype)
+    lam = -jnp.ones((b, t, h, dk), jnp.float32)
+    doc = jnp.zeros((b, t), jnp.int32)
+    carry = ptr.carried_documents(doc, c)
+    state = jnp.zeros((b, h, dk, dv), jnp.float32)
+
+    def fwd_bwd(q, k, e, v, lam, state):
+        out, final = ptr._delta_rule(cfg, q, k, e, v, lam, state, doc, carry)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(final)
+
+    calls = _pallas_calls(jax.grad(fwd_bwd, argnums=(0, 1, 2, 3, 4, 5)), q, k, e, v, lam, state)
+    names = [eqn.params["name"] for eqn in calls]
+    expected = ["delta_rule_intra", "delta_rule_scan", "delta_rule_output",
+                "delta_rule_rhs" if save else "delta_rule_intra", "delta_rule_scan_bwd",
+                "delta_rule_cotangents", "delta_rule_key_grads"]
+    assert names == expected
+    kernel_of = {"delta_rule_intra": "K1_intra", "delta_rule_scan": "K2_scan", "delta_rule_output": "K3_output",
+                 "delta_rule_rhs": "B0_rhs", "delta_rule_scan_bwd": "B1_scan_bwd",
+                 "delta_rule_cotangents": "B2a_cotangents", "delta_rule_key_grads": "B2b_key_grads"}
+    passes = 2 if dtype == jnp.float32 else 1
+    chunks = b * h * (t // c)
+    for i, eqn in enumerate(calls):
+        est = eqn.params["cost_estimate"]
+        programs = math.prod(eqn.params["grid_mapping"].grid)
+        flops, exps = _executed(eqn.params["jaxpr"])
+        assert (est.flops, est.transcendentals) == (programs * flops, programs * exps), eqn.params["name"]
+        # bytes: flops_gpu's count; K1 writes P when the backward keeps it (save) or recomputes it (call 3)
+        counts = flops_gpu.kernel_counts(c, leaf, dk, dv, block_k, passes, save or i == 3, dtype.itemsize)
+        assert est.bytes_accessed == chunks * counts[kernel_of[eqn.params["name"]]][2], eqn.params["name"]
