@@ -309,15 +309,22 @@ def _stage_table(title: str, ours: list[Stage], naive: list[Stage]) -> list[str]
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pallas_kernels.flops", description=__doc__.split("\n")[0])
-    p.add_argument("--chunk", type=int, default=256)
-    p.add_argument("--leaf", type=int, default=8)
+def shape_parser(prog: str, description: str, chunk: int, leaf: int) -> argparse.ArgumentParser:
+    """The arguments both FLOP CLIs share (this one and pallas_kernels.flops_gpu): kernel tiling and the
+    B·T·H workload, with the per-backend chunk and leaf defaults."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--chunk", type=int, default=chunk)
+    p.add_argument("--leaf", type=int, default=leaf)
     p.add_argument("--dk", type=int, default=128)
     p.add_argument("--dv", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--heads", type=int, default=16)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = shape_parser("python -m pallas_kernels.flops", __doc__.split("\n")[0], chunk=256, leaf=8)
     p.add_argument("--backward", action="store_true", help="also count the backward (fwd+bwd totals)")
     a = p.parse_args(argv)
     try:

@@ -8,21 +8,24 @@ kernels in ``pallas_kernels/delta_rule/pallas_triton.py`` execute:
     in full and masked afterwards);
   * decay sums (0/1 matrix × λ) and the inverse run on TF32 tensor cores, charged at half the bf16 rate
     (the datasheet's TF32 : bf16 ratio; not measured here); every other matmul is bf16;
-  * bytes: every HBM read and write of each kernel, at bf16 for the matmul intermediates (M, P, U, Y, Q̂⊙π,
-    K⊙E, Ũ, dŨ, dM, dA, S₀, dS_C), f32 for λ, dλ and π_C; the key-gradient kernel reads its per-chunk
-    operands once per key block (an upper bound: L2 absorbs part of it).
-Elementwise work (exp, masks) is not counted.
+  * bytes: every HBM read and write of each kernel, in the operand dtype (bf16 by default) for the inputs
+    and the matmul intermediates (M, P, U, Y, Q̂⊙π, K⊙E, Ũ, dŨ, dM, dA, S₀, dS_C), f32 for λ, dλ and π_C;
+    the key-gradient kernel reads its per-chunk operands once per key block (an upper bound: L2 absorbs
+    part of it);
+  * exps (``kernel_exps``); other elementwise work (masks, products) is not counted.
+The Triton kernels declare these counts as their ``pl.CostEstimate``.
 
     python -m pallas_kernels.flops_gpu [--chunk 64 --leaf 16 --dk 128 --dv 128 --block-k 32]
         [--measured docs/benchmarks/raw/delta_rule_h200_2026-11-30.json]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 from typing import Sequence
+
+from pallas_kernels.flops import shape_parser
 
 BF16_FLOPS = 790e12  # measured on the H200 here (guide/architecture.md); TF32 charged at half of it
 HBM_BYTES_S = 4.2e12  # measured device copy on the H200 (guide/architecture.md)
@@ -88,16 +91,9 @@ def roofline_ms(counts, token_heads, chunk):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pallas_kernels.flops_gpu", description=__doc__.split("\n")[0])
-    p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--leaf", type=int, default=16)
-    p.add_argument("--dk", type=int, default=128)
-    p.add_argument("--dv", type=int, default=128)
+    p = shape_parser("python -m pallas_kernels.flops_gpu", __doc__.split("\n")[0], chunk=64, leaf=16)
     p.add_argument("--block-k", type=int, default=32)
     p.add_argument("--sum-passes", type=int, default=1, choices=(1, 2))
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=16)
     p.add_argument("--measured", help="bench JSON of tools/bench_delta_rule_gpu.py (per-kernel breakdown)")
     a = p.parse_args(argv)
     counts = kernel_counts(a.chunk, a.leaf, a.dk, a.dv, a.block_k, a.sum_passes)

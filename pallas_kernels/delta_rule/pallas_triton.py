@@ -56,8 +56,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import flops_gpu
-
 try:  # Pallas' Triton backend (deprecated upstream since JAX 0.11 but present in 0.10.2 and 0.11.2)
     from jax.experimental.pallas import triton as pltriton
 except ImportError:  # pragma: no cover
@@ -546,6 +544,9 @@ def _cost(cfg, kernel, batch_heads, n_chunks, save_matrices=True):
     pallas_kernels/flops_gpu.py counts per chunk and head (tests/pallas_kernels/test_flops_gpu.py checks the
     FLOP and exp counts against the kernels' own jaxprs). The Triton lowering of JAX 0.10/0.11 drops it;
     interpret mode and tooling read it."""
+    # imported here, not at the top: the package import must not load the FLOP CLIs, or
+    # `python -m pallas_kernels.flops_gpu` warns that the module was imported before it ran
+    from pallas_kernels import flops_gpu
     operand_bytes = jnp.dtype(cfg.operand_dtype).itemsize
     sum_passes = 2 if cfg.resolved_decay_sums == "tf32x2" and not cfg.interpret else 1  # as _split
     counts = flops_gpu.kernel_counts(cfg.chunk, cfg.leaf, cfg.key_dim, cfg.value_dim, cfg.block_k, sum_passes,
