@@ -90,68 +90,14 @@ class OpTable:
         return fallback
 
 
-def bad_argument(op: str, name: str, x, expected: str) -> ValueError:
-    """The one error an op raises for a bad argument: the op, the argument, what it got, what was expected."""
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        import numpy as np
-
-        got = f"shape {tuple(x.shape)} dtype {np.dtype(x.dtype).name}"
-    else:
-        got = repr(x)
-    return ValueError(f"{op}: argument {name!r} has {got}; expected {expected}")
-
-
-def check_float(op: str, name: str, x) -> None:
-    import jax.numpy as jnp
-
-    if not hasattr(x, "shape") or not jnp.issubdtype(x.dtype, jnp.floating):
-        raise bad_argument(op, name, x, "a floating-point array")
-
-
-def check_qkv(op: str, q, k, v) -> tuple[int, int, int, int, int]:
-    """The checks every token-mixer op makes on q, k [B, T, H, Dk] and v [B, T, H, Dv]: floating point, one
-    dtype, matching B, T, H (and Dk for k), nothing empty. Returns (B, T, H, Dk, Dv)."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_float(op, name, x)
-        if x.ndim != 4:
-            raise bad_argument(op, name, x, "rank 4 [B, T, H, D]")
-    b, t, h, dk = q.shape
-    if tuple(k.shape) != (b, t, h, dk):
-        raise bad_argument(op, "k", k, f"shape [B={b}, T={t}, H={h}, Dk={dk}] (as q)")
-    if tuple(v.shape[:3]) != (b, t, h):
-        raise bad_argument(op, "v", v, f"shape [B={b}, T={t}, H={h}, Dv] (B, T, H as in q)")
-    dv = v.shape[3]
-    if t < 1 or dk < 1 or dv < 1:
-        raise bad_argument(op, "q", q, "non-empty T, Dk and Dv")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            import numpy as np
-
-            raise bad_argument(op, name, x, f"dtype {np.dtype(q.dtype).name} (the dtype of q)")
-    return b, t, h, dk, dv
-
-
-_TARGET_BACKEND: list[str] = []
-
-
 def target_backend() -> str:
-    """The backend the ops are being built for: JAX's default backend, unless ``compiling_for`` says otherwise
-    (an ahead-of-time compile for TPU from a CPU host must pick the TPU kernels)."""
+    """The platform the ops are traced for: that of the device mesh in context (the trainer traces its step
+    under ``jax.sharding.use_abstract_mesh(mesh)``, so an ahead-of-time compile for a TPU topology from a CPU
+    host picks the TPU kernels, as it would on the TPU itself), else JAX's default backend."""
     import jax
 
-    return _TARGET_BACKEND[-1] if _TARGET_BACKEND else jax.default_backend()
-
-
-class compiling_for:
-    """``with dispatch.compiling_for("tpu"): jax.jit(f).lower(...)`` — trace the ops for another backend."""
-
-    def __init__(self, backend: str):
-        self.backend = backend
-
-    def __enter__(self):
-        _TARGET_BACKEND.append(self.backend)
-        return self
-
-    def __exit__(self, *exc):
-        _TARGET_BACKEND.pop()
-        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    device = getattr(mesh, "abstract_device", None)
+    if not mesh.empty and device is not None and device.platform:
+        return device.platform
+    return jax.default_backend()

@@ -93,12 +93,9 @@ def compile_train_step(cfg, topology: str, vocab_size: int):
     batch = trainer.abstract_batch(cfg.train.batch_size, cfg.data.seq_len)
     # Non-parameter state (none in our models today) is a compile-time constant of the step.
     trainer.rest = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), trainer.abstract_rest)
-    from pallas_kernels import dispatch
-
     try:
-        with dispatch.compiling_for("tpu"):  # the ops pick their TPU kernels, as they would on the TPU itself
-            lowered = trainer.train_step.lower(params, opt, batch)
-        compiled = lowered.compile()
+        # The step traces its ops under the topology's mesh, so they pick their TPU kernels (dispatch.target_backend).
+        compiled = trainer.train_step.lower(params, opt, batch).compile()
     except Exception as e:  # the TPU compiler refuses programs that cannot fit in HBM
         if "RESOURCE_EXHAUSTED" in str(e) or "Ran out of memory" in str(e):
             remat = "" if cfg.model.remat == "block" else f", model.remat=block (now {cfg.model.remat!r})"

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import dispatch
+from pallas_kernels import common, dispatch
 from pallas_kernels.delta_rule import decode, pallas_tpu, pallas_triton, reference, vjp, xla
 
 DEFAULT_CHUNK_SIZE = {"tpu": 256}  # every other backend: 64
@@ -50,23 +49,11 @@ class DeltaRuleCall:
 # ---------------------------------------------------------------------------------------------------------
 # validation
 
-
-def _fail(name: str, x, expected: str, op: str = "delta_rule") -> ValueError:
-    return dispatch.bad_argument(op, name, x, expected)
+OP = "delta_rule"
 
 
-def _check_float(name, x, op="delta_rule"):
-    dispatch.check_float(op, name, x)
-
-
-def _check_shape(name, x, shape, labels, op="delta_rule"):
-    if tuple(x.shape) != tuple(shape):
-        wanted = "[" + ", ".join(f"{l}={s}" for l, s in zip(labels, shape)) + "]"
-        raise _fail(name, x, f"shape {wanted}", op)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+def _fail(name: str, x, expected: str, op: str = OP) -> ValueError:
+    return common.bad_argument(op, name, x, expected)
 
 
 def resolve_chunking(chunk_size, leaf_size, backend):
@@ -76,7 +63,7 @@ def resolve_chunking(chunk_size, leaf_size, backend):
     8 elsewhere: e.g. 8 for every power-of-two chunk >= 8 on TPU, the chunk itself when it is <= 8)."""
     if chunk_size is None:
         chunk_size = DEFAULT_CHUNK_SIZE.get(backend, DEFAULT_CHUNK_SIZE_OTHER)
-    if not _is_int(chunk_size) or chunk_size < 1:
+    if not common.is_int(chunk_size) or chunk_size < 1:
         raise ValueError(f"delta_rule: chunk_size={chunk_size!r}; expected a positive int")
     chunk_size = int(chunk_size)
     if leaf_size is None:
@@ -84,7 +71,7 @@ def resolve_chunking(chunk_size, leaf_size, backend):
         target = DEFAULT_LEAF_TARGET.get(backend, DEFAULT_LEAF_TARGET_OTHER)
         while leaf_size % 2 == 0 and leaf_size > target:
             leaf_size //= 2
-    if not _is_int(leaf_size) or leaf_size < 1:
+    if not common.is_int(leaf_size) or leaf_size < 1:
         raise ValueError(f"delta_rule: leaf_size={leaf_size!r}; expected a positive int")
     leaf_size = int(leaf_size)
     ratio = chunk_size // leaf_size
@@ -96,15 +83,13 @@ def resolve_chunking(chunk_size, leaf_size, backend):
 
 
 def validate(q, k, v, erase_key, log_decay, initial_state, segment_ids, chunk_size, leaf_size) -> DeltaRuleCall:
-    b, t, h, dk, dv = dispatch.check_qkv("delta_rule", q, k, v)
+    b, t, h, dk, dv = common.check_qkv(OP, q, k, v)
     if erase_key is not None:
-        _check_float("erase_key", erase_key)
-        _check_shape("erase_key", erase_key, (b, t, h, dk), "BTHK")
-        if erase_key.dtype != q.dtype:
-            raise _fail("erase_key", erase_key, f"dtype {jnp.dtype(q.dtype).name} (the dtype of q)")
+        common.check_shape(OP, "erase_key", erase_key, (b, t, h, dk), "BTHK")
+        common.check_same_dtype(OP, "erase_key", erase_key, "q", q)
     decay = "none"
     if log_decay is not None:
-        _check_float("log_decay", log_decay)
+        common.check_float(OP, "log_decay", log_decay)
         if tuple(log_decay.shape) == (b, t, h, dk):
             decay = "channel"
         elif tuple(log_decay.shape) == (b, t, h):
@@ -112,22 +97,17 @@ def validate(q, k, v, erase_key, log_decay, initial_state, segment_ids, chunk_si
         else:
             raise _fail("log_decay", log_decay,
                         f"[B={b}, T={t}, H={h}, Dk={dk}] (channel-wise) or [B={b}, T={t}, H={h}] (per head)")
+        common.check_nonpositive(OP, "log_decay", log_decay)
     if initial_state is not None:
-        _check_float("initial_state", initial_state)
-        _check_shape("initial_state", initial_state, (b, h, dk, dv), "BHKV")
-    if segment_ids is not None:
-        if not hasattr(segment_ids, "shape") or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-            raise _fail("segment_ids", segment_ids, f"an integer array of shape [B={b}, T={t}]")
-        _check_shape("segment_ids", segment_ids, (b, t), "BT")
+        common.check_shape(OP, "initial_state", initial_state, (b, h, dk, dv), "BHKV")
+    common.check_segment_ids(OP, segment_ids, b, t)
     backend = dispatch.target_backend()
     chunk_size, leaf_size = resolve_chunking(chunk_size, leaf_size, backend)
     return DeltaRuleCall(b, t, h, dk, dv, jnp.dtype(q.dtype), erase_key is not None, decay,
                          initial_state is not None, segment_ids is not None, chunk_size, leaf_size, backend)
 
 
-def compute_dtype(dtype):
-    """float64 end-to-end for float64 inputs, float32 state and accumulation for everything else."""
-    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+compute_dtype = common.compute_dtype
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -154,10 +134,11 @@ def _run_xla(q, k, erase, v, log_decay, state, document_BT, *, chunk_size, leaf_
     # xla computes in float32 (float64 for float64 inputs) whatever the operand dtype
     q, k, erase, v = _upcast(log_decay.dtype, q, k, erase, v)
     # zero tokens with λ = 0 are identity transitions; padded tokens stay in the last document
-    padded = [xla.pad_time(x, chunk_size) for x in (q, k, erase, v, log_decay)]
-    document_BT = xla.pad_time(document_BT, chunk_size, mode="edge")
+    padded = [common.pad_time(x, chunk_size) for x in (q, k, erase, v, log_decay)]
     chunked = [xla.to_chunks(x, chunk_size) for x in padded]
-    document_B1NC, carry_B1N = xla.chunk_documents(document_BT, chunk_size)
+    document_BNC, carried_BN = common.chunk_documents(common.pad_time(document_BT, chunk_size, mode="edge"),
+                                                      chunk_size)
+    document_B1NC, carry_B1N = document_BNC[:, None], carried_BN[:, None]
     out_BHNCV, final_BHKV = vjp.chunked_delta_rule(*chunked, state, document_B1NC, carry_B1N, leaf_size)
     return xla.from_chunks(out_BHNCV)[:, :t], final_BHKV
 
@@ -169,15 +150,6 @@ TABLE.register(dispatch.Implementation("xla", _run_xla))
 # serve, with the reason logged, and "auto" falls back to "xla".
 TABLE.register(dispatch.Implementation("pallas_tpu", pallas_tpu.run, pallas_tpu.supports, fast=True))
 TABLE.register(dispatch.Implementation("pallas_triton", pallas_triton.run, pallas_triton.supports, fast=True))
-
-
-def _document_index(segment_ids, batch, length):
-    """Running count of boundaries (t is a boundary iff seg[t] != seg[t−1]); equal counts = same document,
-    so a reused id after another segment still starts a new document."""
-    if segment_ids is None:
-        return jnp.zeros((batch, length), jnp.int32)
-    boundary = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
-    return jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), jnp.cumsum(boundary, axis=1)], axis=1)
 
 
 def _sharded(run, heads: int):
@@ -239,7 +211,7 @@ def delta_rule(q, k, v, *, erase_key=None, log_decay=None, initial_state=None, s
     run = impl.run
     if impl.name.startswith("pallas_"):
         run = _sharded(run, h)
-    out, final = run(q, k, erase, v, lam, state, _document_index(segment_ids, b, t),
+    out, final = run(q, k, erase, v, lam, state, common.document_index(segment_ids, b, t),
                           chunk_size=call.chunk_size, leaf_size=call.leaf_size)
     return out.astype(v.dtype), final
 
@@ -249,11 +221,11 @@ def delta_rule_step(q, k, v, *, erase_key=None, log_decay=None, state):
     state [B, H, Dk, Dv]. Returns (o [B, H, Dv] in v's dtype, new_state float32 / float64).
     Packed-document resets are the caller's job (pass a zero state)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_float(name, x, STEP)
+        common.check_float(STEP, name, x)
         if x.ndim != 3:
             raise _fail(name, x, "rank 3 [B, H, D]", STEP)
     b, h, dk = q.shape
-    _check_shape("k", k, (b, h, dk), "BHK", STEP)
+    common.check_shape(STEP, "k", k, (b, h, dk), "BHK")
     if tuple(v.shape[:2]) != (b, h):
         raise _fail("v", v, f"shape [B={b}, H={h}, Dv]", STEP)
     dv = v.shape[2]
@@ -261,20 +233,21 @@ def delta_rule_step(q, k, v, *, erase_key=None, log_decay=None, state):
         if x is not None and x.dtype != q.dtype:
             raise _fail(name, x, f"dtype {jnp.dtype(q.dtype).name} (the dtype of q)", STEP)
     if erase_key is not None:
-        _check_shape("erase_key", erase_key, (b, h, dk), "BHK", STEP)
-    _check_float("state", state, STEP)
-    _check_shape("state", state, (b, h, dk, dv), "BHKV", STEP)
+        common.check_shape(STEP, "erase_key", erase_key, (b, h, dk), "BHK")
+    common.check_float(STEP, "state", state)
+    common.check_shape(STEP, "state", state, (b, h, dk, dv), "BHKV")
     dtype = compute_dtype(q.dtype)
     if log_decay is None:
         lam = jnp.zeros((b, h, dk), dtype)
     else:
-        _check_float("log_decay", log_decay, STEP)
+        common.check_float(STEP, "log_decay", log_decay)
         if tuple(log_decay.shape) == (b, h):
             lam = jnp.broadcast_to(log_decay.astype(dtype)[..., None], (b, h, dk))
         elif tuple(log_decay.shape) == (b, h, dk):
             lam = log_decay.astype(dtype)
         else:
             raise _fail("log_decay", log_decay, f"[B={b}, H={h}, Dk={dk}] or [B={b}, H={h}]", STEP)
+        common.check_nonpositive(STEP, "log_decay", log_decay, under_jit=False)
     erase = jnp.zeros((b, h, dk), dtype) if erase_key is None else erase_key.astype(dtype)
     out, new_state = decode.fused_step(q.astype(dtype), k.astype(dtype), erase, v.astype(dtype), lam,
                                        state.astype(dtype))
@@ -292,7 +265,7 @@ def normalized_linear_attention(q_feat, k_feat, v, *, initial_state=None, segmen
     Returns (o [B, T, H, Dv] in v's dtype, state [B, H, Dk, Dv + 1] float32/float64 = [S | zᵀ]).
     The ratio is taken in the compute dtype (float32 at least)."""
     for name, x in (("q_feat", q_feat), ("k_feat", k_feat), ("v", v)):
-        _check_float(name, x, NLA)
+        common.check_float(NLA, name, x)
         if x.dtype != v.dtype:
             raise _fail(name, x, f"dtype {jnp.dtype(v.dtype).name} (the dtype of v)", NLA)
     dtype = compute_dtype(v.dtype)

@@ -52,6 +52,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import common
+
 F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
 MXU_TILE = 128  # tile edge of the intra-tile tree (v5e/v5p MXU width; v6e's 256-wide MXU takes two)
@@ -539,16 +541,14 @@ def _to_bh(x, tp):
     return jnp.pad(x, ((0, 0), (0, tp - t), (0, 0))) if tp != t else x
 
 
-def chunk_documents(document_BT, chunk_size, tp):
-    """Relative document ids per chunk (0 = the document the chunk's carried-in state belongs to), as a
-    column [B, Tp, 1] and as rows [B, N_c, 1, C], int32. Padding repeats the last document."""
-    b, t = document_BT.shape
-    doc = document_BT.astype(jnp.int32)
-    if tp != t:
-        doc = jnp.pad(doc, ((0, 0), (0, tp - t)), mode="edge")
-    chunks = doc.reshape(b, tp // chunk_size, chunk_size)
-    carry = jnp.concatenate([chunks[:, :1, 0], chunks[:, :-1, -1]], axis=1)  # token before the chunk
-    rel = chunks - carry[..., None]
+def relative_documents(document_BT, chunk_size, tp):
+    """Document index relative to each chunk's carried document (0 = the document the state entering the
+    chunk belongs to), as a column [B, Tp, 1] and as rows [B, N_c, 1, C], int32. Padding stays in the last
+    document."""
+    b = document_BT.shape[0]
+    chunks, carried = common.chunk_documents(common.pad_time(document_BT.astype(jnp.int32), chunk_size, mode="edge"),
+                                             chunk_size)
+    rel = chunks - carried[..., None]
     return rel.reshape(b, tp, 1), rel.reshape(b, tp // chunk_size, 1, chunk_size)
 
 
@@ -570,7 +570,7 @@ def run(q, k, erase, v, lam, state, document_BT, *, chunk_size, leaf_size, inter
     cfg = KernelConfig(Geometry(chunk_size, leaf_size, dk, dv), h, cdt, interpret, vmem_limit_bytes)
     ops = [_to_bh(x.astype(cdt), tp) for x in (q, k, erase, v)]
     lam_bh = _to_bh(lam.astype(F32), tp)
-    dcol, drow = chunk_documents(document_BT, chunk_size, tp)
+    dcol, drow = relative_documents(document_BT, chunk_size, tp)
     s_init = state.astype(F32).reshape(b * h, dk, dv)
     out, final = chunked(*ops, lam_bh, s_init, dcol, drow, cfg)
     out = out[:, :t].reshape(b, h, t, dv).transpose(0, 2, 1, 3).astype(v.dtype)
@@ -602,14 +602,6 @@ def supports(call) -> Optional[str]:
 # CPU helper: the op's normalisation, then the kernel in interpret mode
 
 
-def document_index(segment_ids, batch, length):
-    """Same rule as api.py: running count of positions where the segment id changes."""
-    if segment_ids is None:
-        return jnp.zeros((batch, length), jnp.int32)
-    boundary = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
-    return jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), jnp.cumsum(boundary, axis=1)], axis=1)
-
-
 def delta_rule_interpret(q, k, v, *, erase_key=None, log_decay=None, initial_state=None, segment_ids=None,
                          chunk_size=64, leaf_size=8, interpret=True):
     """``api.delta_rule`` semantics on the Pallas TPU kernel in interpret mode (runs on CPU). Unlike the op,
@@ -624,5 +616,5 @@ def delta_rule_interpret(q, k, v, *, erase_key=None, log_decay=None, initial_sta
         lam = log_decay.astype(F32)
     state = (jnp.zeros((b, h, dk, v.shape[-1]), F32) if initial_state is None
              else initial_state.astype(F32))
-    return run(q, k, erase.astype(q.dtype), v, lam, state, document_index(segment_ids, b, t),
+    return run(q, k, erase.astype(q.dtype), v, lam, state, common.document_index(segment_ids, b, t),
                chunk_size=chunk_size, leaf_size=leaf_size, interpret=interpret)

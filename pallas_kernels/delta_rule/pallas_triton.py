@@ -56,6 +56,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import common
+
 try:  # Pallas' Triton backend (deprecated upstream since JAX 0.11 but present in 0.10.2 and 0.11.2)
     from jax.experimental.pallas import triton as pltriton
 except ImportError:  # pragma: no cover
@@ -761,22 +763,6 @@ _delta_rule.defvjp(_delta_rule_fwd, _delta_rule_bwd)
 # public entry (the op's impl.run contract)
 
 
-def _pad_time(x, multiple, mode="constant"):
-    extra = -x.shape[1] % multiple
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[1] = (0, extra)
-    return jnp.pad(x, widths, mode=mode)
-
-
-def carried_documents(document_BT, chunk_size):
-    """Document of the state entering each chunk: that of token nC − 1 (chunk 0: of token 0). [B, N]."""
-    b, t = document_BT.shape
-    chunked = document_BT.reshape(b, t // chunk_size, chunk_size)
-    return jnp.concatenate([chunked[:, :1, 0], chunked[:, :-1, -1]], axis=1)
-
-
 def run(q, k, erase, v, lam, state, document_BT, *, chunk_size, leaf_size, interpret=False, **overrides):
     """q, k, erase [B, T, H, Dk]; v [B, T, H, Dv] (one float dtype: bf16 runs bf16 matmul operands);
     lam [B, T, H, Dk] log-decay ≤ 0 (f32 recommended); state [B, H, Dk, Dv]; document_BT [B, T] int32.
@@ -785,8 +771,8 @@ def run(q, k, erase, v, lam, state, document_BT, *, chunk_size, leaf_size, inter
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     cfg = make_config(chunk_size, leaf_size, dk, dv, v.dtype, batch_heads=b * h, interpret=interpret, **overrides)
-    padded = [_pad_time(x, chunk_size) for x in (q, k, erase, v, lam)]
-    doc = _pad_time(document_BT.astype(jnp.int32), chunk_size, mode="edge")
-    carry = carried_documents(doc, chunk_size)
+    padded = [common.pad_time(x, chunk_size) for x in (q, k, erase, v, lam)]
+    doc = common.pad_time(document_BT.astype(jnp.int32), chunk_size, mode="edge")
+    _, carry = common.chunk_documents(doc, chunk_size)
     out, final = _delta_rule(cfg, *padded[:5], state.astype(F32), doc, carry)
     return out[:, :t], final

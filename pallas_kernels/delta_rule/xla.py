@@ -346,22 +346,3 @@ def to_chunks(x_BTHD, chunk_size):
 def from_chunks(x_BHNCD):
     b, h, n, c, d = x_BHNCD.shape
     return x_BHNCD.transpose(0, 2, 3, 1, 4).reshape(b, n * c, h, d)
-
-
-def chunk_documents(document_BT, chunk_size):
-    """-> (document_B1NC, carry_document_B1N): the carried-in document of chunk n is that of token nC − 1
-    (chunk 0: that of token 0, so the initial state belongs to the first document)."""
-    b, t = document_BT.shape
-    chunked = document_BT.reshape(b, 1, t // chunk_size, chunk_size)
-    carry = jnp.concatenate([chunked[..., :1, 0], chunked[..., :-1, -1]], axis=-1)
-    return chunked, carry
-
-
-def pad_time(x_BT_, multiple, mode="constant"):
-    t = x_BT_.shape[1]
-    extra = -t % multiple
-    if extra == 0:
-        return x_BT_
-    widths = [(0, 0)] * x_BT_.ndim
-    widths[1] = (0, extra)
-    return jnp.pad(x_BT_, widths, mode=mode)

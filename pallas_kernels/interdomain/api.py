@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import dispatch
+from pallas_kernels import common, dispatch
 from pallas_kernels.interdomain import decode, reference, xla
 
 DEFAULT_CHUNK_SIZE = 64
@@ -61,20 +61,10 @@ class InterdomainCall:
 # validation
 
 
-def _fail(op, name: str, x, expected: str) -> ValueError:
-    return dispatch.bad_argument(op, name, x, expected)
-
-
-def _check_float(op, name, x):
-    if not hasattr(x, "shape") or not jnp.issubdtype(x.dtype, jnp.floating):
-        raise _fail(op, name, x, "a floating-point array")
-
-
-def _check_shape(op, name, x, shape, labels):
-    _check_float(op, name, x)
-    if tuple(x.shape) != tuple(shape):
-        wanted = "[" + ", ".join(f"{l}={s}" for l, s in zip(labels, shape)) + "]"
-        raise _fail(op, name, x, f"shape {wanted}")
+_fail = common.bad_argument
+_check_float = common.check_float
+_check_shape = common.check_shape
+compute_dtype = common.compute_dtype
 
 
 def resolve_chunk_size(op, chunk_size):
@@ -109,28 +99,8 @@ def _check_dynamics(op, b, t, h, log_modulus, phase, input_gain):
     else:
         raise _fail(op, "log_modulus", log_modulus, f"[H={h}, M={m}] (static) or [B={b}, T={t}, H={h}, M={m}]")
     _check_shape(op, "input_gain", input_gain, (h, 2 * m), ("H", "2M"))
+    common.check_nonpositive(op, "log_modulus", log_modulus)
     return m, selective
-
-
-def _check_segments(op, segment_ids, b, t):
-    if segment_ids is not None:
-        if not hasattr(segment_ids, "shape") or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-            raise _fail(op, "segment_ids", segment_ids, f"an integer array of shape [B={b}, T={t}]")
-        if tuple(segment_ids.shape) != (b, t):
-            raise _fail(op, "segment_ids", segment_ids, f"shape [B={b}, T={t}]")
-
-
-def compute_dtype(dtype):
-    """float64 end-to-end for float64 inputs, float32 state and accumulation for everything else."""
-    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
-
-
-def _document_index(segment_ids, batch, length):
-    """Running count of boundaries (t is a boundary iff seg[t] != seg[t−1])."""
-    if segment_ids is None:
-        return jnp.zeros((batch, length), jnp.int32)
-    boundary = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
-    return jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), jnp.cumsum(boundary, axis=1)], axis=1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -214,7 +184,7 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
                              f"got {type(initial_state).__name__}")
         _check_shape(op, "initial_state.key", initial_state[0], (b, h, 2 * m, r), ("B", "H", "2M", "R"))
         _check_shape(op, "initial_state.value", initial_state[1], (b, h, 2 * m, dv), ("B", "H", "2M", "Dv"))
-    _check_segments(op, segment_ids, b, t)
+    common.check_segment_ids(op, segment_ids, b, t)
     chunk = resolve_chunk_size(op, chunk_size)
     sub = resolve_sub_chunk_size(op, sub_chunk_size, chunk)
     call = InterdomainCall(op, b, t, h, r, dv, m, jnp.dtype(q.dtype), selective, initial_state is not None,
@@ -230,7 +200,7 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
         key0, value0 = initial_state[0].astype(dt), initial_state[1].astype(dt)
     o, key, value = impl.run(q.astype(dt), k.astype(dt), v.astype(dt), lm, phase.astype(dt),
                              input_gain.astype(dt), readout.astype(dt), key0, value0,
-                             _document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
+                             common.document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
     return o.astype(v.dtype), InterdomainState(key, value)
 
 
@@ -256,6 +226,7 @@ def interdomain_step(q, k, v, *, log_modulus, phase, input_gain, readout, state)
     _check_float(op, "log_modulus", log_modulus)
     if tuple(log_modulus.shape) not in ((h, m), (b, h, m)):
         raise _fail(op, "log_modulus", log_modulus, f"[H={h}, M={m}] or [B={b}, H={h}, M={m}]")
+    common.check_nonpositive(op, "log_modulus", log_modulus, under_jit=False)
     _check_shape(op, "input_gain", input_gain, (h, 2 * m), ("H", "2M"))
     _check_shape(op, "readout", readout, (h, 2 * m, 2 * m), ("H", "2M", "2M"))
     _check_shape(op, "state.key", state[0], (b, h, 2 * m, r), ("B", "H", "2M", "R"))
@@ -284,7 +255,7 @@ def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segme
     _check_shape(op, "readout", readout, (h, 2 * m), ("H", "2M"))
     if initial_state is not None:
         _check_shape(op, "initial_state", initial_state, (b, h, 2 * m, c), ("B", "H", "2M", "C"))
-    _check_segments(op, segment_ids, b, t)
+    common.check_segment_ids(op, segment_ids, b, t)
     chunk = resolve_chunk_size(op, chunk_size)
     sub = resolve_sub_chunk_size(op, sub_chunk_size, chunk)
     call = InterdomainCall(op, b, t, h, 0, c, m, jnp.dtype(z.dtype), selective, initial_state is not None,
@@ -294,7 +265,7 @@ def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segme
     lm = jnp.broadcast_to(log_modulus.astype(dt), (b, t, h, m))
     x0 = jnp.zeros((b, h, 2 * m, c), dt) if initial_state is None else initial_state.astype(dt)
     o, x = impl.run(z.astype(dt), lm, phase.astype(dt), input_gain.astype(dt), readout.astype(dt), x0,
-                    _document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
+                    common.document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
     return o.astype(z.dtype), x
 
 
@@ -311,6 +282,7 @@ def s4d_step(z, *, log_modulus, phase, input_gain, readout, state):
     m = phase.shape[1]
     if tuple(log_modulus.shape) not in ((h, m), (b, h, m)):
         raise _fail(op, "log_modulus", log_modulus, f"[H={h}, M={m}] or [B={b}, H={h}, M={m}]")
+    common.check_nonpositive(op, "log_modulus", log_modulus, under_jit=False)
     _check_shape(op, "input_gain", input_gain, (h, 2 * m), ("H", "2M"))
     _check_shape(op, "readout", readout, (h, 2 * m), ("H", "2M"))
     _check_shape(op, "state", state, (b, h, 2 * m, c), ("B", "H", "2M", "C"))

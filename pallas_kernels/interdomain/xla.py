@@ -41,21 +41,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import common
 from pallas_kernels.interdomain.decode import HIGHEST, split
 
 
 def _ein(spec, *args):
     return jnp.einsum(spec, *args, precision=HIGHEST)
-
-
-def pad_time(x, chunk, mode="constant"):
-    t = x.shape[1]
-    pad = (-t) % chunk
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[1] = (0, pad)
-    return jnp.pad(x, widths, mode=mode)
 
 
 def to_chunks(x_BTH, chunk):
@@ -183,11 +174,9 @@ def _scan_states(z, ein_end_coef, chunk_decay, state, gain):
 def _prepare(arrays, r, document_BT, chunk):
     t = document_BT.shape[1]
     pad = (-t) % chunk
-    arrays = [to_chunks(pad_time(x, chunk), chunk) for x in arrays]
-    r = to_chunks(pad_time(r, chunk), chunk)
-    doc = pad_time(document_BT, chunk, mode="edge")
-    doc = doc.reshape(doc.shape[0], -1, chunk)
-    carry_doc = jnp.concatenate([doc[:, :1, 0], doc[:, :-1, -1]], axis=1)
+    arrays = [to_chunks(common.pad_time(x, chunk), chunk) for x in arrays]
+    r = to_chunks(common.pad_time(r, chunk), chunk)
+    doc, carry_doc = common.chunk_documents(common.pad_time(document_BT, chunk, mode="edge"), chunk)
     return arrays, r, doc, carry_doc, pad
 
 

@@ -23,7 +23,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import dispatch
+from pallas_kernels import common, dispatch
 from pallas_kernels.delta_rule.api import delta_rule
 from pallas_kernels.vla import decode, reference, xla
 from pallas_kernels.vla.reference import floored_norm
@@ -53,25 +53,18 @@ class VLACall:
     backend: str
 
 
+OP = "vla"
+
+
 def _fail(name, x, expected) -> ValueError:
-    return dispatch.bad_argument("vla", name, x, expected)
+    return common.bad_argument(OP, name, x, expected)
 
 
 def _check_float(name, x):
-    dispatch.check_float("vla", name, x)
+    common.check_float(OP, name, x)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def compute_dtype(dtype):
-    """float64 end-to-end for float64 inputs; float32 state and accumulation for everything else."""
-    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+_is_int, _is_real, compute_dtype = common.is_int, common.is_real, common.compute_dtype
 
 
 def validate_hyper(lambda0, refresh_period, refresh_magnitude, refresh_offset, eps):
@@ -105,7 +98,7 @@ def resolve_chunk_size(chunk_size, refresh_period, refresh_offset):
 
 def validate(q, k, v, penalty_key, initial_state, segment_ids, initial_position, chunk_size,
              refresh_period, refresh_offset) -> VLACall:
-    b, t, h, dk, dv = dispatch.check_qkv("vla", q, k, v)
+    b, t, h, dk, dv = common.check_qkv(OP, q, k, v)
     if penalty_key is not None:
         _check_float("penalty_key", penalty_key)
         if tuple(penalty_key.shape) != (b, t, h, dk) or penalty_key.dtype != q.dtype:
@@ -121,11 +114,8 @@ def validate(q, k, v, penalty_key, initial_state, segment_ids, initial_position,
             raise _fail("initial_state[0] (S)", s0, f"shape [B={b}, H={h}, Dk={dk}, Dv={dv}]")
         if tuple(a0.shape) != (b, h, dk, dk):
             raise _fail("initial_state[1] (A)", a0, f"shape [B={b}, H={h}, Dk={dk}, Dk={dk}]")
-    if segment_ids is not None:
-        if not hasattr(segment_ids, "shape") or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-            raise _fail("segment_ids", segment_ids, f"an integer array of shape [B={b}, T={t}]")
-        if tuple(segment_ids.shape) != (b, t):
-            raise _fail("segment_ids", segment_ids, f"shape [B={b}, T={t}]")
+        common.check_positive_definite(OP, "initial_state[1] (A)", a0)
+    common.check_segment_ids(OP, segment_ids, b, t)
     if not _is_int(initial_position):
         if not hasattr(initial_position, "shape") or not jnp.issubdtype(initial_position.dtype, jnp.integer) \
                 or tuple(initial_position.shape) not in ((), (b,)):
@@ -140,12 +130,7 @@ def normalize(x, eps):
     return x / floored_norm(x, eps)
 
 
-def document_index(segment_ids, batch, length):
-    """Running count of boundaries (t is a boundary iff seg[t] != seg[t−1]): equal counts = same document."""
-    if segment_ids is None:
-        return jnp.zeros((batch, length), jnp.int32)
-    boundary = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
-    return jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), jnp.cumsum(boundary, axis=1)], axis=1)
+document_index = common.document_index
 
 
 def document_positions(document_BT, initial_position=0):

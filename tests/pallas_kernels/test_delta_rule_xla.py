@@ -10,6 +10,7 @@ from jax.scipy.linalg import solve_triangular
 
 from delta_rule_cases import (documents_as_rows, gdn2_inputs, jit_delta_rule, max_rel_err, segment_ids_from_lengths,
                               x64)
+from pallas_kernels import common
 from pallas_kernels.delta_rule import xla
 
 F64_TOL = 1e-10  # observed ≤ 1e-15
@@ -130,7 +131,8 @@ def test_affine_chunk_map(lengths):
     chunk, dk = 64, 8
     inputs = gdn2_inputs(7, 1, chunk, 1, dk, 4)
     q, k, erase, v, lam = (xla.to_chunks(inputs[n], chunk) for n in ("q", "k", "erase_key", "v", "log_decay"))
-    docs, carry = xla.chunk_documents(jnp.asarray(segment_ids_from_lengths(lengths)), chunk)
+    document = common.document_index(jnp.asarray(segment_ids_from_lengths(lengths)), 1, chunk)
+    docs, carry = (x[:, None] for x in common.chunk_documents(document, chunk))
     transition = jax.jit(lambda *a: xla.chunk_tensors(*a, leaf_size=8).transition)(q, k, erase, v, lam, docs, carry)
     k, erase, lam = (np.asarray(x[0, 0, 0]) for x in (k, erase, lam))
     product = np.eye(dk)

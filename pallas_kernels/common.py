@@ -1,0 +1,197 @@
+"""What every op and every backend shares: argument checks, the dtype policy, the document index and the
+chunk layout of packed documents. One home, so that changing how documents reset is one edit.
+
+Vocabulary (docs/math/README.md):
+  * ``document_BT`` — the document index: the running count of segment boundaries up to and including t
+    (t is a boundary iff seg[t] != seg[t−1]). Two tokens share a document iff their counts are equal, so a
+    segment id reused after another segment still starts a new document.
+  * ``carried_document`` — per chunk, the document the state entering the chunk belongs to: that of the
+    token just before the chunk (chunk 0: that of token 0, so an initial state belongs to the first
+    document of its row).
+"""
+from __future__ import annotations
+
+import numbers
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------------------
+# argument checks: one error form for every op
+
+
+def bad_argument(op: str, name: str, x, expected: str) -> ValueError:
+    """The one error an op raises for a bad argument: the op, the argument, what it got, what was expected."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        got = f"shape {tuple(x.shape)} dtype {np.dtype(x.dtype).name}"
+    else:
+        got = repr(x)
+    return ValueError(f"{op}: argument {name!r} has {got}; expected {expected}")
+
+
+def is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_float(op: str, name: str, x) -> None:
+    if not hasattr(x, "shape") or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise bad_argument(op, name, x, "a floating-point array")
+
+
+def check_shape(op: str, name: str, x, shape, labels) -> None:
+    """``x`` is a float array of exactly ``shape``; ``labels`` name the axes in the message (e.g. "BTHK")."""
+    check_float(op, name, x)
+    if tuple(x.shape) != tuple(shape):
+        wanted = "[" + ", ".join(f"{label}={size}" for label, size in zip(labels, shape)) + "]"
+        raise bad_argument(op, name, x, f"shape {wanted}")
+
+
+def check_same_dtype(op: str, name: str, x, reference_name: str, reference) -> None:
+    if x.dtype != reference.dtype:
+        raise bad_argument(op, name, x, f"dtype {np.dtype(reference.dtype).name} (the dtype of {reference_name})")
+
+
+def check_qkv(op: str, q, k, v) -> tuple[int, int, int, int, int]:
+    """The checks every token-mixer op makes on q, k [B, T, H, Dk] and v [B, T, H, Dv]: floating point, one
+    dtype, matching B, T, H (and Dk for k), nothing empty. Returns (B, T, H, Dk, Dv)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_float(op, name, x)
+        if x.ndim != 4:
+            raise bad_argument(op, name, x, "rank 4 [B, T, H, D]")
+    b, t, h, dk = q.shape
+    if tuple(k.shape) != (b, t, h, dk):
+        raise bad_argument(op, "k", k, f"shape [B={b}, T={t}, H={h}, Dk={dk}] (as q)")
+    if tuple(v.shape[:3]) != (b, t, h):
+        raise bad_argument(op, "v", v, f"shape [B={b}, T={t}, H={h}, Dv] (B, T, H as in q)")
+    dv = v.shape[3]
+    if t < 1 or dk < 1 or dv < 1:
+        raise bad_argument(op, "q", q, "non-empty T, Dk and Dv")
+    for name, x in (("k", k), ("v", v)):
+        check_same_dtype(op, name, x, "q", q)
+    return b, t, h, dk, dv
+
+
+def check_segment_ids(op: str, segment_ids, batch: int, length: int) -> None:
+    if segment_ids is None:
+        return
+    if not hasattr(segment_ids, "shape") or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise bad_argument(op, "segment_ids", segment_ids, f"an integer array of shape [B={batch}, T={length}]")
+    if tuple(segment_ids.shape) != (batch, length):
+        raise bad_argument(op, "segment_ids", segment_ids, f"shape [B={batch}, T={length}]")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# value domains (λ ≤ 0, r ≤ 0, positive-definite A₀): checked on concrete values always, under jit by a host
+# callback unless MIXERLAB_CHECK_DOMAINS=0. A violated domain is an error, never a silent wrong answer.
+
+CHECK_DOMAINS_UNDER_JIT = os.environ.get("MIXERLAB_CHECK_DOMAINS", "1") != "0"
+
+
+def _domain_error(op: str, name: str, expected: str, worst) -> ValueError:
+    return ValueError(f"{op}: argument {name!r} is outside its domain: expected {expected}; found {worst}. "
+                      f"(Set MIXERLAB_CHECK_DOMAINS=0 to skip this check inside jit.)")
+
+
+def _check_domain(op: str, name: str, expected: str, violation, summary, under_jit: bool = True) -> None:
+    """``violation`` (bool scalar) and ``summary`` (a scalar for the message) are computed from the argument;
+    raise now when they are concrete, else at run time through ``jax.debug.callback``."""
+    if not isinstance(violation, jax.core.Tracer):
+        if bool(violation):
+            raise _domain_error(op, name, expected, np.asarray(summary).item())
+        return
+    if not (under_jit and CHECK_DOMAINS_UNDER_JIT):
+        return
+
+    def raise_if(bad, worst):
+        if bool(bad):
+            raise _domain_error(op, name, expected, np.asarray(worst).item())
+
+    jax.debug.callback(raise_if, violation, summary)
+
+
+def check_nonpositive(op: str, name: str, x, *, under_jit: bool = True) -> None:
+    """Every entry ≤ 0 (log-decays, log-moduli). NaN counts as a violation. ``under_jit=False`` checks concrete
+    values only (one-token decode steps, where a host callback per layer and token would cost latency)."""
+    if x is None:
+        return
+    worst = jnp.max(jnp.where(jnp.isnan(x), jnp.inf, x))
+    _check_domain(op, name, "every entry <= 0", worst > 0, worst, under_jit)
+
+
+def _not_positive_definite(a) -> tuple[bool, float]:
+    """Host-side (numpy): (violated, smallest eigenvalue). numpy, not jnp.linalg: LAPACK calls inside an XLA
+    CPU program can deadlock XLA's thread pool (see pallas_kernels/vla/small_linalg.py)."""
+    a = np.asarray(a, np.float64)
+    sym = 0.5 * (a + np.swapaxes(a, -1, -2))
+    if not np.all(np.isfinite(a)):
+        return True, float("nan")
+    smallest = float(np.min(np.linalg.eigvalsh(sym))) if a.size else 1.0
+    asymmetric = np.max(np.abs(a - sym), initial=0.0) > 1e-5 * max(np.max(np.abs(a), initial=0.0), 1e-30)
+    return bool(smallest <= 0 or asymmetric), smallest
+
+
+def check_positive_definite(op: str, name: str, a_KK) -> None:
+    """A symmetric positive-definite stack [..., K, K] (e.g. VLA's initial penalty A₀)."""
+    if a_KK is None:
+        return
+    expected = "symmetric positive-definite matrices (smallest eigenvalue > 0)"
+    if not isinstance(a_KK, jax.core.Tracer):
+        bad, smallest = _not_positive_definite(a_KK)
+        if bad:
+            raise _domain_error(op, name, expected, smallest)
+        return
+    if not CHECK_DOMAINS_UNDER_JIT:
+        return
+
+    def raise_if(a):
+        bad, smallest = _not_positive_definite(a)
+        if bad:
+            raise _domain_error(op, name, expected, smallest)
+
+    jax.debug.callback(raise_if, a_KK)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dtype policy
+
+
+def compute_dtype(dtype):
+    """float64 end-to-end for float64 inputs; float32 state and accumulation for everything else."""
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+# ---------------------------------------------------------------------------------------------------------
+# packed documents and the chunk layout
+
+
+def document_index(segment_ids, batch: int, length: int):
+    """[B, T] int32 running count of segment boundaries (see the module docstring); zeros without segments."""
+    if segment_ids is None:
+        return jnp.zeros((batch, length), jnp.int32)
+    boundary = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
+    return jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), jnp.cumsum(boundary, axis=1)], axis=1)
+
+
+def pad_time(x_BT_, multiple: int, mode: str = "constant"):
+    """Pad axis 1 (time) up to a multiple: zeros (tokens with λ = 0 and no input are identity transitions)
+    or ``mode="edge"`` for document indices (padding stays in the last document)."""
+    extra = -x_BT_.shape[1] % multiple
+    if extra == 0:
+        return x_BT_
+    widths = [(0, 0)] * x_BT_.ndim
+    widths[1] = (0, extra)
+    return jnp.pad(x_BT_, widths, mode=mode)
+
+
+def chunk_documents(document_BT, chunk_size: int):
+    """[B, T] document index (T a multiple of the chunk) -> (per chunk [B, N, C], carried document [B, N])."""
+    b, t = document_BT.shape
+    chunks = document_BT.reshape(b, t // chunk_size, chunk_size)
+    carried = jnp.concatenate([chunks[:, :1, 0], chunks[:, :-1, -1]], axis=1)
+    return chunks, carried
