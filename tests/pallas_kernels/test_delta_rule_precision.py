@@ -92,8 +92,7 @@ def test_stress_negative_control_unpivoted_float32_is_not_finite():
 
 def test_cancellation_hazard_segment_local_exponents():
     """Cancellation hazard: λ = −1500 for 4 tokens, then −1e-3. Exponents formed as differences of chunk-global
-    float32
-    cumsums lose ~1e-3 relative; our sums over token ranges do not (measured 2.0e-7)."""
+    float32 cumsums lose ~1e-3 relative; our sums over token ranges do not (measured 2.0e-7)."""
     inputs = gdn2_inputs(33, 1, 64, 2, 16, 16, dtype=jnp.float32, initial_state=False)
     lam = np.full(inputs["log_decay"].shape, -1e-3, np.float32)
     lam[:, :4] = -1500.0
