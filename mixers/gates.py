@@ -33,7 +33,8 @@ XAVIER_GAIN = 2.0 ** -2.5
 
 
 class ReadoutGain(DynamicsParam):
-    """Muir's gamma^stat: dynamics (never weight-decayed) but counted as a "matrix" parameter (models/param_count.py)."""
+    """Muir's gamma^stat: dynamics (never weight-decayed) but counted as a "matrix" parameter
+    (models/param_count.py)."""
 
 
 def kernel_init(scheme: str, std: float):

@@ -49,13 +49,13 @@ class InterdomainOptions:
     use_rope: bool = True          RoPE on q/k [S: IA1 §3.3; no-RoPE within noise at 125M].
     rope_theta: float = 10000.0    RoPE base [R: Llama-2 value].
     rope_placement: "pre_silu"     after SC, before SiLU (IA1 Fig. 3) | "post_l2" on ξ(q), ξ(k) [R].
-    readout: "hermitian"           Re(ξᵀUᴴΓ) | "bilinear" Re(ξᵀUᵀΓ) [R: docs/math/interdomain.md, 'What the paper leaves open'].
+    readout: "hermitian"           Re(ξᵀUᴴΓ) | "bilinear" Re(ξᵀUᵀΓ) [R: docs/math/interdomain.md].
     s4d_inv_n: "M"                 N in a_im(n) = (N/π)(N/(2n+1) − 1): "M" as printed | "2M" as the S4 code
                                    [S: IA1 §3.3 as printed; R: 2M option].
     dt_min: float = 1e-3           Δ log-uniform in [dt_min, dt_max], scalar per head [S].
     dt_max: float = 1e-1
     c_init: "identity"             C_h init: "identity" (HiPPO-faithful) | "normal" CN(0, 1/M) [R].
-    c_lr_group: "main"             C_h: main LR, no weight decay (IAs) | "ssm" LR-capped group (IA1) [S: the two versions differ].
+    c_lr_group: "main"             C_h: main LR, no weight decay (IAs) | "ssm" LR-capped group (IA1) [S: versions differ].
     norm_eps: float = 1e-6         eps of the input RMSNorms (Eq. 12) [R].
     query_mlp_hidden: int = 0      residual query MLP q += W_2 SiLU(W_1 x), W_2 zero-init; 0 = off
                                    (IAs ablation: 317) [S widths; form R].

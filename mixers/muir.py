@@ -43,20 +43,21 @@ def gamma_phi(name: str):
 
 @dataclasses.dataclass(frozen=True)
 class MuirOptions(DeltaOptions):
-    """Muir options: the shared ``DeltaOptions`` fields plus
+    """Muir options: the shared ``DeltaOptions`` fields plus the ones below. Tags: [Muir, …] the paper, [ours] our
+    reconstruction, [open] stated in no source (our choice, a flag), [GDN2-code] NVlabs GDN-2 code, [FLA] fla-org.
 
     gamma: "dynamic"               readout gain variant: none | static | dynamic [Muir, Table 2; its "ours" = dynamic].
     ranks: tuple[int, ...] = ()    (r_f, r_b, r_g, r_w, r_q); () = the seed's ranks for the variant:
                                    (64,64,128,128,128) dynamic, (64,64,128,256,0) none/static [Muir, Table 2].
                                    r_q must be > 0 exactly when gamma = dynamic.
     gamma_phi: "two_sigmoid"       phi in gamma_t = gamma_stat * phi(z^q): 2 sigmoid(z) (bounded in (0,2), our
-                                   default) | exp | one_plus_tanh; all have phi(0) = 1 [not in the paper].
+                                   default) | exp | one_plus_tanh; all have phi(0) = 1 [open].
     gamma_static_init: float = 1.0 init of gamma_stat (unit gain = GDN-2's readout [Muir, Table 6]) [ours].
     gamma_up_zero_init: bool = True  W_q_up = 0 at init so gamma_t = gamma_stat exactly (LoRA-style) [ours].
-    use_gamma_bias: bool = True    whether c_q exists (init 0) [not in the paper].
-    keep_a_log: bool = True        lambda = -exp(A_log) softplus(z^f) (GDN-2's form); False: -softplus(z^f) [not in the paper].
+    use_gamma_bias: bool = True    whether c_q exists (init 0) [open].
+    keep_a_log: bool = True        lambda = -exp(A_log) softplus(z^f) (GDN-2's form); False: -softplus(z^f) [open].
     gate_act: "silu"               output gate as the GDN-2 reference training code [GDN2-code]; sigmoid as
-                                   FLA's port [not stated for Muir].
+                                   FLA's port [open for Muir].
     """
 
     gamma: Literal["none", "static", "dynamic"] = "dynamic"

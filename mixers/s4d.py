@@ -40,7 +40,7 @@ class S4DOptions:
     conv_bias: bool = True       bias in the short convs [S: exact param counts, IA1 Table 3].
     use_rope: bool = False       RoPE on the a-half (IA1 Tab. 4: "S4D-only + RoPE" 19.77 vs 19.22 without) [S].
     rope_theta: float = 10000.0  RoPE base [R].
-    s4d_inv_n: "M"               as ``interdomain`` [S as printed; docs/math/interdomain.md, 'What the paper leaves open'].
+    s4d_inv_n: "M"               as ``interdomain`` [S as printed; docs/math/interdomain.md].
     dt_min: float = 1e-3         Δ log-uniform in [dt_min, dt_max] [S].
     dt_max: float = 1e-1
     c_init: "identity"           C_h init, as ``interdomain`` [R].
