@@ -3,7 +3,7 @@
 The Muir paper's law (its eq. (5), Prop. 3.4, used in Fig. 11 and Table 6) is not in the version of the paper
 we have (it keeps only captions and tables), so the law below is derived for this input model:
 
-    S_t = (I − k_tᵀ(b ⊙ k_t)) Diag(α) S_{t−1} + k_tᵀ(w ⊙ v_t)          (key-major, row vectors; docs/math/delta_rule.md)
+    S_t = (I − k_tᵀ(b ⊙ k_t)) Diag(α) S_{t−1} + k_tᵀ(w ⊙ v_t)   (key-major, row vectors; docs/math/delta_rule.md)
 
 * gates fixed in time: α ∈ (0,1)^{d_k} (decay), b ∈ (0,1)^{d_k} (erase), w ∈ (0,1)^{d_v} (write);
 * keys i.i.d. over t, unit norm, with a law invariant under flipping the sign of any one coordinate; here
