@@ -1,4 +1,4 @@
-"""Copy task (spec A11: T = 64, ``x1…x31 SEP x1…x31 PAD``, loss on the copied half): mixer x seed.
+"""Copy task (VLA paper §5.2, Table 7: T = 64, ``x1…x31 SEP x1…x31 PAD``, loss on the copied half): mixer x seed.
 
     python -m eval.copy_task --config configs/eval/copy.yaml --mixers softmax,linear_attention,deltanet,vla \\
         --seeds 42 --out runs/eval/copy

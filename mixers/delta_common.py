@@ -1,4 +1,5 @@
-"""Common skeleton of the delta-rule mixers (DeltaNet, Gated DeltaNet, KDA, GDN-2, Muir); spec §3.0.
+"""Common skeleton of the delta-rule mixers (DeltaNet, Gated DeltaNet, KDA, GDN-2, Muir); math in
+docs/math/delta_rule.md, 'Mechanisms as substitutions'.
 
 ```
 q, k, v = SiLU(ShortConv_K4(x W_q)), SiLU(ShortConv_K4(x W_k)), SiLU(ShortConv_K4(x W_v))   # no biases
@@ -41,7 +42,7 @@ QK_L2_EPS = 1e-6  # inside the sqrt, per head [FLA l2norm / use_qk_l2norm_in_ker
 class DeltaOptions:
     """Fields shared by every delta-rule mixer (each subclass adds its own; docs/mixers.md lists all).
 
-    use_short_conv: bool = True   causal depthwise conv (K=conv_size, no bias) + SiLU on q, k, v [FLA, SEED
+    use_short_conv: bool = True   causal depthwise conv (K=conv_size, no bias) + SiLU on q, k, v [FLA; Muir,
                                   Fig. 3b]. False: SiLU directly on the projections (FLA's fallback).
     conv_size: int = 4            short-conv kernel width [FLA ShortConvolution default, GDN2-code].
     init_scheme: "normal"         N(0, spec.init_std) for input-side matrices (FLA, and mixerlab's decoder);

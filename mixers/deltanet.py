@@ -1,4 +1,4 @@
-"""DeltaNet (Schlag et al. 2021; chunkwise by Yang et al. 2024): spec §3.2.
+"""DeltaNet (Schlag et al. 2021; chunkwise by Yang et al. 2024); math in docs/math/delta_rule.md.
 
     S_t = (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t,   o_t = s q_t S_t
     beta_t = sigmoid(x_t W_beta)   (per head, W_beta: d -> H, no bias; x2 with allow_neg_eigval)

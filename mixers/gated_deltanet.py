@@ -1,4 +1,4 @@
-"""Gated DeltaNet (Yang, Kautz, Hatamizadeh, ICLR 2025): spec §3.3.
+"""Gated DeltaNet (Yang, Kautz, Hatamizadeh, ICLR 2025); math in docs/math/delta_rule.md.
 
     S_t = alpha_t (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t,   o_t = s q_t S_t
     lambda_t = log alpha_t = -exp(A_log) softplus(x_t W_a + dt_bias)   (per head; W_a: d -> H, no bias)

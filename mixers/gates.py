@@ -2,13 +2,13 @@
 
 * ``dense(...)``       a bias-free ``nnx.Linear`` with the layer's init scheme.
 * ``LowRank``          ``x W_down W_up (+ c)``: two bias-free factors with **no nonlinearity between them**
-                       [FLA kda/gdn2 ``f_proj``/``g_proj``; SEED Table 19 truncates the product by SVD], and an
+                       [FLA kda/gdn2 ``f_proj``/``g_proj``; Muir, Table 19 truncates the product by SVD], and an
                        optional additive bias ``c`` kept as a ``DynamicsParam`` (no weight decay).
 * ``a_log_init``       ``A_log = log U(lo, hi)`` per head (GDN: (0, 16); KDA/GDN-2/Muir: (1, 16)) [FLA].
 * ``dt_bias_init``     ``inv_softplus(dt)``, ``dt = exp(U(log 1e-3, log 1e-1))`` clamped >= 1e-4 [FLA].
 * ``log_decay``        ``lambda = -exp(A_log) * softplus(z + dt_bias)`` in float32 [FLA, GDN2-code].
 * ``ReadoutGain``      Muir's static readout gain gamma^stat: a ``DynamicsParam`` (no weight decay) that is
-                       nevertheless counted in the "matrices only" parameter convention (spec §9).
+                       nevertheless counted in the "matrices only" parameter convention (models/param_count.py).
 
 Init schemes (``init_scheme`` option of every delta-family layer):
   ``normal``          N(0, spec.init_std) (0.02) for every input-side matrix, as FLA's ``_init_weights``
@@ -33,7 +33,8 @@ XAVIER_GAIN = 2.0 ** -2.5
 
 
 class ReadoutGain(DynamicsParam):
-    """Muir's gamma^stat: dynamics (never weight-decayed) but counted as a "matrix" parameter (spec §9)."""
+    """Muir's gamma^stat: dynamics (never weight-decayed) but counted as a "matrix" parameter
+    (models/param_count.py)."""
 
 
 def kernel_init(scheme: str, std: float):

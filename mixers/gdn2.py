@@ -1,4 +1,4 @@
-"""Gated DeltaNet-2 (Hatamizadeh, Choi, Kautz, arXiv 2605.22791): spec §3.5.
+"""Gated DeltaNet-2 (Hatamizadeh, Choi, Kautz, arXiv 2605.22791); math in docs/math/delta_rule.md.
 
     S_t = (I - k_t^T (b_t * k_t)) Diag(alpha_t) S_{t-1} + k_t^T (w_t * v_t),   o_t = s q_t S_t
     lambda_t = -exp(A_log_h) * softplus(x_t W_f_down W_f_up + dt_bias)   channel-wise, as KDA
@@ -27,8 +27,8 @@ class GDN2Options(DeltaOptions):
     """GDN-2 options: the shared ``DeltaOptions`` fields plus
 
     gate_act: "silu"        NVlabs training code (FusedRMSNormSwishGate) [GDN2-code]; FLA's port uses sigmoid.
-    decay_rank: int = 128   rank of the decay projection f [GDN2-code, FLA; SEED Table 5 "r=128"].
-    gate_rank: int = 128    rank of the output-gate projection g [GDN2-code, FLA; SEED Table 5].
+    decay_rank: int = 128   rank of the decay projection f [GDN2-code, FLA; Muir, Table 5 "r=128"].
+    gate_rank: int = 128    rank of the output-gate projection g [GDN2-code, FLA; Muir, Table 5].
     """
 
     decay_rank: int = 128

@@ -1,6 +1,6 @@
-"""Interdomain Attention (Kiyohara et al., arXiv 2605.24330; spec vla-and-interdomain.md PART B).
+"""Interdomain Attention (Kiyohara et al., arXiv 2605.24330); math in docs/math/interdomain.md.
 
-Per head h (R = head_dim, d_h = value_head_dim, M complex modes; spec B3):
+Per head h (R = head_dim, d_h = value_head_dim, M complex modes; docs/math/interdomain.md, 'The layer'):
 ```
 q, k, v  = x W_Q (+ W_2 SiLU(x W_1), residual query MLP, optional), x W_K, x W_V        no bias
 q, k     = ShortConv_K4(q) + bias, ShortConv_K4(k) + bias        causal depthwise, before the head split
@@ -16,7 +16,7 @@ y        = concat_h(o) W_O,  W_O ~ N(0, 0.02/√(2L))
 ```
 The recurrence runs in ``pallas_kernels.interdomain`` (real 2×2 rotation-scaling blocks, no complex dtype).
 Parameters per layer at the defaults: 4d² + 2HM² (C) + 10d (two convs with bias) + 2d (norm biases)
-+ 2d_h (shared norm scales) + (2M + 1)H (A, Δ) — the accounting of IA1 Table 3 (spec B8).
++ 2d_h (shared norm scales) + (2M + 1)H (A, Δ) — the accounting of IA1 Table 3 (docs/interdomain.md).
 
 Cache: ``{"key": [B,H,2M,R], "value": [B,H,2M,d_h]`` float32 (stacked [Re; Im]), ``"conv_q"/"conv_k"
 (/"conv_v")``: [B, K−1, C]}. ``decode`` resets a row when its position is 0.
@@ -45,17 +45,17 @@ class InterdomainOptions:
 
     num_modes: int = 64            M complex modes per head [S: IA1 §4, all LM runs].
     conv_size: int = 4             short-conv width on q and k (LM 4, genomics 8) [S: IA1 Eq. 10, IAs A.1].
-    conv_bias: bool = True         bias in the short convs [S: exact param counts, spec B8].
+    conv_bias: bool = True         bias in the short convs [S: exact param counts, IA1 Table 3].
     use_rope: bool = True          RoPE on q/k [S: IA1 §3.3; no-RoPE within noise at 125M].
     rope_theta: float = 10000.0    RoPE base [R: Llama-2 value].
     rope_placement: "pre_silu"     after SC, before SiLU (IA1 Fig. 3) | "post_l2" on ξ(q), ξ(k) [R].
-    readout: "hermitian"           Re(ξᵀUᴴΓ) | "bilinear" Re(ξᵀUᵀΓ) [R: spec B11.1].
+    readout: "hermitian"           Re(ξᵀUᴴΓ) | "bilinear" Re(ξᵀUᵀΓ) [R: docs/math/interdomain.md].
     s4d_inv_n: "M"                 N in a_im(n) = (N/π)(N/(2n+1) − 1): "M" as printed | "2M" as the S4 code
-                                   [S: IA1 §3.3 as printed; spec B11.3].
+                                   [S: IA1 §3.3 as printed; R: 2M option].
     dt_min: float = 1e-3           Δ log-uniform in [dt_min, dt_max], scalar per head [S].
     dt_max: float = 1e-1
-    c_init: "identity"             C_h init: "identity" (HiPPO-faithful) | "normal" CN(0, 1/M) [R: spec B11.2].
-    c_lr_group: "main"             C_h: main LR, no weight decay (IAs) | "ssm" LR-capped group (IA1) [S, B9].
+    c_init: "identity"             C_h init: "identity" (HiPPO-faithful) | "normal" CN(0, 1/M) [R].
+    c_lr_group: "main"             C_h: main LR, no weight decay (IAs) | "ssm" LR-capped group (IA1) [S: versions differ].
     norm_eps: float = 1e-6         eps of the input RMSNorms (Eq. 12) [R].
     query_mlp_hidden: int = 0      residual query MLP q += W_2 SiLU(W_1 x), W_2 zero-init; 0 = off
                                    (IAs ablation: 317) [S widths; form R].

@@ -1,4 +1,4 @@
-"""KDA, Kimi Delta Attention (Kimi Linear, arXiv 2510.26692): spec §3.4.
+"""KDA, Kimi Delta Attention (Kimi Linear, arXiv 2510.26692); math in docs/math/delta_rule.md.
 
     S_t = (I - beta_t k_t^T k_t) Diag(alpha_t) S_{t-1} + beta_t k_t^T v_t,   o_t = s q_t S_t
     lambda_t = -exp(A_log_h) * softplus(x_t W_f_down W_f_up + dt_bias)   channel-wise [B,T,H,d_k]

@@ -1,4 +1,5 @@
-"""Causal linear attention (Katharopoulos et al. 2020): spec §3.1. One of the two "spine" mixers.
+"""Causal linear attention (Katharopoulos et al. 2020); math in docs/math/delta_rule.md,
+'Normalised linear attention'. One of the two "spine" mixers.
 
 Default (normalised, ELU+1):
     phi(x) = ELU(x) + 1 (> 0), per head on q = x W_q, k = x W_k (no bias); v = x W_v
@@ -34,9 +35,9 @@ class LinearAttentionOptions:
     feature_map: "elu_plus_one"    phi(x) = ELU(x)+1 (Katharopoulos) | "identity" (un-normalised only) [FLA].
     normalize: bool = True         o = phi(q)S / (phi(q) z + eps) (Katharopoulos); False: o = s f(q) S [FLA].
     normalizer_eps: float = 1e-6   eps of that ratio; only guards an all-zero feature row since phi > 0
-                                   (FLA's naive version: 1e-10) [REC].
+                                   (FLA's naive version: 1e-10) [ours].
     use_short_conv: bool = False   causal depthwise conv (no bias, no activation: phi is the nonlinearity)
-                                   on q, k, v before the feature map; the original has none [REC].
+                                   on q, k, v before the feature map; the original has none [ours].
     conv_size: int = 4             its kernel width.
     use_output_norm: bool = False  per-head RMSNorm (omega shared across heads, eps norm_eps) before W_o, as
                                    FLA's LinearAttention layer; off = Katharopoulos [FLA].
@@ -152,7 +153,7 @@ class LinearAttention(nnx.Module):
             v, new_cache["conv_v"] = self.v_conv.step(v, cache["conv_v"])
         q, k, v = self._features(q, k, v)  # [B, H, D]
         if self.options.normalize:
-            # the op's augmented form (spec §3.1): value [v, 1], column d_v of the state is z; o = num / (den + eps)
+            # the op's augmented form (docs/math/delta_rule.md): value [v, 1], state column d_v is z; o = num / (den + eps)
             v_aug = jnp.concatenate([v, jnp.ones((*v.shape[:-1], 1), v.dtype)], axis=-1)
             out, state = pallas_kernels.delta_rule_step(q, k, v_aug, state=cache["state"])
             out = out.astype(jnp.float32)

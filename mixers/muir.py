@@ -1,6 +1,6 @@
 """Muir (Gangavarapu, Tabak, Schaefer): GDN-2's recurrence with one fused low-rank gate projection and a
-matched-filter readout gain gamma. Spec §3.6; every equation here is a reconstruction [REC] except the
-ranks, the fused projection and the three gamma variants [SEED].
+matched-filter readout gain gamma. The Muir paper gives the ranks, the fused projection and the three gamma
+variants; every equation below is our reconstruction (docs/math/delta_rule.md, 'Mechanisms as substitutions').
 
     z_t = x_t W_down                          W_down: d -> R_tot (= sum of ranks), no bias: ONE projection
     [z_f|z_b|z_g|z_w|z_q] = split(z_t, ranks)   dynamic: (64,64,128,128,128); none/static: (64,64,128,256,0)
@@ -27,8 +27,8 @@ from mixers.gates import (ReadoutGain, a_log_init, dense, dt_bias_init, log_deca
                           zeros_like_linear)
 from mixers.registry import register
 
-RANKS_DYNAMIC = (64, 64, 128, 128, 128)  # (r_f, r_b, r_g, r_w, r_q) [SEED Fig. 3c, Table 2]
-RANKS_NO_Q = (64, 64, 128, 256, 0)  # Muir (no gamma) / (static gamma) [SEED Table 2]
+RANKS_DYNAMIC = (64, 64, 128, 128, 128)  # (r_f, r_b, r_g, r_w, r_q) [Muir, Fig. 3c and Table 2]
+RANKS_NO_Q = (64, 64, 128, 256, 0)  # Muir (no gamma) / (static gamma) [Muir, Table 2]
 
 
 def gamma_phi(name: str):
@@ -43,20 +43,21 @@ def gamma_phi(name: str):
 
 @dataclasses.dataclass(frozen=True)
 class MuirOptions(DeltaOptions):
-    """Muir options: the shared ``DeltaOptions`` fields plus
+    """Muir options: the shared ``DeltaOptions`` fields plus the ones below. Tags: [Muir, …] the paper, [ours] our
+    reconstruction, [open] stated in no source (our choice, a flag), [GDN2-code] NVlabs GDN-2 code, [FLA] fla-org.
 
-    gamma: "dynamic"               readout gain variant: none | static | dynamic [SEED Table 2; "ours" = dynamic].
+    gamma: "dynamic"               readout gain variant: none | static | dynamic [Muir, Table 2; its "ours" = dynamic].
     ranks: tuple[int, ...] = ()    (r_f, r_b, r_g, r_w, r_q); () = the seed's ranks for the variant:
-                                   (64,64,128,128,128) dynamic, (64,64,128,256,0) none/static [SEED].
+                                   (64,64,128,128,128) dynamic, (64,64,128,256,0) none/static [Muir, Table 2].
                                    r_q must be > 0 exactly when gamma = dynamic.
-    gamma_phi: "two_sigmoid"       phi in gamma_t = gamma_stat * phi(z^q): 2 sigmoid(z) (bounded in (0,2), spec
-                                   recommendation) | exp | one_plus_tanh; all have phi(0) = 1 [UNK].
-    gamma_static_init: float = 1.0 init of gamma_stat (unit gain = GDN-2's readout [SEED Table 6]) [REC].
-    gamma_up_zero_init: bool = True  W_q_up = 0 at init so gamma_t = gamma_stat exactly (LoRA-style) [REC].
-    use_gamma_bias: bool = True    whether c_q exists (init 0) [UNK].
-    keep_a_log: bool = True        lambda = -exp(A_log) softplus(z^f) (GDN-2's form); False: -softplus(z^f) [UNK].
+    gamma_phi: "two_sigmoid"       phi in gamma_t = gamma_stat * phi(z^q): 2 sigmoid(z) (bounded in (0,2), our
+                                   default) | exp | one_plus_tanh; all have phi(0) = 1 [open].
+    gamma_static_init: float = 1.0 init of gamma_stat (unit gain = GDN-2's readout [Muir, Table 6]) [ours].
+    gamma_up_zero_init: bool = True  W_q_up = 0 at init so gamma_t = gamma_stat exactly (LoRA-style) [ours].
+    use_gamma_bias: bool = True    whether c_q exists (init 0) [open].
+    keep_a_log: bool = True        lambda = -exp(A_log) softplus(z^f) (GDN-2's form); False: -softplus(z^f) [open].
     gate_act: "silu"               output gate as the GDN-2 reference training code [GDN2-code]; sigmoid as
-                                   FLA's port [UNK for Muir].
+                                   FLA's port [open for Muir].
     """
 
     gamma: Literal["none", "static", "dynamic"] = "dynamic"

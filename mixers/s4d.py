@@ -1,4 +1,5 @@
-"""S4D-only baseline of the Interdomain Attention paper (IA1 §4, Fig. 3d; spec PART B7).
+"""S4D-only baseline of the Interdomain Attention paper (IA1 §4, Fig. 3d); math in
+docs/math/interdomain.md, 'S4D-only baseline'.
 
 Per head h (d_h = head_dim, M complex modes):
 ```
@@ -36,10 +37,10 @@ class S4DOptions:
 
     num_modes: int = 64          M complex modes per head [S: IA1].
     conv_size: int = 4           short-conv width on a and b [S: IA1 Fig. 3d "SC"].
-    conv_bias: bool = True       bias in the short convs [S: exact param counts, spec B8].
+    conv_bias: bool = True       bias in the short convs [S: exact param counts, IA1 Table 3].
     use_rope: bool = False       RoPE on the a-half (IA1 Tab. 4: "S4D-only + RoPE" 19.77 vs 19.22 without) [S].
     rope_theta: float = 10000.0  RoPE base [R].
-    s4d_inv_n: "M"               as ``interdomain`` [S as printed; spec B11.3].
+    s4d_inv_n: "M"               as ``interdomain`` [S as printed; docs/math/interdomain.md].
     dt_min: float = 1e-3         Δ log-uniform in [dt_min, dt_max] [S].
     dt_max: float = 1e-1
     c_init: "identity"           C_h init, as ``interdomain`` [R].

@@ -1,7 +1,7 @@
-"""Pieces shared by the ``interdomain`` and ``s4d`` mixers (spec IA B3 rows 2, 5, 7, 8, 10, 11, 13).
+"""Pieces shared by the ``interdomain`` and ``s4d`` mixers (docs/math/interdomain.md, 'The layer').
 
 * ``BiasedShortConv``  causal depthwise conv (``mixers.short_conv.ShortConv``, segment resets, decode cache)
-                       **with a bias** (the IA parameter counts need it, spec B8), activation left to the caller.
+                       **with a bias** (the IA parameter counts need it, IA1 Table 3), activation left to the caller.
                        Bias init U(±1/√K) (PyTorch ``nn.Conv1d``).
 * ``HeadInputNorm``    Eq. 12: ``RMSNorm(x_h) * γ + β_h`` per head; γ ∈ R^{d_h} shared across heads, β_h per head
                        (both ``SSMParam``: the IA recipe caps the input-norm LR at 1e-3 and never decays them).

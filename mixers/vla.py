@@ -1,6 +1,6 @@
-"""Variational Linear Attention (Pandey & Singh, arXiv 2605.11196; spec PART A) and the paper's "DeltaNet".
+"""Variational Linear Attention (Pandey & Singh, arXiv 2605.11196) and the paper's "DeltaNet".
 
-``vla`` (spec A2–A5), per head h, with φ = ELU+1:
+``vla`` (math: docs/math/vla.md), per head h, with φ = ELU+1:
     q, k, v = x W_q, x W_k, x W_v                           (no biases; optional short conv, no activation)
     q_feat  = φ(q) | q,   optionally unit-normalised (``normalize_query``)        o_t = q_feat S_t
     k_feat  = φ(k) | k                                      the op uses k̂ = k_feat / max(‖k_feat‖, ε)
@@ -10,7 +10,7 @@
 Decode cache: ``{"S": [B,H,d_k,d_v], "A": [B,H,d_k,d_k]}`` float32 (+ conv caches); a row resets to
 (0, I/λ₀) when its position is 0; the refresh phase comes from the position.
 
-``paper_deltanet`` (spec A10, VLA paper §2.3, for replication only — NOT standard DeltaNet, see ``deltanet``):
+``paper_deltanet`` (VLA paper §2.3, for replication only — NOT standard DeltaNet, see ``deltanet``):
     S_t = β_t S_{t−1} + (v_t − S_{t−1} k_t) k_tᵀ   (value-major),  β_t = σ(x_t W_β + b) ∈ (0,1) a decay gate
     o_t = S_t q_t
 run through ``pallas_kernels.delta_rule`` with write key k, erase key k/β, per-head log-decay log β
@@ -46,21 +46,21 @@ class VLAOptions:
 
     key_feature_map: "elu_plus_one"   φ on the key before k̂ = φ(k)/‖φ(k)‖ [S:VLA §2.2 "ELU+1 throughout";
                                       φ inside k̂ is R]; "identity": k̂ = k/‖k‖ (zero-mean keys, more capacity:
-                                      spec A9) [R].
+                                      docs/math/vla.md) [R].
     query_feature_map: "elu_plus_one" o = S φ(q) [S:VLA Tab.8 caption]; "identity": o = S q [R].
     normalize_query: bool = False     o = S q̂ with q̂ = q_feat/max(‖q_feat‖, eps) (scale-consistent with the
-                                      unit write key) [R, spec A4].
-    penalty_map: "linear"             f_θ(k) = φ(k) W_u per head, W_u init I (so u = k̂ at init) [R, spec A5];
+                                      unit write key) [R].
+    penalty_map: "linear"             f_θ(k) = φ(k) W_u per head, W_u init I (so u = k̂ at init) [R];
                                       "none": u = k̂ (classical RLS penalty, zero parameters) [R].
     lambda0: float = 0.1              A₀ = I/λ₀ [S:VLA Tab.3/6].
     refresh_period: int = 20          P, in tokens of the document [S:VLA Tab.3/6].
     refresh_magnitude: float = 1e-3   ρ of A ← A + ρI [S:VLA Tab.3/6].
-    refresh_placement: "after_write"  after the write of tokens P, 2P, … (spec A3) [R]; "before_update":
+    refresh_placement: "after_write"  after the write of tokens P, 2P, … [R]; "before_update":
                                       before the Sherman–Morrison update of those tokens [R]; "none": no
                                       refresh [R].
     eps: float = 1e-4                 floor of every denominator [S:VLA Tab.3/6].
     use_short_conv: bool = False      causal depthwise conv (K=conv_size, no activation) on q, k, v; the paper
-                                      has none; Zoology-style baselines do (spec A11) [R].
+                                      has none; Zoology-style baselines do [R].
     conv_size: int = 4                its kernel width [R].
     use_output_norm: bool = False     per-head RMSNorm before W_o (the paper has none) [R].
     norm_eps: float = 1e-5            eps of that RMSNorm [R].
@@ -225,14 +225,14 @@ class VLA(_Projections):
 
 @dataclasses.dataclass(frozen=True)
 class PaperDeltaNetOptions:
-    """The VLA paper's "DeltaNet" baseline (spec A10), for replication. Tags: [S] VLA paper §2.3, [R] ours.
+    """The VLA paper's "DeltaNet" baseline, for replication. Tags: [S] VLA paper §2.3, [R] ours.
 
     feature_map: "identity"        q, k used raw as in the §2.3 formula [S formula; R: the paper says "ELU+1
                                    throughout" only for linear attention]; "elu_plus_one": φ(q), φ(k) [R].
     normalize_keys: bool = False   False = the formula as written (unnormalised k, unstable when ‖k‖² > 2:
                                    ‖βI − kᵀk‖ = |β − ‖k‖²|) [S]; True: k/‖k‖ (L2, eps 1e-6) [R].
     beta_bias_init: float = 0.0    β_t = σ(x W_β + b), b initialised to this (σ(0) = 0.5 decay per token) [R].
-    use_short_conv: bool = False   causal depthwise conv (no activation) on q, k, v [R, spec A11].
+    use_short_conv: bool = False   causal depthwise conv (no activation) on q, k, v [R].
     conv_size: int = 4             its kernel width [R].
     init_scheme: "normal"          input-projection init [R].
     implementation: str = "auto"   delta-rule implementation.

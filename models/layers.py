@@ -44,7 +44,7 @@ _ACTIVATIONS = {
 
 
 class MLP(nnx.Module):
-    """Two-matrix FFN down(act(up(x))): the parameter accounting of the Muir paper's tables (spec §9)."""
+    """Two-matrix FFN down(act(up(x))): the parameter accounting of the Muir paper's tables (Table 11)."""
 
     def __init__(self, d_model: int, ffn_dim: int, *, activation: str, init_std: float, out_init_std: float,
                  dtype, rngs: nnx.Rngs):

@@ -1,4 +1,4 @@
-"""Parameter accounting: every parameter, and the Muir/GDN-2 papers' "matrices only" convention (spec §9).
+"""Parameter accounting: every parameter, and the Muir/GDN-2 papers' "matrices only" convention (Muir, Table 11).
 
 ``count_params(model) -> dict`` works on a concrete model or on an abstract one (``nnx.eval_shape``, e.g.
 ``models.decoder.abstract_model``), so paper-scale models are counted without allocating them.
@@ -7,12 +7,13 @@ The "matrices only" rule, applied to every ``nnx.Param`` leaf (explicit, by type
   COUNTED   a parameter of rank >= 2 that is an ordinary ``nnx.Param``: embeddings, output head, every
             projection matrix (q, k, v, o; low-rank gate factors W_down/W_up; dense gates such as GDN-2's
             W_b, W_w; Muir's fused down-projection), FFN matrices;
-  COUNTED   ``mixers.gates.ReadoutGain`` (Muir's gamma^stat, d entries per layer): the seed's Table 11 adds
+  COUNTED   ``mixers.gates.ReadoutGain`` (Muir's gamma^stat, d entries per layer): the Muir paper's Table 11 adds
             exactly d per layer for static gamma although it is a vector;
   EXCLUDED  ``mixers.base.DynamicsParam`` and subclasses (A_log, dt_bias, gate biases c_m, SSM parameters),
             ``mixers.short_conv.ShortConvKernel`` (short-conv kernels, although 2-D), and every rank-0/1
             parameter (biases, norm scales omega / RMSNorm).
-With these rules the spec §9 table is reproduced exactly (tests/models/test_param_count.py).
+With these rules every count of the Muir paper we can check (Table 11 at 166M, Table 18 at 406M) is reproduced
+exactly, and the other scales follow from the same rules (tests/models/test_param_count.py).
 
 Returned keys:
   ``all``        every ``nnx.Param`` element;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7: the MQAR capacity sweep of docs/evaluation.md on the GPU machine — one process per mixer, all at
+# The MQAR capacity sweep of docs/evaluation.md on the GPU machine — one process per mixer, all at
 # once on the one GPU (the models are tiny: the GPU is mostly idle between kernel launches, and the 16 CPU
 # cores compile the per-n train steps in parallel). Each process writes OUT_DIR/<mixer>/results.json after every
 # run (a process stopped by the time limit keeps what it finished); at the end `python -m eval.mqar --merge`

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6: a few hundred measured steps of the 166M and 1.34B Muir configs on the GPU machine (one H200,
+# A few hundred measured steps of the 166M and 1.34B Muir configs on the GPU machine (one H200,
 # JAX 0.11.2, Python 3.12). The paper configs point at FineWeb-Edu shards and a 32K SentencePiece model that
 # the machine does not have, so the data is the embedded corpus + its 8192 BPE (the model keeps its 32K
 # vocabulary: step time, tokens/s and MFU do not depend on which ids occur). Global batch is reduced from

@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from pallas_kernels import flops_gpu  # noqa: E402
 
 RAW = "docs/benchmarks/raw"
-FLA_ANCHORS = {"8x4096": 11.56, "2x16384": 12.68, "1x32768": 14.44}  # shared/guide/architecture.md
+FLA_ANCHORS = {"8x4096": 11.56, "2x16384": 12.68, "1x32768": 14.44}  # fla fwd+bwd ms, earlier H200 run (delta_rule_h200.md)
 
 
 def main():

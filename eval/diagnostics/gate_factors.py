@@ -4,7 +4,7 @@ Muir (``mixers/muir.py``): one fused down-projection W↓ [d, R_tot] whose colum
 feed the up-projections W_m↑ [r_m, H·D]; gate m's pre-activation is x W↓[:, m] W_m↑ + c_m. GDN-2
 (``mixers/gdn2.py``): low-rank f and g (``LowRank``: down, up) and dense b and w (W [d, H·D], treated as
 down = W, up = I). There is no nonlinearity between the factors, so the gate's effective matrix is the product
-E_m = down · up [d, H·D] [SEED Table 19, spec §3.6].
+E_m = down · up [d, H·D] [Muir, Table 19; docs/math/delta_rule.md].
 
 Truncation to rank r (Muir Table 19): E_m = U Σ Vᵀ (float64 SVD), keep the r largest singular values:
 down ← U_r Σ_r, up ← V_rᵀ, zero-padded back to the layer's rank r_m (shapes unchanged); a dense gate gets

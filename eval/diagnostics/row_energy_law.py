@@ -1,9 +1,9 @@
 """Closed-form stationary state-row energy of the GDN-2 / Muir recurrence with fixed gates (derived here).
 
-The Muir paper's law (its eq. (5), Prop. 3.4, used in Fig. 11 and Table 6) is not in the extract we have
-(shared/papers/muir.md keeps only captions and tables), so the law below is derived for this input model:
+The Muir paper's law (its eq. (5), Prop. 3.4, used in Fig. 11 and Table 6) is not in the version of the paper
+we have (it keeps only captions and tables), so the law below is derived for this input model:
 
-    S_t = (I − k_tᵀ(b ⊙ k_t)) Diag(α) S_{t−1} + k_tᵀ(w ⊙ v_t)          (key-major, row vectors; spec §1, §3.5)
+    S_t = (I − k_tᵀ(b ⊙ k_t)) Diag(α) S_{t−1} + k_tᵀ(w ⊙ v_t)   (key-major, row vectors; docs/math/delta_rule.md)
 
 * gates fixed in time: α ∈ (0,1)^{d_k} (decay), b ∈ (0,1)^{d_k} (erase), w ∈ (0,1)^{d_v} (write);
 * keys i.i.d. over t, unit norm, with a law invariant under flipping the sign of any one coordinate; here

@@ -1,5 +1,5 @@
 """VLA state-norm and Jacobian diagnostics on random inputs, against linear attention and DeltaNet
-(spec vla-and-interdomain.md §A9, §A11 "State norms" and "Jacobian table").
+(the VLA paper, §4.1–§4.2 and §6.2; the Jacobian closed form in docs/math/vla.md, 'Jacobian norm').
 
     python -m eval.diagnostics.vla_state --T 1000 --dk 32 --seeds 0,1,2 --inputs gaussian \
         --out runs/eval/vla_state
@@ -10,7 +10,7 @@ Keys go through the feature map φ (ELU+1 by default, as the VLA paper "througho
   linear attention  S_t = S_{t−1} + φ(k_t)ᵀ v_t                          J_t = I
   DeltaNet          S_t = (I − β k̂_tᵀk̂_t) S_{t−1} + β k̂_tᵀ v_t,  k̂ = φ(k)/‖φ(k)‖   J_t = I − β k̂ k̂ᵀ
   VLA               the op's recurrence with u = k̂ (no f_θ), λ₀ = 0.1, P = 20, ρ = 1e-3    J_t = I − α̂_t k̂_tᵀ
-β = 1 by default: DeltaNet is then VLA with a fixed isotropic A (spec A9 "reduction claims").
+β = 1 by default: DeltaNet is then VLA with a fixed isotropic A (docs/math/vla.md, 'Useful identities').
 Everything is computed by the ops: VLA by ``pallas_kernels.vla.vla_diagnostics`` (‖S_t‖_F, ‖A_t‖_F, c_t and
 the closed-form ‖J_t‖₂) and ``jacobian_window_norm`` (‖J_t⋯J_{t−24}‖₂, the product, not ‖J‖²⁵); linear
 attention and DeltaNet by ``pallas_kernels.delta_rule`` token by token (``trajectory.state_trajectory``).
@@ -37,8 +37,8 @@ INPUTS = {
 }
 KEY_MAPS = ("elu_plus_one", "identity")
 REPORT_POSITIONS = (1, 10, 100, 250, 1000, 4000)
-# spec vla-and-interdomain.md §A11 "Our faithful simulation" (d = 32, u = k̂, k, v ~ N(0, I), ELU+1 keys)
-# and §A9 (Jacobians on the same trajectories; T = 1000).
+# An earlier, independent numpy simulation of the VLA paper's setup (d = 32, u = k̂, k, v ~ N(0, I), ELU+1
+# keys; Jacobians on the same trajectories; T = 1000); the comparison is in docs/evaluation.md.
 SPEC_GAUSSIAN_D32 = {
     "la_state_norm_t1000": (1272.0, 1555.0),
     "vla_state_norm_t1000": 36.0,
@@ -124,7 +124,7 @@ def summarize(diag: dict, window: int) -> dict:
 
 
 def spec_comparison(summary: dict, window: int) -> list[list]:
-    """Rows (quantity, spec §A11/§A9, measured) for the spec's d = 32 Gaussian simulation."""
+    """Rows (quantity, earlier simulation, measured) for the d = 32 Gaussian setup."""
     s, norms, jac = SPEC_GAUSSIAN_D32, summary["norms"], summary["jacobians"]
     fmt_range = lambda st: f"{st['min']:.4g}–{st['max']:.4g}"  # noqa: E731
     rows = []
@@ -211,8 +211,8 @@ def main(argv=None) -> dict:
     if a.inputs == "gaussian" and a.dk == 32 and a.key_map == "elu_plus_one":
         comparison = spec_comparison(summary, a.window)
         print()
-        print(report.table(["quantity", "spec (faithful simulation)", "measured (seed range)"], comparison,
-                           "Comparison with spec §A11/§A9 (d = 32, Gaussian inputs, ELU+1 keys)"))
+        print(report.table(["quantity", "earlier numpy simulation", "measured (seed range)"], comparison,
+                           "Comparison with the earlier simulation (d = 32, Gaussian inputs, ELU+1 keys)"))
     out_json = os.path.join(a.out, "vla_state.json")
     png = a.png or os.path.join(a.out, "vla_state.png")
     payload = {"setup": setup, "summary": summary, "spec_comparison": comparison,

@@ -1,4 +1,4 @@
-"""Seeded numpy generators for the synthetic recall tasks (spec vla-and-interdomain.md §A11).
+"""Seeded numpy generators for the synthetic recall tasks (VLA paper §5.2; layouts in docs/evaluation.md).
 
 Every generator takes a ``np.random.Generator`` and returns ``{"inputs": int32 [N,T], "labels": int32 [N,T]}``:
 ``labels[i, t]`` is the token the model must predict from ``inputs[i, :t+1]`` (a next-token target placed on the

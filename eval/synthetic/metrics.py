@@ -1,7 +1,7 @@
 """Accuracy of predictions on the labelled positions (labels != IGNORE), in numpy.
 
 ``predictions`` are the model's argmax tokens [N,T] at every position; a labelled position is correct when the
-prediction equals its label. "Per-query-token accuracy" (spec A11) = correct labelled positions / labelled
+prediction equals its label. "Per-query-token accuracy" (docs/evaluation.md) = correct labelled positions / labelled
 positions; "exact match" = rows whose labelled positions are all correct.
 """
 from __future__ import annotations

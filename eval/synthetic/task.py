@@ -25,7 +25,7 @@ class TaskConfig:
     power_a: float = 0.01  # zoology: p(gap) ∝ a (g+1)^(a-1)
     random_non_queries: bool = False  # zoology: replace filler 0s by uniform tokens
     warmup_fraction: float | None = 0.1  # optim.warmup_steps = round(fraction * train.steps); null: keep it
-    eval_batches: int = 15  # held-out batches of train.batch_size rows (15 x 64 = 960 samples, spec A11)
+    eval_batches: int = 15  # held-out batches of train.batch_size rows (15 x 64 = 960 samples, VLA paper, Table 6)
     eval_every: int = 0  # steps between held-out evaluations during training; 0: only at the end
     target_accuracy: float | None = None  # stop early once held-out accuracy reaches this (checked at eval_every)
     lag_buckets: tuple[int, ...] = ()  # edges [e0, e1, ...): also report accuracy per key-to-query lag bucket
@@ -102,7 +102,7 @@ def load_eval_config(path: str, overrides=()) -> tuple[config_lib.Config, TaskCo
 
 
 def with_task_schedule(cfg, task: TaskConfig):
-    """cfg with optim.warmup_steps = task.warmup_fraction of train.steps (spec A11: 10 %), if set."""
+    """cfg with optim.warmup_steps = task.warmup_fraction of train.steps (VLA paper, Table 6: 10 %), if set."""
     if task.warmup_fraction is None:
         return cfg
     warmup = int(round(task.warmup_fraction * cfg.train.steps))

@@ -237,7 +237,7 @@ def test_vla_config_is_the_papers_model():
     assert task.layout == "vla_contiguous" and task.resolved_seq_len() == 3 * task.num_kv_pairs + 1
     from mixers import registry
 
-    for name in registry.names():  # spec A11: every recurrent mixer with a short conv option has it on
+    for name in registry.names():  # every recurrent mixer with a short conv option has it on (docs/evaluation.md)
         opts = cfg.mixer_options(name)
         if hasattr(opts, "use_short_conv"):
             assert opts.use_short_conv, name

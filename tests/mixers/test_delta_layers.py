@@ -282,7 +282,7 @@ def test_bfloat16_activations(name):
 
 
 # --------------------------------------------------------------------------------------------------------
-# layer-level reductions (spec §8 items 5-6)
+# layer-level reductions (docs/math/delta_rule.md, 'Mechanisms as substitutions')
 
 
 def copy_common(dst, src):
@@ -366,7 +366,7 @@ def test_rmsnorm_invariance_to_per_head_gamma_scale(gamma):
 
 
 def test_gdn2_with_per_head_b_w_equals_kda():
-    """GDN-2(b = w = beta 1) = KDA (spec §8.5), built at the layer level with tied dense columns."""
+    """GDN-2(b = w = beta 1) = KDA (docs/math/delta_rule.md), built at the layer level with tied dense columns."""
     kda = perturb_dynamics(build("kda", seed=0, gate_act="silu"), seed=9)
     gdn2 = build("gdn2", seed=1)
     copy_common(gdn2, kda)

@@ -1,4 +1,4 @@
-"""VLA and the VLA paper's "DeltaNet" as mixers (spec A2, A5, A10): registry defaults, causality, packing,
+"""VLA and the VLA paper's "DeltaNet" as mixers (docs/math/vla.md): registry defaults, causality, packing,
 decode == forward, and the paper_deltanet recurrence against a direct loop of the §2.3 formula."""
 from __future__ import annotations
 

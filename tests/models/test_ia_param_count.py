@@ -1,5 +1,5 @@
 """IA paper (arXiv 2605.24330 v1) Table 3: all 12 parameter counts (Softmax / IA / S4D-only × 125M, 350M,
-760M, 1.3B) from the real models built abstractly from configs/paper/ia_*.yaml (spec B8).
+760M, 1.3B) from the real models built abstractly from configs/paper/ia_*.yaml.
 
 Convention: every parameter ("all" of models.param_count), untied 32K embeddings + head, SwiGLU FFN,
 RMSNorm scales. Softmax: 2Vd + L(4d² + 3d·ffn + 2d) + d. IA adds per layer 2HM² (C_h re+im) + 12d (two

@@ -1,4 +1,4 @@
-"""Parameter accounting reproduces the Muir paper's tables (spec §9) exactly, through the real decoder.
+"""Parameter accounting reproduces the Muir paper's tables (Tables 11 and 18) exactly, through the real decoder.
 
 Hand derivation ("matrices only", models/param_count.py), V = 32,000, untied embeddings, d_k = d_v = 128, so
 H d_k = H d_v = d, and a 2-matrix FFN (2 d d_ffn):
@@ -53,7 +53,7 @@ def _formula(mixer: str, L: int, d: int, d_ffn: int, V: int = 32_000, gamma: boo
 
 
 def test_hand_table_matches_the_closed_forms():
-    """The literal integers above follow from the spec's formulas (guards against typos in TABLE)."""
+    """The literal integers above follow from the module docstring's closed forms (guards against typos)."""
     scales = {"166m": (8, 1024), "406m": (11, 1536), "1p34b": (24, 2048)}
     ffn = {"transformer": lambda d: 4 * d, "gdn2": lambda d: 3 * d - 256, "muir": lambda d: 4 * d - 512}
     for name, (mix, f, emb, total, _) in TABLE.items():

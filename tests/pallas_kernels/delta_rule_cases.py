@@ -24,7 +24,8 @@ def x64():
 def gdn2_inputs(seed, batch, length, heads, key_dim, value_dim, *, dtype=np.float64, decay="channel",
                 erase=True, initial_state=True, strong_decay_heads=0):
     """GDN-2-style inputs: q, v ~ N(0,1); k L2-normalised; λ = log σ(N(0,1)); k̂ = b⊙k with b ~ U(0,1).
-    ``strong_decay_heads`` first heads get λ ≈ −20 per token and channel (spec §8 item 9)."""
+    ``strong_decay_heads`` first heads get λ ≈ −20 per token and channel (the stress case of
+    docs/math/delta_rule.md, 'Boundary pivots')."""
     rng = np.random.default_rng(seed)
     q = rng.normal(size=(batch, length, heads, key_dim)) / np.sqrt(key_dim)
     k = rng.normal(size=(batch, length, heads, key_dim))

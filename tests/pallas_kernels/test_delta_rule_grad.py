@@ -1,5 +1,5 @@
 """Custom VJP of the chunkwise path vs jax.grad of the float64 reference, for every input (q, k, v,
-erase_key, log_decay in both forms, initial_state), with packed segments (spec §8 item 10)."""
+erase_key, log_decay in both forms, initial_state), with packed segments (docs/math/delta_rule.md, 'Backward pass')."""
 from __future__ import annotations
 
 import jax.numpy as jnp

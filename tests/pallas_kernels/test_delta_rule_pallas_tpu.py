@@ -115,7 +115,7 @@ def test_bfloat16_operands():
 @pytest.mark.slow
 def test_default_config_extreme_decay_c256():
     """Muir's default tiling (C = 256, n0 = 8, d = 128) with λ ≈ −20 per token and channel on one of the two
-    heads: chunk-end Λ ≈ −5000. The pivoted kernel stays finite and within 1e-4 of float64 (spec §8 item 9),
+    heads: chunk-end Λ ≈ −5000. The pivoted kernel stays finite and within 1e-4 of float64,
     forward and backward; T = 300 (two chunks, padded)."""
     inputs = gdn2_inputs(3, 1, 300, 2, 128, 128, dtype=np.float32, strong_decay_heads=1)
     lam_end = float(jnp.min(jnp.sum(inputs["log_decay"][:, :256], axis=1)))
@@ -132,7 +132,8 @@ def test_extreme_decay_c64_every_head():
 
 
 def test_cancellation_hazard_range_sums():
-    """Spec §4.8's second hazard: λ = −1500 on 4 tokens, then −1e-3. Exponents formed as differences of
+    """The cancellation hazard (docs/math/delta_rule.md, 'Boundary pivots'):
+    λ = −1500 on 4 tokens, then −1e-3. Exponents formed as differences of
     chunk-global prefix sums lose ulp(|Λ|) ≈ 5e-4 and give ~1.5e-3 relative error here (measured with an
     earlier Λ_i − Λ_p version of this kernel); the kernel's range sums keep it at float32 rounding."""
     inputs = gdn2_inputs(9, 1, 128, 1, 64, 64, dtype=np.float32)

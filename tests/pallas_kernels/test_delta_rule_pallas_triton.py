@@ -85,7 +85,8 @@ def test_interpret_matches_reference_f32(chunk_size, leaf_size, boundaries, opti
 
 
 def test_interpret_strong_decay_is_finite_and_accurate():
-    """λ ≈ −20 per token and channel (chunk-end Λ ≈ −1300): every exponent stays ≤ 0 (spec §8 item 9)."""
+    """λ ≈ −20 per token and channel (chunk-end Λ ≈ −1300): every exponent stays ≤ 0
+    (docs/math/delta_rule.md, 'Boundary pivots')."""
     b, t, h, dk, dv = 1, 64, 2, 16, 16
     inputs = gdn2_inputs(2, b, t, h, dk, dv, dtype=np.float32, strong_decay_heads=1)
     args = _args(inputs, jnp.float32)

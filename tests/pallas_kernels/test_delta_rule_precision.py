@@ -1,5 +1,6 @@
 """float32 / bfloat16 accuracy of the chunkwise path against the float64 reference, the strong-decay stress
-case with its negative control (spec §8 items 9, 11) and the Λ-difference cancellation hazard (§4.8)."""
+case with its negative control and the Λ-difference cancellation hazard (docs/math/delta_rule.md,
+'Boundary pivots')."""
 from __future__ import annotations
 
 import jax
@@ -48,7 +49,7 @@ def _stress_inputs():
 
 
 def test_stress_pivoted_float32_is_finite_and_accurate():
-    """Measured: outputs ≤ 1.1e-7 max error relative to max |o| per head (spec's own pivoted check: 1.4e-5);
+    """Measured: outputs ≤ 1.1e-7 max error relative to max |o| per head (an earlier numpy check: 1.4e-5);
     state 5.8e-8; gradients ≤ 1.8e-6 relative RMS (log_decay the largest)."""
     inputs = _stress_inputs()
     rng = np.random.default_rng(32)
@@ -90,8 +91,8 @@ def test_stress_negative_control_unpivoted_float32_is_not_finite():
 
 
 def test_cancellation_hazard_segment_local_exponents():
-    """§4.8: λ = −1500 for 4 tokens, then −1e-3. Exponents formed as differences of chunk-global float32
-    cumsums lose ~1e-3 relative; our sums over token ranges do not (measured 2.0e-7)."""
+    """Cancellation hazard: λ = −1500 for 4 tokens, then −1e-3. Exponents formed as differences of chunk-global
+    float32 cumsums lose ~1e-3 relative; our sums over token ranges do not (measured 2.0e-7)."""
     inputs = gdn2_inputs(33, 1, 64, 2, 16, 16, dtype=jnp.float32, initial_state=False)
     lam = np.full(inputs["log_decay"].shape, -1e-3, np.float32)
     lam[:, :4] = -1500.0

@@ -1,4 +1,5 @@
-"""The reference against independent naive recurrences written here in FLA's formulation (spec §8 item 5),
+"""The reference against independent naive recurrences written here in FLA's formulation
+(docs/math/delta_rule.md, 'Mechanisms as substitutions'),
 the decode step (item 2) and state continuation (item 3). Every mechanism runs through both "reference" and
 "xla"."""
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Chunkwise "xla" forward == float64 reference (spec §8 items 1, 4, 7, 12) and packed segments (item 5 of
-the brief): outputs and final states, ≤ 1e-10 relative to max |reference|."""
+"""Chunkwise "xla" forward == float64 reference (docs/math/delta_rule.md: chunkwise
+form, affine chunk map, block inverse, padding) and packed segments: outputs and final states, ≤ 1e-10
+relative to max |reference|."""
 from __future__ import annotations
 
 import jax
@@ -54,7 +55,7 @@ def test_no_initial_state_default_tiling():
 
 
 def test_padding_invariance():
-    """Zero tokens with λ = 0 change nothing (spec §8 item 12)."""
+    """Zero tokens with λ = 0 change nothing (docs/math/delta_rule.md, 'Chunkwise form')."""
     inputs = gdn2_inputs(3, 1, 90, 2, 16, 16)
     padded = {name: x if name == "initial_state" else jnp.pad(x, [(0, 0), (0, 38)] + [(0, 0)] * (x.ndim - 2))
               for name, x in inputs.items()}
@@ -111,7 +112,8 @@ def test_random_segments_against_reference():
 
 @pytest.mark.parametrize("chunk, leaf", [(32, 1), (64, 2), (64, 4), (64, 8), (64, 16), (64, 64), (48, 6)])
 def test_recursive_inverse(chunk, leaf):
-    """Neumann-product leaves + 2×2 merges == inv(I + A) == triangular solve (spec §8 item 7)."""
+    """Neumann-product leaves + 2×2 merges == inv(I + A) == triangular solve
+    (docs/math/delta_rule.md, 'Recursive block inverse')."""
     rng = np.random.default_rng(chunk + leaf)
     a = jnp.asarray(np.tril(rng.normal(size=(3, chunk, chunk)) / np.sqrt(chunk), -1))
     leaf_blocks = xla.diagonal_blocks(a, leaf)
@@ -126,7 +128,7 @@ def test_recursive_inverse(chunk, leaf):
 
 @pytest.mark.parametrize("lengths", [(64,), (20, 44)])
 def test_affine_chunk_map(lengths):
-    """F = Diag(π_C) − (K⊙E)ᵀY == Π_{i=C..1} (I − k_iᵀ k̂_i) Diag(α_i) (spec §8 item 4); a boundary inside
+    """F = Diag(π_C) − (K⊙E)ᵀY == Π_{i=C..1} (I − k_iᵀ k̂_i) Diag(α_i) (docs/math); a boundary inside
     the chunk makes the product 0 (the reset)."""
     chunk, dk = 64, 8
     inputs = gdn2_inputs(7, 1, chunk, 1, dk, 4)

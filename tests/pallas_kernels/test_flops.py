@@ -1,4 +1,4 @@
-"""pallas_kernels/flops.py: Muir's Table 8 (spec §4.7, §8 item 8), closed forms against brute-force counts, CLI."""
+"""pallas_kernels/flops.py: Muir's Table 8 (docs/math/delta_rule.md), closed forms against brute-force counts, CLI."""
 import math
 import os
 import subprocess
@@ -25,7 +25,7 @@ def test_table8_rows_in_stage_list_and_shares():
     assert [s.mxu for s in rows.values()] == [512, 63_488, 43_648, 131_072]
     cross = rows["off-diag. blocks (T_cross, M_cross)"]
     assert cross.vpu == 3.5 * 5 * 128
-    assert abs(cross.mxu_share - 0.966) < 0.001  # spec §4.7: 96.6% cross-block MXU share
+    assert abs(cross.mxu_share - 0.966) < 0.001  # 96.6% cross-block MXU share (3.5 r d_k VPU ops)
     assert rows["2x2 block-tri. merges (11)"].mxu_share == 1.0
     assert rows["tri. solve T Z = [V̂ ‖ K̂⊙π]"].mxu_share == 1.0
     naive = {s.name: s for s in F.forward_stages(DEFAULT, "naive") if s.table8}
@@ -72,7 +72,7 @@ def test_leaf_neumann_brute_force(n0):
 
 
 def _block_inverse(T, n0, c):
-    """Recursive 2×2 block inversion (§5.2); leaves by np.linalg.inv (not counted)."""
+    """Recursive 2×2 block inversion (docs/math/delta_rule.md); leaves by np.linalg.inv (not counted)."""
     m = T.shape[0]
     if m == n0:
         return np.linalg.inv(T)
@@ -136,11 +136,11 @@ def test_naive_counts_brute_force(C, n0):
 def test_backward_structure():
     fwd, bwd = F.forward_stages(DEFAULT), F.backward_stages(DEFAULT)
     by = {s.name: s for s in bwd}
-    assert by["off-diag. contraction of dA, dM"].mxu == 2 * 63_488       # §6.4: 2× the forward cross cost
+    assert by["off-diag. contraction of dA, dM"].mxu == 2 * 63_488       # 2× the forward cross cost
     assert by["transposed solve Tᵀ[dV̂ ‖ dR] = [dŨ ‖ dY]"].mxu == 131_072
     assert not any(s.table8 for s in bwd)
     ratio = F.total(bwd).mxu / F.total(fwd).mxu
-    assert 2.0 < ratio < 3.0                                                 # §6.4: "about 3×" incl. recompute
+    assert 2.0 < ratio < 3.0                                                 # "about 3×" incl. recompute
     assert [s.name for s in bwd] == [s.name for s in F.backward_stages(DEFAULT, "naive")]
     assert F.total(bwd).mxu_share > 0.97
 

@@ -247,7 +247,7 @@ def test_s4d_core_chunked_reference_decode_and_complex():
 
 def test_s4d_inv_frequencies_and_zoh_gain():
     a_im = np.asarray(ia.s4d_inv_imag(64))
-    assert (a_im < 0).sum() == 32 and abs(a_im.min() + 10.1) < 0.1  # as printed in IA (spec B11.3)
+    assert (a_im < 0).sum() == 32 and abs(a_im.min() + 10.1) < 0.1  # as printed in the IA paper
     a2 = np.asarray(ia.s4d_inv_imag(64, 128))
     assert (a2 > 0).all() and abs(a2.min() - 0.32) < 0.01 and abs(a2.max() - 5174) < 1  # S4 code, N = 2M
     with x64():

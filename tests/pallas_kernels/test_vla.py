@@ -1,4 +1,4 @@
-"""Variational Linear Attention op (spec A3, A7, A8, A9): every form against the float64 reference scan.
+"""Variational Linear Attention op (docs/math/vla.md): every form against the float64 reference scan.
 
 Measured on CPU (jax 0.10.2), inputs as ``_inputs`` (ELU+1 keys, N(0,1) values), relative errors vs the
 float64 reference: chunked xla ~1e-14 (float64); float32 o rel-RMS 1.2e-6 (T=256, d=32); bfloat16 inputs
@@ -85,7 +85,7 @@ def test_xla_matches_reference_float64(x64, case):
 
 
 def _numpy_a3_loop(q, k, p, v, lam0, P, rho, eps, offset=0):
-    """Spec A3 written out in numpy for one head (value-major S as in the spec; o = S q)."""
+    """The recurrence (docs/math/vla.md) written out in numpy for one head (value-major S, as the paper; o = S q)."""
     d, dv = k.shape[1], v.shape[1]
     S, A, outs = np.zeros((dv, d)), np.eye(d) / lam0, []
     for t in range(1, len(k) + 1):
@@ -105,7 +105,7 @@ def _numpy_a3_loop(q, k, p, v, lam0, P, rho, eps, offset=0):
 
 @pytest.mark.parametrize("offset", [0, 1])
 def test_reference_is_the_spec_loop(x64, offset):
-    """Refresh after the write of tokens P, 2P, … (offset 0, spec A3) or before the update of those tokens."""
+    """Refresh after the write of tokens P, 2P, … (offset 0) or before the update of those tokens."""
     inp = _inputs(3, B=1, T=14, H=1, K=4, V=3, state=False)
     o, (S, A) = jvla(**inp, refresh_period=6, refresh_magnitude=0.5, refresh_offset=offset,
                      implementation="reference")
@@ -134,7 +134,7 @@ def test_penalty_pass_equals_sequential_sherman_morrison(x64):
 
 
 def test_associative_scan_oracles_match_reference(x64):
-    """Spec A7.1 affine scan for S (key-major) and the A7.2 Möbius scan for A (refresh included)."""
+    """The affine scan for S (key-major) and the Möbius scan for A, refresh included (docs/math/vla.md)."""
     inp = _inputs(5, T=45, penalty=True, state=True)
     kw = dict(refresh_period=10, refresh_magnitude=0.05)
     o_r, (S_r, A_r) = jvla(**inp, **kw, implementation="reference")
@@ -225,7 +225,7 @@ def test_low_precision_tolerances():
 
 
 def test_jacobian_closed_form_matches_svd(x64):
-    """Spec A9: ‖I − α̂k̂ᵀ‖₂ = sqrt((3 − 2c + sqrt(5 − 4c))/2); VLA keeps c > 0, so ‖J‖₂ ∈ [1, φ_golden)."""
+    """‖I − α̂k̂ᵀ‖₂ = sqrt((3 − 2c + sqrt(5 − 4c))/2); VLA keeps c > 0, so ‖J‖₂ ∈ [1, φ_golden)."""
     inp = _inputs(11, B=1, T=60, H=2, K=16, V=4, penalty=False, state=False)
     diag = jdiag(**inp)
     k_hat = np.asarray(api.normalize(inp["k"], 1e-4))
