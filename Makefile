@@ -10,7 +10,7 @@ export TPU_ACCELERATOR_TYPE ?= v5litepod-4
 export TPU_WORKER_HOSTNAMES ?= localhost
 export ALLOW_MULTIPLE_LIBTPU_LOAD ?= 1
 
-.PHONY: train test venv clean-venv
+.PHONY: train test lint venv clean-venv
 
 $(STAMP): requirements/cpu.lock pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,7 +24,10 @@ venv: $(STAMP)
 train: $(STAMP)
 	$(PY) train.py --config $(CONFIG) $(ARGS)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: lint
 	$(PY) -m pytest -n 2 --dist loadgroup -q $(ARGS)
 
 clean-venv:

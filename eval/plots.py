@@ -23,7 +23,8 @@ def plot_perplexity_report(report: dict, png_path: str, title: str = "") -> str:
         rows = sorted(ext["lengths"], key=lambda r: -r["length"])  # longest first, thickest: all stay visible
         for i, row in enumerate(rows):
             n = sum(1 for s in ext["bucket_start"] if s < row["length"])
-            ax.plot(centers[:n], ext["nll_full_context"][:n], lw=1.2 + 1.6 * (len(rows) - 1 - i) / max(1, len(rows) - 1),
+            line_width = 1.2 + 1.6 * (len(rows) - 1 - i) / max(1, len(rows) - 1)
+            ax.plot(centers[:n], ext["nll_full_context"][:n], lw=line_width,
                     label=f"{row['multiplier']:g}x ({row['length']} tokens): ppl {row['perplexity']:.2f}, "
                           f"Δtail {row['delta_tail']:+.3f}")
         ax.plot(centers, ext["nll_train_window"], "k--", lw=1.0, label=f"context restarting every {ext['seq_len']}")

@@ -20,7 +20,7 @@ Parameter kinds (the optimizer reads them; see training/optim.py):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax.numpy as jnp
 from flax import nnx
@@ -51,3 +51,15 @@ class MixerSpec:
     def out_init_std(self) -> float:
         """Residual output projections: std 0.02 / sqrt(2 L) (GPT-2 / Llama convention)."""
         return self.init_std / (2.0 * self.num_layers) ** 0.5
+
+
+@runtime_checkable
+class Mixer(Protocol):
+    """The methods the decoder calls on every mixer (this module's docstring says what each must do); a test
+    checks that every registered mixer implements them."""
+
+    def __call__(self, x_BTD, *, segment_ids, positions): ...
+
+    def init_cache(self, batch_size: int, max_length: int): ...
+
+    def decode(self, x_B1D, cache, positions_B): ...

@@ -36,7 +36,7 @@ from mixers.delta_common import l2_normalize
 from mixers.gates import dense, split_heads, zeros_like_linear
 from mixers.registry import register
 from mixers.s4d_core import BiasedShortConv, HeadInputNorm, S4DCore, rms
-from models.layers import rotary
+from mixers.blocks import rotary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +55,8 @@ class InterdomainOptions:
     dt_min: float = 1e-3           Δ log-uniform in [dt_min, dt_max], scalar per head [S].
     dt_max: float = 1e-1
     c_init: "identity"             C_h init: "identity" (HiPPO-faithful) | "normal" CN(0, 1/M) [R].
-    c_lr_group: "main"             C_h: main LR, no weight decay (IAs) | "ssm" LR-capped group (IA1) [S: versions differ].
+    c_lr_group: "main"             C_h: main LR, no weight decay (IAs) | "ssm" LR-capped group (IA1) [S: versions
+    differ].
     norm_eps: float = 1e-6         eps of the input RMSNorms (Eq. 12) [R].
     query_mlp_hidden: int = 0      residual query MLP q += W_2 SiLU(W_1 x), W_2 zero-init; 0 = off
                                    (IAs ablation: 317) [S widths; form R].

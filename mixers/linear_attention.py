@@ -153,7 +153,8 @@ class LinearAttention(nnx.Module):
             v, new_cache["conv_v"] = self.v_conv.step(v, cache["conv_v"])
         q, k, v = self._features(q, k, v)  # [B, H, D]
         if self.options.normalize:
-            # the op's augmented form (docs/math/delta_rule.md): value [v, 1], state column d_v is z; o = num / (den + eps)
+            # the op's augmented form (docs/math/delta_rule.md): value [v, 1], state column d_v is z; o = num / (den +
+            # eps)
             v_aug = jnp.concatenate([v, jnp.ones((*v.shape[:-1], 1), v.dtype)], axis=-1)
             out, state = pallas_kernels.delta_rule_step(q, k, v_aug, state=cache["state"])
             out = out.astype(jnp.float32)

@@ -28,7 +28,7 @@ from mixers.base import DynamicsParam, MixerSpec, SSMParam
 from mixers.gates import dense, split_heads
 from mixers.registry import register
 from mixers.s4d_core import BiasedShortConv, HeadInputNorm, S4DCore
-from models.layers import rotary
+from mixers.blocks import rotary
 
 
 @dataclasses.dataclass(frozen=True)

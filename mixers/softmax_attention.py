@@ -14,7 +14,7 @@ from flax import nnx
 
 from mixers.base import MixerSpec
 from mixers.registry import register
-from models.layers import normal, rotary
+from mixers.blocks import normal, rotary
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,8 @@ from flax import nnx
 
 from mixers import registry
 from mixers.base import MixerSpec
-from models.layers import MLP, RMSNorm, SwiGLU, normal
+from mixers.blocks import normal
+from models.layers import MLP, RMSNorm, SwiGLU
 from models.sharding import constrain_batch
 
 

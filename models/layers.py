@@ -1,13 +1,12 @@
-"""Backbone pieces of the decoder: RMSNorm, feed-forward networks, rotary embeddings, initialisers."""
+"""Backbone pieces of the decoder: RMSNorm and the feed-forward networks (the building blocks the mixers use too —
+initialisers, rotary embeddings — live below the mixers, in mixers/blocks.py)."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-
-def normal(std: float):
-    return nnx.initializers.normal(stddev=std)
+from mixers.blocks import normal
 
 
 class RMSNorm(nnx.Module):
@@ -55,16 +54,3 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         return self.down(_ACTIVATIONS[self.activation](self.up(x)))
-
-
-def rotary(x_BTHD, positions_BT, *, theta: float = 10000.0):
-    """Rotary position embedding (half-split layout), in float32, returned in x's dtype."""
-    d = x_BTHD.shape[-1]
-    if d % 2:
-        raise ValueError(f"rotary embedding needs an even head dimension, got {d}")
-    freqs = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
-    angles = positions_BT.astype(jnp.float32)[:, :, None, None] * freqs  # [B,T,1,D/2]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    x = x_BTHD.astype(jnp.float32)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTHD.dtype)

@@ -32,7 +32,8 @@ RESULTS: dict = {"sections": {}}
 OVERRIDES: dict = {}  # pallas_triton.Config fields for every call of ours (--overrides)
 TILING = {"chunk": 64, "leaf": 16}  # chunk and leaf of every call of ours (--chunk, --leaf)
 GDN2_VARIANT = [True]
-DEADLINE = [float("inf")]  # wall-clock time after which optional parts are skipped  # also time ours with the GDN-2 gates applied in the jit
+DEADLINE = [float("inf")]
+# wall-clock time after which optional parts are skipped  # also time ours with the GDN-2 gates applied in the jit
 
 
 def log(*args):
@@ -147,17 +148,19 @@ def section_compile_probe(shape):
     """Compile and run every kernel once on its own (bf16 and f32), so a Triton failure names its kernel."""
     import jax
     import jax.numpy as jnp
+    from pallas_kernels import common
     from pallas_kernels.delta_rule import pallas_triton as ptr
 
     b, t, h, dk, dv = shape
     x = gdn2_numpy(7, b, t, h, dk, dv)
     out = {}
     for label, dt, prec in (("bf16", jnp.bfloat16, "tf32"),):
-        cfg = ptr.make_config(TILING["chunk"], TILING["leaf"], dk, dv, dt, batch_heads=b * h, **{**OVERRIDES, "inverse_precision": prec})
+        cfg = ptr.make_config(TILING["chunk"], TILING["leaf"], dk, dv, dt, batch_heads=b * h, **{**OVERRIDES,
+                              "inverse_precision": prec})
         q, k, e, v = (jnp.asarray(x[n]).astype(dt) for n in ("q", "k", "b", "v"))
         lam = jnp.asarray(x["g"])
         doc = jnp.zeros((b, t), jnp.int32)
-        carry = ptr.carried_documents(doc, 64)
+        _, carry = common.chunk_documents(doc, 64)
         s0 = jnp.zeros((b, h, dk, dv), jnp.float32)
         steps = {}
         try:
@@ -221,7 +224,8 @@ def section_correctness_reference(shape):
         # reference on exactly the (rounded) inputs the kernel sees
         r_grads, (r_out, r_state) = (ref_grads, (ref_out, ref_state)) if dtype == jnp.float32 else loss_of(
             lambda *a: reference.delta_rule_reference(*[z.astype(jnp.float32) for z in a], doc))(*args)
-        fn = lambda *a, p=precision: pallas_triton.run(*a, doc, chunk_size=TILING["chunk"], leaf_size=TILING["leaf"],  # noqa: E731
+        fn = lambda *a, p=precision: pallas_triton.run(*a, doc, chunk_size=TILING["chunk"], leaf_size=TILING["leaf"],
+        # noqa: E731
                                                        **{**OVERRIDES, "inverse_precision": p})
         grads, (o, s) = loss_of(fn)(*args)
         o_poison = fn(*args)[0]
@@ -307,6 +311,7 @@ def section_time_ours(shape, reps, breakdown=False, **overrides):
     overrides = {**OVERRIDES, **overrides}
     import jax
     import jax.numpy as jnp
+    from pallas_kernels import common
     from pallas_kernels.delta_rule import pallas_triton as ptr
 
     b, t, h, dk, dv = shape
@@ -340,7 +345,7 @@ def section_time_ours(shape, reps, breakdown=False, **overrides):
     if breakdown and DEADLINE[0] - time.time() > 40:
         cfg = ptr.make_config(chunk, leaf, dk, dv, bf, batch_heads=b * h, **overrides)
         q, k, e, v, lam, s0, doc = core
-        carry = ptr.carried_documents(doc, chunk)
+        _, carry = common.chunk_documents(doc, chunk)
         intra = jax.jit(lambda *a: ptr._intra(cfg, *a, with_inverse=False))
         intra_p = jax.jit(lambda *a: ptr._intra(cfg, *a, with_inverse=True))
         m, u, y, qpi, keff, pic, p = intra_p(q, k, e, v, lam, doc, carry)
@@ -392,7 +397,8 @@ def section_time_fla(shape, reps):
 
     res["fwd_bwd"] = time_torch(fb, reps)
     log("fla chunk_gdn2", shape, res)
-    del tin, leaves
+    tin.clear()  # free the GPU buffers before the next section
+    leaves.clear()
     torch.cuda.empty_cache()
     return res
 
@@ -523,11 +529,13 @@ def main():
     save(args.out)
 
     print("\n=== bf16 timings, median ms (fwd / fwd+bwd); anchors from docs: fla, jla, cudnn fwd+bwd ===")
-    print("| B·T·H·D | ours core | ours GDN-2 (gates in jit) | fla chunk_gdn2 | jla gdn2 (Mosaic GPU) | cuDNN attention |")
+    print("| B·T·H·D | ours core | ours GDN-2 (gates in jit) | fla chunk_gdn2 | jla gdn2 (Mosaic GPU) "
+          "| cuDNN attention |")
     print("|---|---|---|---|---|---|")
     for key, row in timings.items():
         o = row.get("ours", {})
-        cell = lambda r, a="fwd", b="fwd_bwd": f"{fmt(r.get(a))} / {fmt(r.get(b))}" if isinstance(r, dict) else "—"  # noqa
+        cell = lambda r, a="fwd", b="fwd_bwd": f"{fmt(r.get(a))} / {fmt(r.get(b))}" if isinstance(r, dict) else "—"
+        # noqa
         print(f"| {key}·16·128 | {cell(o, 'core_fwd', 'core_fwd_bwd')} | {cell(o, 'gdn2_fwd', 'gdn2_fwd_bwd')} | "
               f"{cell(row.get('fla', {}))} | {cell(row.get('jla', {}))} | {cell(row.get('cudnn', {}))} |")
     first = next(iter(timings.values()), {})

@@ -417,7 +417,10 @@ def write_readme(out: Path, stats: dict) -> None:
     for split in ("train", "val"):
         s = stats[split]
         rows.append(f"| `{split}/part-00000.parquet` | {s['docs']} | {s['bytes']} | {s['tokens']} | {s['file']} |")
-        n_docs += s["docs"]; n_text += s["bytes"]; n_tok += s["tokens"]; n_file += s["file"]
+        n_docs += s["docs"]
+        n_text += s["bytes"]
+        n_tok += s["tokens"]
+        n_file += s["file"]
     tok_bytes = (out / "tokenizer.json").stat().st_size
     sha = "\n".join(f"    {_h.sha256((out / f).read_bytes()).hexdigest()}  {f}"
                     for f in ("tokenizer.json", "train/part-00000.parquet", "val/part-00000.parquet"))

@@ -1,7 +1,8 @@
 """Plot the H200 delta-rule benchmark (docs/benchmarks/delta_rule_h200.md) from its raw JSON files:
 left, fwd+bwd time per shape for ours, fla, jax-linear-attention and cuDNN attention (fla: measured in its
-own calls, one per file of --fla; a shape none of them measured shows the guide's anchor, hatched); right, each of our kernels at 8·4096 against
-its roofline from pallas_kernels/flops_gpu.py.
+own calls, one per file of --fla; a shape none of them measured shows the guide's anchor, hatched); right, each of our
+kernels at 8·4096 against
+its roofline from pallas_kernels/delta_rule/flops_gpu.py.
 
     python tools/plot_delta_rule_h200.py [--out docs/images/delta_rule_h200.png]
 """
@@ -19,10 +20,11 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from pallas_kernels import flops_gpu  # noqa: E402
+from pallas_kernels.delta_rule import flops_gpu  # noqa: E402
 
 RAW = "docs/benchmarks/raw"
-FLA_ANCHORS = {"8x4096": 11.56, "2x16384": 12.68, "1x32768": 14.44}  # fla fwd+bwd ms, earlier H200 run (delta_rule_h200.md)
+FLA_ANCHORS = {"8x4096": 11.56, "2x16384": 12.68, "1x32768": 14.44}
+# fla fwd+bwd ms, earlier H200 run (delta_rule_h200.md)
 
 
 def main():

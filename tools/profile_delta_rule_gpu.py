@@ -20,6 +20,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from pallas_kernels import common  # noqa: E402
 from pallas_kernels.delta_rule import pallas_triton as ptr  # noqa: E402
 from bench_delta_rule_gpu import gdn2_numpy, time_jax  # noqa: E402
 
@@ -64,7 +65,7 @@ def main():
     q, k, e, v = (jnp.asarray(a).astype(bf) for a in (x["q"] * dk ** -0.5, x["k"], x["b"] * x["k"], x["w"] * x["v"]))
     lam = jnp.asarray(x["g"])
     doc = jnp.zeros((b, t), jnp.int32)
-    carry = ptr.carried_documents(doc, c)
+    _, carry = common.chunk_documents(doc, c)
     rng = np.random.default_rng(0)
     n = t // c
     rnd = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.1).astype(bf)  # noqa: E731

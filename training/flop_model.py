@@ -6,7 +6,7 @@ Convention (counted per token, forward + backward = 3 × forward for matmuls):
   * the token-mixing core of each layer, which has no parameters:
       softmax attention  6 · T · H · D_h          (causal: QKᵀ and AV each 2·H·D_h·T/2 forward)
       delta family       the chunkwise kernel's MXU FLOPs, forward + backward, per token per head, × H,
-                         from pallas_kernels/flops.py (chunk = the mixer's chunk_size or 64, leaf 8);
+                         from pallas_kernels/delta_rule/flops.py (chunk = the mixer's chunk_size or 64, leaf 8);
                          linear attention is counted the same way (an upper bound: its T and Y vanish)
       other mixers       not modelled yet (0), reported in ``notes``.
 MFU = model FLOPs per step / (step time × chips × peak bf16 FLOP/s of the chip).
@@ -18,11 +18,11 @@ import dataclasses
 import jax
 import numpy as np
 
-from pallas_kernels import flops as kernel_flops
+from pallas_kernels.delta_rule import flops as kernel_flops
 
 DELTA_FAMILY = {"linear_attention", "deltanet", "gated_deltanet", "kda", "gdn2", "muir"}
 
-# device_kind substrings -> peak name in pallas_kernels.flops.PEAKS
+# device_kind substrings -> peak name in pallas_kernels.delta_rule.flops.PEAKS
 _KIND_TO_PEAK = (("v6", "v6e"), ("v5 lite", "v5e"), ("v5e", "v5e"), ("v5p", "v5p"), ("v5", "v5p"), ("v4", "v4"),
                  ("H200", "H200"))
 

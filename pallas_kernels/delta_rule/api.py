@@ -1,6 +1,6 @@
-"""Public entry points of the delta-rule op (spec §1–§3, §7): validation, defaults, dispatch.
+"""Public entry points of the delta-rule op (docs/math/delta_rule.md): validation, defaults, dispatch.
 
-Recurrence (row vectors, state key-major [Dk, Dv], spec §2):
+Recurrence (row vectors, state key-major [Dk, Dv]):
     S_t = (I − k_tᵀ k̂_t) Diag(exp λ_t) S_{t−1} + k_tᵀ v̂_t,     o_t = q̂_t S_t
 with q̂ = ``q``, k = ``k``, k̂ = ``erase_key``, v̂ = ``v``, λ = ``log_decay``. Gates are applied by the caller.
 """
@@ -257,7 +257,8 @@ def delta_rule_step(q, k, v, *, erase_key=None, log_decay=None, state):
 def normalized_linear_attention(q_feat, k_feat, v, *, initial_state=None, segment_ids=None,
                                 eps: float = DEFAULT_NORMALIZER_EPS, chunk_size=None, leaf_size=None,
                                 implementation: str = "auto"):
-    """Normalised linear attention o_t = φ(q_t) S_t / (φ(q_t) z_tᵀ + eps) (spec §3.1), run through the core
+    """Normalised linear attention o_t = φ(q_t) S_t / (φ(q_t) z_tᵀ + eps) (docs/math/delta_rule.md, 'Normalised linear
+    attention'), run through the core
     with the augmented value v̂ = [v, 1] (no erase, no decay): column Dv of the state is z.
 
     q_feat, k_feat: [B, T, H, Dk] feature maps φ(q), φ(k) ≥ 0 (e.g. ELU + 1), same dtype as v [B, T, H, Dv].

@@ -1,4 +1,4 @@
-"""One-token delta-rule step for inference: the fused single pass of spec §7.
+"""One-token delta-rule step for inference: the fused single pass of docs/math/delta_rule.md, 'Decode step'.
 
     a = exp(λ);  [r ; p] = [k̂⊙a ; q̂⊙a] S   (one read of S);  u = v̂ − r
     o = p + ⟨q̂, k⟩ u   (= q̂ S_new without a second read);   S ← Diag(a) S + kᵀ u

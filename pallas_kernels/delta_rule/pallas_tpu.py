@@ -1,15 +1,16 @@
 """Muir's boundary-pivoted chunkwise delta rule as a Pallas (Mosaic TPU) kernel: forward here, backward in
-``pallas_tpu_bwd.py``, wired through ``jax.custom_vjp`` (spec shared/spec/delta-family.md §4.7, §5, §6;
+``pallas_tpu_bwd.py``, wired through ``jax.custom_vjp`` (docs/math/delta_rule.md: 'Boundary pivots', 'Recursive block
+inverse', 'Backward pass';
 docs/kernels.md, TPU section).
 
 Contract (what ``api.delta_rule`` calls, see ``api.py``)::
 
-    run(q, k, erase, v, lam, state, document_BT, *, chunk_size, leaf_size, interpret=False)
+    run(q, k, erase, v, log_decay, state, document_BT, *, chunk_size, leaf_size, interpret=False)
         -> (o [B, T, H, Dv] in v's dtype, final_state [B, H, Dk, Dv] float32)
     supports(call: api.DeltaRuleCall) -> None | reason
 
 q, k, erase [B, T, H, Dk] and v [B, T, H, Dv] share one dtype; bfloat16 operands are fed to the MXU as
-bfloat16 (f32 accumulation), float32 operands at Precision.HIGHEST. lam is the channel-wise log-decay λ ≤ 0,
+bfloat16 (f32 accumulation), float32 operands at Precision.HIGHEST. log_decay is the channel-wise log-decay λ ≤ 0,
 state the initial state, document_BT the running count of segment boundaries (the state resets wherever it
 changes; the initial state belongs to each row's first document).
 
@@ -17,7 +18,7 @@ Layout: inputs are moved to [B·H, T, D] and padded to a multiple of C (zeros, �
 grid step sees (C, D) blocks. Grid (B·H "parallel", N_c "arbitrary"); the state S lives in a VMEM f32
 scratch across the chunk axis; S₀ of every chunk is written out ([B·H, N_c, Dk, Dv] f32), the only residual of
 the backward. Per chunk (every exponent is a range sum Σ_{a<s≤b} λ_s ≤ 0, never a difference of two prefix
-sums — spec §4.8 remedy (a) — and is clamped ≤ 0 before its exp; see docs/kernels.md):
+sums (docs/math/delta_rule.md, 'Boundary pivots') — and is clamped ≤ 0 before its exp; see docs/kernels.md):
 
   1. Decay sums: leaf-local running sums pre_i = Σ_{leaf start≤s≤i} λ_s, suf_i = Σ_{i<s≤leaf end} λ_s (VPU
      rolls + adds); leaf totals and "whole leaves before / after" sums on the MXU as 0/1 matmuls at f32
@@ -185,19 +186,19 @@ def fused_mm(lhs, rhs_parts, cdt, transpose_lhs=False):
     return [op(lhs, p, cdt) for p in rhs_parts]
 
 
-def leaf_diagonals(lam_t, key_t, leaf):
+def leaf_diagonals(log_decay_t, key_t, leaf):
     """The leaf decay tensor one diagonal at a time, exact: yields (d, w_d, e_d) for d = 0 … n0−1 where, on
     rows i with i mod n0 ≥ d, e_d = e^{Σ_{i−d<s≤i} λ_s} and w_d = k_{i−d} ⊙ e_d (d = 0: w = k, e = None).
     The exponent is a running sum of rolled λ (a range sum of non-positive terms, never a difference of
     prefix sums, so it does not cancel); rows with i mod n0 < d are set to 0 BEFORE the exp and masked by
-    the caller. ``lam_t`` is the raw per-token λ of the tile."""
-    rows = lam_t.shape[0]
+    the caller. ``log_decay_t`` is the raw per-token λ of the tile."""
+    rows = log_decay_t.shape[0]
     r = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     yield 0, key_t, None
-    expo = lam_t
+    expo = log_decay_t
     for d in range(1, leaf):
         if d > 1:
-            expo = expo + pltpu.roll(lam_t, d - 1, 0)
+            expo = expo + pltpu.roll(log_decay_t, d - 1, 0)
         e = neg_exp(jnp.where((r & (leaf - 1)) >= d, expo, 0.0))  # mask BEFORE the exp
         yield d, pltpu.roll(key_t, d, 0) * e, e
 
@@ -208,18 +209,18 @@ def offset_place(rows, leaf, d):
     return (j == i - d) & ((i & (leaf - 1)) >= d)
 
 
-def leaf_range_sums(lam, leaf):
+def leaf_range_sums(log_decay, leaf):
     """(pre, suf) [C, Dk]: pre_i = Σ_{leaf start ≤ s ≤ i} λ_s and suf_i = Σ_{i < s ≤ leaf end} λ_s, as running
     sums of rolled λ (range sums of non-positive terms: no cancellation, VPU/XLU)."""
-    rows = lam.shape[0]
+    rows = log_decay.shape[0]
     pos = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (leaf - 1)
-    pre, run = lam, lam
+    pre, run = log_decay, log_decay
     for d in range(1, leaf):
-        run = run + pltpu.roll(lam, d, 0)  # Σ_{i−d ≤ s ≤ i}
+        run = run + pltpu.roll(log_decay, d, 0)  # Σ_{i−d ≤ s ≤ i}
         pre = jnp.where(pos == d, run, pre)
-    suf, run = jnp.zeros_like(lam), jnp.zeros_like(lam)
+    suf, run = jnp.zeros_like(log_decay), jnp.zeros_like(log_decay)
     for d in range(1, leaf):
-        run = run + pltpu.roll(lam, rows - d, 0)  # Σ_{i < s ≤ i+d}
+        run = run + pltpu.roll(log_decay, rows - d, 0)  # Σ_{i < s ≤ i+d}
         suf = jnp.where(pos == leaf - 1 - d, run, suf)
     return pre, suf
 
@@ -255,13 +256,13 @@ def cross_mask(rows, h):
     return ((i >> shift) == (j >> shift)) & ((i & h) != 0) & ((j & h) == 0)
 
 
-def tile_matrices(q_t, k_t, e_t, lam_t, factors_t, same_t, g: Geometry, cdt):
-    """A (strictly lower) and M (lower) of one tile, f32 [Tt, Tt], same-document pairs only. ``lam_t`` is the
+def tile_matrices(q_t, k_t, e_t, log_decay_t, factors_t, same_t, g: Geometry, cdt):
+    """A (strictly lower) and M (lower) of one tile, f32 [Tt, Tt], same-document pairs only. ``log_decay_t`` is the
     raw λ (leaves), ``factors_t`` the pivot factors F_h of the tile's levels."""
     rows = q_t.shape[0]
     a = jnp.zeros((rows, rows), F32)
     m = jnp.zeros((rows, rows), F32)
-    for d, w, _ in leaf_diagonals(lam_t, k_t, g.leaf):  # leaves: exact pairwise exponents on the VPU
+    for d, w, _ in leaf_diagonals(log_decay_t, k_t, g.leaf):  # leaves: exact pairwise exponents on the VPU
         place = offset_place(rows, g.leaf, d)
         m = m + jnp.where(place, jnp.sum(q_t * w, axis=1, keepdims=True), 0.0)
         if d:
@@ -304,13 +305,13 @@ class TopBlock(NamedTuple):
     same: Any  # [h, h] bool
 
 
-def top_blocks(g: Geometry, factors, dcol, drow):
+def top_blocks(g: Geometry, factors, doc_col, doc_row):
     """Static list of the aligned (R, L) node blocks of the levels h ≥ tile, with their pivot factors."""
     out = []
     for h, f in zip(g.top_levels, factors):
         for a0 in range(0, g.chunk, 2 * h):
             lo, hi = slice(a0, a0 + h), slice(a0 + h, a0 + 2 * h)
-            out.append(TopBlock(hi, lo, f[hi], f[lo], dcol[hi] == drow[:, lo]))
+            out.append(TopBlock(hi, lo, f[hi], f[lo], doc_col[hi] == doc_row[:, lo]))
     return out
 
 
@@ -318,73 +319,76 @@ class Chunk(NamedTuple):
     qf: Any
     kf: Any
     ef: Any
-    lam: Any  # λ
-    lam_cum: Any  # Λ
+    log_decay: Any  # λ
+    cum_log_decay: Any  # Λ
     tile_factors: Any  # per tile, the F_h of the intra-tile levels
-    pi_s: Any  # π on the chunk-start document's rows, else 0
-    e_s: Any  # E on the chunk's last document's rows, else 0
-    pi_c_row: Any  # [1, Dk] π_C, 0 if the chunk holds a boundary
-    pi_c_col: Any  # [Dk, 1] the same as a column
+    start_decay: Any  # π on the chunk-start document's rows, else 0
+    end_decay: Any  # E on the chunk's last document's rows, else 0
+    chunk_decay_row: Any  # [1, Dk] π_C, 0 if the chunk holds a boundary
+    chunk_decay_col: Any  # [Dk, 1] the same as a column
     blocks: list
-    u: Any  # U = P V̂
-    y: Any  # Y = P (K̂⊙π)
-    u_true: Any  # Ũ = U − Y S₀
+    pseudo_values: Any  # U = P V̂
+    state_reads: Any  # Y = P (K̂⊙π)
+    true_pseudo: Any  # Ũ = U − Y S₀
 
 
-def chunk_core(q, k, e, v, lam, dcol, drow, s0, p_scr, m_scr, g: Geometry, cdt) -> Chunk:
+def chunk_core(q, k, e, v, log_decay, doc_col, doc_row, start_state, inverse_scr, readout_scr, g: Geometry,
+               cdt) -> Chunk:
     """Steps 1–5 up to Ũ for one chunk; P and M are left in the (C, C) scratch refs."""
     c, t = g.chunk, g.tile
     qf, kf, ef = q.astype(F32), k.astype(F32), e.astype(F32)
     # chunk-local decays as range sums: exact leaf-local running sums (VPU) + leaf totals combined on the MXU
-    pre, suf = leaf_range_sums(lam, g.leaf)
+    pre, suf = leaf_range_sums(log_decay, g.leaf)
     li, si = iota2((c // g.leaf, c))
-    totals = mm_f32(jnp.where((si >> int(math.log2(g.leaf))) == li, 1.0, 0.0), lam)  # leaf totals [C/n0, Dk]
+    totals = mm_f32(jnp.where((si >> int(math.log2(g.leaf))) == li, 1.0, 0.0), log_decay)  # leaf totals [C/n0, Dk]
     before_after = jnp.concatenate([leaf_matrix(c, g.leaf, lambda i, l, li, ls: l < li),
                                     leaf_matrix(c, g.leaf, lambda i, l, li, ls: l > li)], axis=0)
     outer = mm_f32(before_after, totals)
-    lam_cum = pre + outer[:c]  # Λ_i = Σ_{s ≤ i} λ_s
+    cum_log_decay = pre + outer[:c]  # Λ_i = Σ_{s ≤ i} λ_s
     to_end = suf + outer[c:]  # Σ_{s > i} λ_s
     factors = [neg_exp(level_exponent(pre, suf, totals, h, g.leaf)) for h in g.tile_levels + g.top_levels]
     n_tl = len(g.tile_levels)
-    last = drow[:, c - 1:c]  # [1, 1] relative document of the last token (0 = the chunk-start document)
-    start = dcol == 0
-    end = dcol == last
+    last = doc_row[:, c - 1:c]  # [1, 1] relative document of the last token (0 = the chunk-start document)
+    start = doc_col == 0
+    end = doc_col == last
     no_boundary = last == 0
-    pi_s = jnp.where(start, neg_exp(lam_cum), 0.0)
-    e_s = jnp.where(end, neg_exp(to_end), 0.0)
-    pi_c_row = jnp.where(no_boundary, neg_exp(lam_cum[c - 1:c, :]), 0.0)
-    pi_c_col = jnp.where(no_boundary, neg_exp(jnp.transpose(lam_cum[c - 8:c, :]))[:, 7:8], 0.0)
+    start_decay = jnp.where(start, neg_exp(cum_log_decay), 0.0)
+    end_decay = jnp.where(end, neg_exp(to_end), 0.0)
+    chunk_decay_row = jnp.where(no_boundary, neg_exp(cum_log_decay[c - 1:c, :]), 0.0)
+    chunk_decay_col = jnp.where(no_boundary, neg_exp(jnp.transpose(cum_log_decay[c - 8:c, :]))[:, 7:8], 0.0)
     tile_factors = []
     for ti in range(g.n_tiles):
         s = slice(ti * t, (ti + 1) * t)
         tile_factors.append([f[s] for f in factors[:n_tl]])
-        a_t, m_t = tile_matrices(qf[s], kf[s], ef[s], lam[s], tile_factors[-1], dcol[s] == drow[:, s], g, cdt)
-        p_scr[s, s] = tile_inverse(a_t, g, cdt)
-        m_scr[s, s] = m_t
+        a_t, m_t = tile_matrices(qf[s], kf[s], ef[s], log_decay[s], tile_factors[-1], doc_col[s] == doc_row[:, s], g,
+                                 cdt)
+        inverse_scr[s, s] = tile_inverse(a_t, g, cdt)
+        readout_scr[s, s] = m_t
         for tj in range(ti + 1, g.n_tiles):
             u = slice(tj * t, (tj + 1) * t)
-            p_scr[s, u] = jnp.zeros((t, t), F32)
-            m_scr[s, u] = jnp.zeros((t, t), F32)
-    blocks = top_blocks(g, factors[n_tl:], dcol, drow)
+            inverse_scr[s, u] = jnp.zeros((t, t), F32)
+            readout_scr[s, u] = jnp.zeros((t, t), F32)
+    blocks = top_blocks(g, factors[n_tl:], doc_col, doc_row)
     for b in blocks:
         cols = kf[b.cols] * b.kappa
         blk = mm_nt(jnp.concatenate([ef[b.rows] * b.rho, qf[b.rows] * b.rho], axis=0), cols, cdt)
         h = blk.shape[1]
         a_rl = jnp.where(b.same, blk[:h], 0.0)
-        m_scr[b.rows, b.cols] = jnp.where(b.same, blk[h:], 0.0)
-        p_scr[b.rows, b.cols] = -mm(mm(p_scr[b.rows, b.rows], a_rl, cdt), p_scr[b.cols, b.cols], cdt)
+        readout_scr[b.rows, b.cols] = jnp.where(b.same, blk[h:], 0.0)
+        inverse_scr[b.rows, b.cols] = -mm(mm(inverse_scr[b.rows, b.rows], a_rl, cdt), inverse_scr[b.cols, b.cols], cdt)
 
-    u, y = fused_mm(p_scr[...], [v, ef * pi_s], cdt)  # [U Y] = P [V̂ ‖ K̂⊙π]
-    u_true = u - mm(y, s0, cdt)
-    return Chunk(qf, kf, ef, lam, lam_cum, tile_factors, pi_s, e_s, pi_c_row, pi_c_col, blocks, u, y, u_true)
+    pseudo_values, state_reads = fused_mm(inverse_scr[...], [v, ef * start_decay], cdt)  # [U Y] = P [V̂ ‖ K̂⊙π]
+    true_pseudo = pseudo_values - mm(state_reads, start_state, cdt)
+    return Chunk(qf, kf, ef, log_decay, cum_log_decay, tile_factors, start_decay, end_decay, chunk_decay_row,
+                 chunk_decay_col, blocks, pseudo_values, state_reads, true_pseudo)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # forward kernel
 
 
-def _forward_kernel(q_ref, k_ref, e_ref, v_ref, lam_ref, dcol_ref, drow_ref, s_init_ref,
-                    o_ref, s0_ref, s_final_ref, s_scr, p_scr, m_scr, *, cfg: KernelConfig):
+def _forward_kernel(q_ref, k_ref, e_ref, v_ref, log_decay_ref, doc_col_ref, doc_row_ref, s_init_ref,
+                    o_ref, starts_ref, s_final_ref, s_scr, inverse_scr, readout_scr, *, cfg: KernelConfig):
     g, cdt = cfg.geometry, cfg.cdt
     c = pl.program_id(1)
 
@@ -392,13 +396,13 @@ def _forward_kernel(q_ref, k_ref, e_ref, v_ref, lam_ref, dcol_ref, drow_ref, s_i
     def _():
         s_scr[...] = s_init_ref[...]
 
-    s0 = s_scr[...]
-    s0_ref[...] = s0
-    ch = chunk_core(q_ref[...], k_ref[...], e_ref[...], v_ref[...], lam_ref[...], dcol_ref[...],
-                    drow_ref[...], s0, p_scr, m_scr, g, cdt)
-    out = mm(ch.qf * ch.pi_s, s0, cdt) + mm(m_scr[...], ch.u_true, cdt)
+    start_state = s_scr[...]
+    starts_ref[...] = start_state
+    ch = chunk_core(q_ref[...], k_ref[...], e_ref[...], v_ref[...], log_decay_ref[...], doc_col_ref[...],
+                    doc_row_ref[...], start_state, inverse_scr, readout_scr, g, cdt)
+    out = mm(ch.qf * ch.start_decay, start_state, cdt) + mm(readout_scr[...], ch.true_pseudo, cdt)
     o_ref[...] = out.astype(o_ref.dtype)
-    s_new = ch.pi_c_col * s0 + mm_tn(ch.kf * ch.e_s, ch.u_true, cdt)
+    s_new = ch.chunk_decay_col * start_state + mm_tn(ch.kf * ch.end_decay, ch.true_pseudo, cdt)
     s_scr[...] = s_new
 
     @pl.when(c == pl.num_programs(1) - 1)
@@ -462,11 +466,11 @@ def _specs(cfg: KernelConfig, n_chunks: int, reverse: bool):
     c_, dk, dv = g.chunk, g.dk, g.dv
     ch = (lambda c: n_chunks - 1 - c) if reverse else (lambda c: c)
     seq = lambda d: pl.BlockSpec((_SQ, c_, d), lambda b, c: (b, ch(c), 0))  # noqa: E731
-    dcol = pl.BlockSpec((_SQ, c_, 1), lambda b, c: (jax.lax.div(b, heads), ch(c), 0))
-    drow = pl.BlockSpec((_SQ, _SQ, 1, c_), lambda b, c: (jax.lax.div(b, heads), ch(c), 0, 0))
+    doc_col = pl.BlockSpec((_SQ, c_, 1), lambda b, c: (jax.lax.div(b, heads), ch(c), 0))
+    doc_row = pl.BlockSpec((_SQ, _SQ, 1, c_), lambda b, c: (jax.lax.div(b, heads), ch(c), 0, 0))
     state = pl.BlockSpec((_SQ, dk, dv), lambda b, c: (b, 0, 0))
     per_chunk_state = pl.BlockSpec((_SQ, _SQ, dk, dv), lambda b, c: (b, ch(c), 0, 0))
-    return seq, dcol, drow, state, per_chunk_state
+    return seq, doc_col, doc_row, state, per_chunk_state
 
 
 def compiler_params(cfg: KernelConfig):
@@ -481,26 +485,26 @@ def scratch(g: Geometry, state_scratch: int = 1):
             + [pltpu.VMEM((g.chunk, g.chunk), F32), pltpu.VMEM((g.chunk, g.chunk), F32)])
 
 
-def forward_call(cfg: KernelConfig, q, k, e, v, lam, dcol, drow, s_init):
+def forward_call(cfg: KernelConfig, q, k, e, v, log_decay, doc_col, doc_row, s_init):
     """[B·H, Tp, D] inputs -> (o [B·H, Tp, Dv], S₀ per chunk [B·H, N_c, Dk, Dv] f32, final [B·H, Dk, Dv] f32)."""
     g = cfg.geometry
     bh, tp, _ = q.shape
     n_chunks = tp // g.chunk
-    seq, dcol_spec, drow_spec, state, per_chunk_state = _specs(cfg, n_chunks, reverse=False)
+    seq, doc_col_spec, doc_row_spec, state, per_chunk_state = _specs(cfg, n_chunks, reverse=False)
     return pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg),
         out_shape=(jax.ShapeDtypeStruct((bh, tp, g.dv), v.dtype),
                    jax.ShapeDtypeStruct((bh, n_chunks, g.dk, g.dv), F32),
                    jax.ShapeDtypeStruct((bh, g.dk, g.dv), F32)),
         grid=(bh, n_chunks),
-        in_specs=[seq(g.dk), seq(g.dk), seq(g.dk), seq(g.dv), seq(g.dk), dcol_spec, drow_spec, state],
+        in_specs=[seq(g.dk), seq(g.dk), seq(g.dk), seq(g.dv), seq(g.dk), doc_col_spec, doc_row_spec, state],
         out_specs=(seq(g.dv), per_chunk_state, state),
         scratch_shapes=scratch(g),
         compiler_params=compiler_params(cfg),
         cost_estimate=forward_cost(g, bh, n_chunks, jnp.dtype(cfg.cdt).itemsize),
         interpret=cfg.interpret,
         name="delta_rule_fwd",
-    )(q, k, e, v, lam, dcol, drow, s_init)
+    )(q, k, e, v, log_decay, doc_col, doc_row, s_init)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -508,22 +512,22 @@ def forward_call(cfg: KernelConfig, q, k, e, v, lam, dcol, drow, s_init):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def chunked(q, k, e, v, lam, s_init, dcol, drow, cfg: KernelConfig):
-    out, _, final = forward_call(cfg, q, k, e, v, lam, dcol, drow, s_init)
+def chunked(q, k, e, v, log_decay, s_init, doc_col, doc_row, cfg: KernelConfig):
+    out, _, final = forward_call(cfg, q, k, e, v, log_decay, doc_col, doc_row, s_init)
     return out, final
 
 
-def _chunked_fwd(q, k, e, v, lam, s_init, dcol, drow, cfg):
-    out, starts, final = forward_call(cfg, q, k, e, v, lam, dcol, drow, s_init)
-    return (out, final), (q, k, e, v, lam, dcol, drow, starts)
+def _chunked_fwd(q, k, e, v, log_decay, s_init, doc_col, doc_row, cfg):
+    out, starts, final = forward_call(cfg, q, k, e, v, log_decay, doc_col, doc_row, s_init)
+    return (out, final), (q, k, e, v, log_decay, doc_col, doc_row, starts)
 
 
 def _chunked_bwd(cfg, residuals, cotangents):
     from pallas_kernels.delta_rule import pallas_tpu_bwd
 
-    q, k, e, v, lam, dcol, drow, starts = residuals
+    q, k, e, v, log_decay, doc_col, doc_row, starts = residuals
     d_out, d_final = cotangents
-    dq, dk, de, dv, dlam, d_init = pallas_tpu_bwd.backward_call(cfg, q, k, e, v, lam, dcol, drow, starts,
+    dq, dk, de, dv, dlam, d_init = pallas_tpu_bwd.backward_call(cfg, q, k, e, v, log_decay, doc_col, doc_row, starts,
                                                                 d_out.astype(v.dtype), d_final.astype(F32))
     return dq, dk, de, dv, dlam, d_init, None, None
 
@@ -556,7 +560,7 @@ def operand_dtype(dtype) -> str:
     return "bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32"
 
 
-def run(q, k, erase, v, lam, state, document_BT, *, chunk_size, leaf_size, interpret=False,
+def run(q, k, erase, v, log_decay, state, document_BT, *, chunk_size, leaf_size, interpret=False,
         vmem_limit_bytes: Optional[int] = VMEM_LIMIT_BYTES):
     """The op's ``impl.run`` contract (see module docstring). Differentiable through ``jax.custom_vjp``
     (forward and backward are Pallas kernels; nothing is autodiffed through the kernels)."""
@@ -569,10 +573,10 @@ def run(q, k, erase, v, lam, state, document_BT, *, chunk_size, leaf_size, inter
     tp = -(-t // chunk_size) * chunk_size
     cfg = KernelConfig(Geometry(chunk_size, leaf_size, dk, dv), h, cdt, interpret, vmem_limit_bytes)
     ops = [_to_bh(x.astype(cdt), tp) for x in (q, k, erase, v)]
-    lam_bh = _to_bh(lam.astype(F32), tp)
-    dcol, drow = relative_documents(document_BT, chunk_size, tp)
+    log_decay_bh = _to_bh(log_decay.astype(F32), tp)
+    doc_col, doc_row = relative_documents(document_BT, chunk_size, tp)
     s_init = state.astype(F32).reshape(b * h, dk, dv)
-    out, final = chunked(*ops, lam_bh, s_init, dcol, drow, cfg)
+    out, final = chunked(*ops, log_decay_bh, s_init, doc_col, doc_row, cfg)
     out = out[:, :t].reshape(b, h, t, dv).transpose(0, 2, 1, 3).astype(v.dtype)
     return out, final.reshape(b, h, dk, dv)
 
@@ -609,12 +613,12 @@ def delta_rule_interpret(q, k, v, *, erase_key=None, log_decay=None, initial_sta
     b, t, h, dk = q.shape
     erase = jnp.zeros_like(k) if erase_key is None else erase_key
     if log_decay is None:
-        lam = jnp.zeros((b, t, h, dk), F32)
+        log_decay = jnp.zeros((b, t, h, dk), F32)
     elif log_decay.ndim == 3:
-        lam = jnp.broadcast_to(log_decay.astype(F32)[..., None], (b, t, h, dk))
+        log_decay = jnp.broadcast_to(log_decay.astype(F32)[..., None], (b, t, h, dk))
     else:
-        lam = log_decay.astype(F32)
+        log_decay = log_decay.astype(F32)
     state = (jnp.zeros((b, h, dk, v.shape[-1]), F32) if initial_state is None
              else initial_state.astype(F32))
-    return run(q, k, erase.astype(q.dtype), v, lam, state, common.document_index(segment_ids, b, t),
+    return run(q, k, erase.astype(q.dtype), v, log_decay, state, common.document_index(segment_ids, b, t),
                chunk_size=chunk_size, leaf_size=leaf_size, interpret=interpret)

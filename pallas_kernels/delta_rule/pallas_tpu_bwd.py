@@ -1,4 +1,5 @@
-"""Backward kernel of the Pallas TPU delta rule (spec §6.2): one kernel walking the chunks in reverse (grid
+"""Backward kernel of the Pallas TPU delta rule (docs/math/delta_rule.md, 'Backward pass'): one kernel walking the
+chunks in reverse (grid
 step c handles chunk N_c − 1 − c through the index maps), recomputing every chunk from its saved S₀ with the
 forward's own ``chunk_core`` and carrying dS in a VMEM f32 scratch. Per chunk:
 
@@ -13,7 +14,8 @@ forward's own ``chunk_core`` and carrying dS in a VMEM f32 scratch. Per chunk:
   G = dO S₀ᵀ, H = Ũ dSᵀ;  dQ̂ = dQ̂ᵖ + G⊙π,  dK̂ = dK̂ᵖ + dR⊙π,  dK = dKᵖ + H⊙E,  dV̂ from the solve
   dΛ = K̂⊙dK̂ᵖ + Q̂⊙dQ̂ᵖ − K⊙dKᵖ + π⊙(dR⊙K̂ + G⊙Q̂) − K⊙E⊙H;  dΛ_C += Σ_i (K⊙E⊙H)_i + π_C ⊙ rowsum(S₀⊙dS)
   dλ = U_C dΛ (upper-triangular ones, MXU f32 HIGHEST);  dS ← dS_prev;  d(initial state) = dS after chunk 0.
-The pair identity dΛ_i += g, dΛ_j −= g for a pair term g makes the pivot cancel (spec §6.2).
+The pair identity dΛ_i += g, dΛ_j −= g for a pair term g makes the pivot cancel (the log-decay gradient of the backward
+pass).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from pallas_kernels.delta_rule.pallas_tpu import (F32, Geometry, KernelConfig, _
                                                   offset_place, scratch, upper_ones)
 
 
-def _contract_tile(da_t, dm_t, q_t, k_t, e_t, lam_t, factors_t, g: Geometry, cdt):
+def _contract_tile(da_t, dm_t, q_t, k_t, e_t, log_decay_t, factors_t, g: Geometry, cdt):
     """Pair gradients of one tile's leaves and intra-tile levels: (dQ̂ᵖ, dK̂ᵖ, dKᵖ) [Tt, Dk] f32 of the pairs
     that carry a decay, and (dQ̂ᵈ, dKᵈ) of M's diagonal (exponent identically 0: no dΛ term, kept apart so that
     q⊙dq − k⊙dk does not leave a rounding residual in dΛ where every real term is tiny)."""
@@ -39,7 +41,7 @@ def _contract_tile(da_t, dm_t, q_t, k_t, e_t, lam_t, factors_t, g: Geometry, cdt
     de = jnp.zeros((rows, dk), F32)
     dkk = jnp.zeros((rows, dk), F32)
     dq_diag = dk_diag = None
-    for d, w, ex in leaf_diagonals(lam_t, k_t, g.leaf):
+    for d, w, ex in leaf_diagonals(log_decay_t, k_t, g.leaf):
         place = offset_place(rows, g.leaf, d)
         dm_d = jnp.sum(jnp.where(place, dm_t, 0.0), axis=1, keepdims=True)  # dM[i, i−d]
         if d == 0:
@@ -61,8 +63,9 @@ def _contract_tile(da_t, dm_t, q_t, k_t, e_t, lam_t, factors_t, g: Geometry, cdt
     return [dq, de, dkk, dq_diag, dk_diag]
 
 
-def _backward_kernel(q_ref, k_ref, e_ref, v_ref, lam_ref, dcol_ref, drow_ref, s0_ref, do_ref, dfinal_ref,
-                     dq_ref, dk_ref, de_ref, dv_ref, dlam_ref, dinit_ref, ds_scr, p_scr, m_scr,
+def _backward_kernel(q_ref, k_ref, e_ref, v_ref, log_decay_ref, doc_col_ref, doc_row_ref, starts_ref, do_ref,
+                     dfinal_ref,
+                     dq_ref, dk_ref, de_ref, dv_ref, d_log_decay_ref, dinit_ref, ds_scr, inverse_scr, readout_scr,
                      *, cfg: KernelConfig):
     g, cdt = cfg.geometry, cfg.cdt
     c_, t = g.chunk, g.tile
@@ -73,28 +76,31 @@ def _backward_kernel(q_ref, k_ref, e_ref, v_ref, lam_ref, dcol_ref, drow_ref, s0
         ds_scr[...] = dfinal_ref[...]
 
     ds = ds_scr[...]
-    s0 = s0_ref[...]
-    dcol, drow = dcol_ref[...], drow_ref[...]
-    ch = chunk_core(q_ref[...], k_ref[...], e_ref[...], v_ref[...], lam_ref[...], dcol, drow, s0, p_scr,
-                    m_scr, g, cdt)
+    start_state = starts_ref[...]
+    doc_col, doc_row = doc_col_ref[...], doc_row_ref[...]
+    ch = chunk_core(q_ref[...], k_ref[...], e_ref[...], v_ref[...], log_decay_ref[...], doc_col, doc_row, start_state,
+                    inverse_scr,
+                    readout_scr, g, cdt)
     d_out = do_ref[...].astype(F32)
     i, j = iota2((c_, c_))
-    same = dcol == drow
+    same = doc_col == doc_row
 
-    du = mm_tn(m_scr[...], d_out, cdt) + mm(ch.kf * ch.e_s, ds, cdt)
-    dm = jnp.where(same & (j <= i), mm_nt(d_out, ch.u_true, cdt), 0.0)
-    ds_prev = mm_tn(ch.qf * ch.pi_s, d_out, cdt) + ch.pi_c_col * ds - mm_tn(ch.y, du, cdt)
-    dy = -mm_nt(du, s0, cdt)
-    dvh, dr = fused_mm(p_scr[...], [du, dy], cdt, transpose_lhs=True)  # [dV̂ ‖ dR] = Pᵀ [dŨ ‖ dY]
-    sol, dsol = concat_cols([ch.u, ch.y]), concat_cols([dvh, dr])
-    outer = mm_nt(dsol, sol, cdt) if sol is not None else mm_nt(dvh, ch.u, cdt) + mm_nt(dr, ch.y, cdt)
+    du = mm_tn(readout_scr[...], d_out, cdt) + mm(ch.kf * ch.end_decay, ds, cdt)
+    dm = jnp.where(same & (j <= i), mm_nt(d_out, ch.true_pseudo, cdt), 0.0)
+    ds_prev = mm_tn(ch.qf * ch.start_decay, d_out, cdt) + ch.chunk_decay_col * ds - mm_tn(ch.state_reads, du, cdt)
+    dy = -mm_nt(du, start_state, cdt)
+    dvh, dr = fused_mm(inverse_scr[...], [du, dy], cdt, transpose_lhs=True)  # [dV̂ ‖ dR] = Pᵀ [dŨ ‖ dY]
+    sol, dsol = concat_cols([ch.pseudo_values, ch.state_reads]), concat_cols([dvh, dr])
+    outer = mm_nt(dsol, sol, cdt) if sol is not None else mm_nt(dvh, ch.pseudo_values, cdt) + mm_nt(dr, ch.state_reads,
+                  cdt)
     da = jnp.where(same & (j < i), -outer, 0.0)
 
     # pair gradients, tile by tile, then the aligned top blocks
     parts = []
     for ti in range(g.n_tiles):
         s = slice(ti * t, (ti + 1) * t)
-        parts.append(_contract_tile(da[s, s], dm[s, s], ch.qf[s], ch.kf[s], ch.ef[s], ch.lam[s], ch.tile_factors[ti], g,
+        parts.append(_contract_tile(da[s, s], dm[s, s], ch.qf[s], ch.kf[s], ch.ef[s], ch.log_decay[s],
+                     ch.tile_factors[ti], g,
                                     cdt))
     for b in ch.blocks:
         h = b.rows.stop - b.rows.start
@@ -112,21 +118,22 @@ def _backward_kernel(q_ref, k_ref, e_ref, v_ref, lam_ref, dcol_ref, drow_ref, s0
     join = lambda n: parts[0][n] if len(parts) == 1 else jnp.concatenate([p[n] for p in parts], axis=0)  # noqa: E731
     dq_p, de_p, dk_p, dq_diag, dk_diag = (join(n) for n in range(5))
 
-    g_mat = mm_nt(d_out, s0, cdt)  # G = dO S₀ᵀ
-    h_mat = mm_nt(ch.u_true, ds, cdt)  # H = Ũ dSᵀ
-    dq_ref[...] = (dq_p + dq_diag + g_mat * ch.pi_s).astype(dq_ref.dtype)
-    de_ref[...] = (de_p + dr * ch.pi_s).astype(de_ref.dtype)
-    dk_ref[...] = (dk_p + dk_diag + h_mat * ch.e_s).astype(dk_ref.dtype)
+    g_mat = mm_nt(d_out, start_state, cdt)  # G = dO S₀ᵀ
+    h_mat = mm_nt(ch.true_pseudo, ds, cdt)  # H = Ũ dSᵀ
+    dq_ref[...] = (dq_p + dq_diag + g_mat * ch.start_decay).astype(dq_ref.dtype)
+    de_ref[...] = (de_p + dr * ch.start_decay).astype(de_ref.dtype)
+    dk_ref[...] = (dk_p + dk_diag + h_mat * ch.end_decay).astype(dk_ref.dtype)
     dv_ref[...] = dvh.astype(dv_ref.dtype)
 
     # E_C = e^0 exactly: its +/− terms at row C cancel identically, so leave the last row out of both
     r = jax.lax.broadcasted_iota(jnp.int32, (c_, 1), 0)
-    end_terms = jnp.where(r == c_ - 1, 0.0, ch.kf * ch.e_s * h_mat)
-    dlam_cum = (ch.ef * de_p + ch.qf * dq_p - ch.kf * dk_p + ch.pi_s * (dr * ch.ef + g_mat * ch.qf) - end_terms)
-    state_term = mm_nt(jnp.ones((8, g.dv), F32), s0 * ds, F32)[0:1]  # rowsum(S₀ ⊙ dS) as a row [1, Dk]
-    chunk_end = jnp.sum(end_terms, axis=0, keepdims=True) + ch.pi_c_row * state_term
-    dlam_cum = jnp.where(r == c_ - 1, dlam_cum + chunk_end, dlam_cum)
-    dlam_ref[...] = mm_f32(upper_ones(c_), dlam_cum)  # dλ_s = Σ_{i ≥ s} dΛ_i
+    end_terms = jnp.where(r == c_ - 1, 0.0, ch.kf * ch.end_decay * h_mat)
+    d_cum_log_decay = (ch.ef * de_p + ch.qf * dq_p - ch.kf * dk_p + ch.start_decay * (dr * ch.ef + g_mat * ch.qf)
+                       - end_terms)
+    state_term = mm_nt(jnp.ones((8, g.dv), F32), start_state * ds, F32)[0:1]  # rowsum(S₀ ⊙ dS) as a row [1, Dk]
+    chunk_end = jnp.sum(end_terms, axis=0, keepdims=True) + ch.chunk_decay_row * state_term
+    d_cum_log_decay = jnp.where(r == c_ - 1, d_cum_log_decay + chunk_end, d_cum_log_decay)
+    d_log_decay_ref[...] = mm_f32(upper_ones(c_), d_cum_log_decay)  # dλ_s = Σ_{i ≥ s} dΛ_i
 
     ds_scr[...] = ds_prev
 
@@ -159,18 +166,18 @@ def backward_cost(g: Geometry, bh: int, n_chunks: int, io_bytes: int) -> pl.Cost
                            bytes_accessed=int(total * per_chunk_bytes + bh * 2 * 4 * dk * dv))
 
 
-def backward_call(cfg: KernelConfig, q, k, e, v, lam, dcol, drow, starts, d_out, d_final):
+def backward_call(cfg: KernelConfig, q, k, e, v, log_decay, doc_col, doc_row, starts, d_out, d_final):
     g = cfg.geometry
     bh, tp, _ = q.shape
     n_chunks = tp // g.chunk
-    seq, dcol_spec, drow_spec, state, per_chunk_state = _specs(cfg, n_chunks, reverse=True)
+    seq, doc_col_spec, doc_row_spec, state, per_chunk_state = _specs(cfg, n_chunks, reverse=True)
     return pl.pallas_call(
         functools.partial(_backward_kernel, cfg=cfg),
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                    jax.ShapeDtypeStruct(e.shape, e.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
-                   jax.ShapeDtypeStruct(lam.shape, F32), jax.ShapeDtypeStruct((bh, g.dk, g.dv), F32)),
+                   jax.ShapeDtypeStruct(log_decay.shape, F32), jax.ShapeDtypeStruct((bh, g.dk, g.dv), F32)),
         grid=(bh, n_chunks),
-        in_specs=[seq(g.dk), seq(g.dk), seq(g.dk), seq(g.dv), seq(g.dk), dcol_spec, drow_spec, per_chunk_state,
+        in_specs=[seq(g.dk), seq(g.dk), seq(g.dk), seq(g.dv), seq(g.dk), doc_col_spec, doc_row_spec, per_chunk_state,
                   seq(g.dv), state],
         out_specs=(seq(g.dk), seq(g.dk), seq(g.dk), seq(g.dv), seq(g.dk), state),
         scratch_shapes=scratch(g),
@@ -178,4 +185,4 @@ def backward_call(cfg: KernelConfig, q, k, e, v, lam, dcol, drow, starts, d_out,
         cost_estimate=backward_cost(g, bh, n_chunks, jnp.dtype(cfg.cdt).itemsize),
         interpret=cfg.interpret,
         name="delta_rule_bwd",
-    )(q, k, e, v, lam, dcol, drow, starts, d_out, d_final)
+    )(q, k, e, v, log_decay, doc_col, doc_row, starts, d_out, d_final)

@@ -1,4 +1,4 @@
-"""Boundary-pivoted chunkwise delta rule on GPU through Pallas' Triton backend (spec §4.7, §6; forward and
+"""Boundary-pivoted chunkwise delta rule on GPU through Pallas' Triton backend (docs/math/delta_rule.md; forward and
 custom-VJP backward).
 
 Recurrence (row vectors, state key-major [Dk, Dv]):  S_t = (I − k_tᵀ k̂_t) Diag(e^{λ_t}) S_{t−1} + k_tᵀ v̂_t,
@@ -17,7 +17,7 @@ S-dependent products are sequential):
                                                    otherwise K1 runs again)
             B1 ``scan_bwd``   grid (B, H, Dv/BV)   reverse over chunks: dŨ = Mᵀ dO + (K⊙E) dS,
                                                    dS ← (Q̂⊙π)ᵀ dO + Diag(π_C) dS − Yᵀ dŨ   (dS_C saved)
-            B2a ``cotangents`` grid (B, H, N)      Ũ, dM, dV̂ = Pᵀ dŨ, dA (spec §6.2's transposed solve)
+            B2a ``cotangents`` grid (B, H, N)      Ũ, dM, dV̂ = Pᵀ dŨ, dA (the transposed solve of the backward pass)
             B2b ``key_grads`` grid (B, H, N·Dk/BK) per chunk and key block: dq̂, dk, dk̂, dλ
   Saved for the backward: the (padded) inputs, the chunk-start states S₀, and M and P (C × C per chunk) —
   all in the operand dtype (every consumer is a matmul operand in that dtype); the carried state and the
@@ -26,14 +26,14 @@ S-dependent products are sequential):
 Everything inside a kernel is a 2-D tile ([C, C], [C, BK], [C, Dv]) so that Triton never reshapes or
 converts layouts; K1, B0 and B2b walk the key channels in blocks of BK (``block_k``) to bound registers.
 
-Numerics (every exponent ≤ 0, spec §4.7–§4.8):
+Numerics (every exponent ≤ 0, docs/math/delta_rule.md, 'Boundary pivots'):
   * A and M by the pivot tree all the way down to single tokens. A pair (i > j) belongs to exactly one
     level: the node of size 2h whose left half holds j and right half holds i, pivot p = the left half's
     last token. Its decay e^{Σ_{j<s≤i} λ} = ρ_i κ_j with ρ_i = e^{Σ_{p<s≤i} λ} and κ_j = e^{Σ_{j<s≤p} λ},
     both ≤ 1. Per level the two sums are one matmul W_h λ with a 0/1 matrix (rows in a right half: the
     half's prefix up to i; rows in a left half: the half's suffix after j) on TF32 tensor cores (see
     :func:`_split` for the accuracy), so every exponent is a sum of λ ≤ 0 over one half-node — no
-    differences, no cancellation (a finer tree than spec §4.7's exact n0×n0 leaves, same matrices). Then
+    differences, no cancellation (a finer tree than xla.py's exact n0×n0 leaves, same matrices). Then
     A_level = (K̂⊙F)(K⊙F)ᵀ masked to the level's (right, left) block, M likewise with Q̂; M's diagonal is
     q̂_i·k_i (decay e^0);
   * π (chunk start, e^{Σ_{0≤s≤i}}) and E (chunk end, e^{Σ_{j<s<C}}) the same way with the whole chunk;
@@ -226,7 +226,7 @@ def _end_sums(cfg):
     return jnp.where(_iota((c, c), 1) > _iota((c, c), 0), 1.0, 0.0).astype(F32)
 
 
-def _split(lam, cfg):
+def _split(log_decay, cfg):
     """λ [C, BK] f32 as TF32-exact parts whose sum is λ, so that W λ (W a 0/1 matrix, exact in TF32) is a
     sum of one-pass TF32 matmuls:
       "tf32x2": (hi, lo), hi = λ with the low 13 mantissa bits cleared, lo = λ − hi (|lo| < 2⁻¹⁰|λ|, itself
@@ -235,20 +235,20 @@ def _split(lam, cfg):
                 decay e^{Σλ} is |Σλ|·2⁻¹¹·e^{Σλ} ≤ 2⁻¹¹/e ≈ 1.8e-4, well under a bf16 operand's 2⁻⁹;
     interpret mode: (λ,) with an f32 matmul."""
     if cfg.interpret:
-        return (lam,)
-    bits = jax.lax.bitcast_convert_type(lam, jnp.int32)
+        return (log_decay,)
+    bits = jax.lax.bitcast_convert_type(log_decay, jnp.int32)
     if cfg.resolved_decay_sums == "tf32":
         return (jax.lax.bitcast_convert_type((bits + 4096) & jnp.int32(-8192), F32),)
     hi = jax.lax.bitcast_convert_type(bits & jnp.int32(-8192), F32)
-    return hi, lam - hi
+    return hi, log_decay - hi
 
 
-def _decay(weights, lam_parts, cfg):
+def _decay(weights, log_decay_parts, cfg):
     """e^{W λ} (W a 0/1 [C, C] matrix, λ as parts from :func:`_split`): every entry is e^{a sum of λ ≤ 0}
     ≤ 1. [C, BK] f32."""
     precision = jax.lax.Precision.HIGHEST if cfg.interpret else jax.lax.Precision.DEFAULT
-    sums = _matmul(weights, lam_parts[0], False, False, precision)
-    for part in lam_parts[1:]:
+    sums = _matmul(weights, log_decay_parts[0], False, False, precision)
+    for part in log_decay_parts[1:]:
         sums += _matmul(weights, part, False, False, precision)
     return jnp.exp(sums)
 
@@ -299,40 +299,40 @@ class _ChunkMasks:
         return self.last == self.carry
 
 
-def _chunk_masks(doc_ref, carry_ref, cfg):
-    return _ChunkMasks(doc_ref[...], carry_ref[...], doc_ref[cfg.chunk - 1], cfg)
+def _chunk_masks(document_ref, carried_document_ref, cfg):
+    return _ChunkMasks(document_ref[...], carried_document_ref[...], document_ref[cfg.chunk - 1], cfg)
 
 
-def _start_decay(lam_split, masks, cfg):
+def _start_decay(log_decay_split, masks, cfg):
     """π = e^{Σ_{0≤s≤i} λ} for the rows of the carried-in document (0 elsewhere): [C, BK]."""
-    return jnp.where(masks.carried, _decay(_start_sums(cfg), lam_split, cfg), 0.0)
+    return jnp.where(masks.carried, _decay(_start_sums(cfg), log_decay_split, cfg), 0.0)
 
 
-def _end_decays(lam, lam_split, masks, cfg):
+def _end_decays(log_decay, log_decay_split, masks, cfg):
     """E = e^{Σ_{j<s<C} λ} for the rows of the chunk's last document [C, BK]; π_C (0 across a boundary) [BK]."""
-    end = jnp.where(masks.in_last, _decay(_end_sums(cfg), lam_split, cfg), 0.0)
-    return end, jnp.where(masks.no_boundary, jnp.exp(jnp.sum(lam, axis=0)), 0.0)
+    end = jnp.where(masks.in_last, _decay(_end_sums(cfg), log_decay_split, cfg), 0.0)
+    return end, jnp.where(masks.no_boundary, jnp.exp(jnp.sum(log_decay, axis=0)), 0.0)
 
 
-def _chunk_matrices(q_ref, k_ref, e_ref, lam_ref, masks, cfg, qpi_out, keff_out, pic_out):
+def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out, key_eff_out, chunk_decay_out):
     """M (lower incl. diagonal) and P = (I + A)⁻¹, both [C, C] f32; writes Q̂⊙π, K⊙E and π_C on the way."""
     c = cfg.chunk
 
     def key_block(b, acc):
         a, m, diag = acc
         cols = _key_block(b, cfg)
-        lam = lam_ref[:, cols].astype(F32)
-        lam_split = _split(lam, cfg)
-        q, k, e = q_ref[:, cols], k_ref[:, cols], e_ref[:, cols]  # operand dtype; products promote to f32
-        start = _start_decay(lam_split, masks, cfg)
-        end, chunk_decay = _end_decays(lam, lam_split, masks, cfg)
-        qpi_out[:, cols] = (q * start).astype(qpi_out.dtype)
-        keff_out[:, cols] = (k * end).astype(keff_out.dtype)
-        pic_out[cols] = chunk_decay
+        log_decay = log_decay_ref[:, cols].astype(F32)
+        log_decay_split = _split(log_decay, cfg)
+        q, k, e = q_ref[:, cols], k_ref[:, cols], erase_ref[:, cols]  # operand dtype; products promote to f32
+        start = _start_decay(log_decay_split, masks, cfg)
+        end, chunk_decay = _end_decays(log_decay, log_decay_split, masks, cfg)
+        query_start_out[:, cols] = (q * start).astype(query_start_out.dtype)
+        key_eff_out[:, cols] = (k * end).astype(key_eff_out.dtype)
+        chunk_decay_out[cols] = chunk_decay
 
         def level(l, acc):
             pairs, sums = _level(cfg, l)
-            f = _decay(sums, lam_split, cfg)
+            f = _decay(sums, log_decay_split, cfg)
             kf = k * f
             return (acc[0] + jnp.where(pairs, _dot(e * f, kf, cfg, trans_b=True), 0.0),
                     acc[1] + jnp.where(pairs, _dot(q * f, kf, cfg, trans_b=True), 0.0))
@@ -368,23 +368,25 @@ def _inverse(a, masks, cfg):
 
 
 def _intra_kernel(cfg, with_inverse):
-    def kernel(q_ref, k_ref, e_ref, v_ref, lam_ref, doc_ref, carry_ref,
-               m_out, u_out, y_out, qpi_out, keff_out, pic_out, *maybe_p_out):
-        masks = _chunk_masks(doc_ref, carry_ref, cfg)
-        m, p = _chunk_matrices(q_ref, k_ref, e_ref, lam_ref, masks, cfg, qpi_out, keff_out, pic_out)
+    def kernel(q_ref, k_ref, erase_ref, v_ref, log_decay_ref, document_ref, carried_document_ref,
+               readout_out, pseudo_values_out, state_reads_out, query_start_out, key_eff_out, chunk_decay_out,
+               *maybe_inverse_out):
+        masks = _chunk_masks(document_ref, carried_document_ref, cfg)
+        m, p = _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out, key_eff_out,
+                               chunk_decay_out)
         od = cfg.operand_dtype
-        m_out[...] = m.astype(m_out.dtype)
-        u_out[...] = _dot(p, v_ref[...], cfg).astype(od)
+        readout_out[...] = m.astype(readout_out.dtype)
+        pseudo_values_out[...] = _dot(p, v_ref[...], cfg).astype(od)
 
         def y_block(b, carry):
             cols = _key_block(b, cfg)
-            start = _start_decay(_split(lam_ref[:, cols].astype(F32), cfg), masks, cfg)
-            y_out[:, cols] = _dot(p, e_ref[:, cols].astype(F32) * start, cfg).astype(od)
+            start = _start_decay(_split(log_decay_ref[:, cols].astype(F32), cfg), masks, cfg)
+            state_reads_out[:, cols] = _dot(p, erase_ref[:, cols].astype(F32) * start, cfg).astype(od)
             return carry
 
         jax.lax.fori_loop(0, cfg.key_dim // cfg.block_k, y_block, 0)
         if with_inverse:
-            maybe_p_out[0][...] = p.astype(maybe_p_out[0].dtype)
+            maybe_inverse_out[0][...] = p.astype(maybe_inverse_out[0].dtype)
 
     return kernel
 
@@ -392,22 +394,22 @@ def _intra_kernel(cfg, with_inverse):
 def _rhs_kernel(cfg):
     """Backward with the forward's P saved: U = P V̂, Y = P (K̂⊙π), Q̂⊙π, K⊙E, π_C (no A, M or inverse)."""
 
-    def kernel(q_ref, k_ref, e_ref, v_ref, lam_ref, doc_ref, carry_ref, p_ref,
-               u_out, y_out, qpi_out, keff_out, pic_out):
-        masks = _chunk_masks(doc_ref, carry_ref, cfg)
+    def kernel(q_ref, k_ref, erase_ref, v_ref, log_decay_ref, document_ref, carried_document_ref, inverse_ref,
+               pseudo_values_out, state_reads_out, query_start_out, key_eff_out, chunk_decay_out):
+        masks = _chunk_masks(document_ref, carried_document_ref, cfg)
         od = cfg.operand_dtype
-        u_out[...] = _dot(p_ref[...], v_ref[...], cfg).astype(od)
+        pseudo_values_out[...] = _dot(inverse_ref[...], v_ref[...], cfg).astype(od)
 
         def key_block(b, carry):
             cols = _key_block(b, cfg)
-            lam = lam_ref[:, cols].astype(F32)
-            lam_split = _split(lam, cfg)
-            start = _start_decay(lam_split, masks, cfg)
-            end, chunk_decay = _end_decays(lam, lam_split, masks, cfg)
-            qpi_out[:, cols] = (q_ref[:, cols] * start).astype(od)
-            keff_out[:, cols] = (k_ref[:, cols] * end).astype(od)
-            pic_out[cols] = chunk_decay
-            y_out[:, cols] = _dot(p_ref[...], e_ref[:, cols] * start, cfg).astype(od)
+            log_decay = log_decay_ref[:, cols].astype(F32)
+            log_decay_split = _split(log_decay, cfg)
+            start = _start_decay(log_decay_split, masks, cfg)
+            end, chunk_decay = _end_decays(log_decay, log_decay_split, masks, cfg)
+            query_start_out[:, cols] = (q_ref[:, cols] * start).astype(od)
+            key_eff_out[:, cols] = (k_ref[:, cols] * end).astype(od)
+            chunk_decay_out[cols] = chunk_decay
+            state_reads_out[:, cols] = _dot(inverse_ref[...], erase_ref[:, cols] * start, cfg).astype(od)
             return carry
 
         jax.lax.fori_loop(0, cfg.key_dim // cfg.block_k, key_block, 0)
@@ -416,12 +418,13 @@ def _rhs_kernel(cfg):
 
 
 def _scan_kernel(cfg, n_chunks):
-    def kernel(y_ref, u_ref, keff_ref, pic_ref, s_init_ref, s0_out, ut_out, s_final_out):
+    def kernel(state_reads_ref, pseudo_values_ref, key_eff_ref, chunk_decay_ref, s_init_ref, starts_out,
+               true_pseudo_out, s_final_out):
         def body(n, state):
-            s0_out[n] = state.astype(s0_out.dtype)
-            ut = u_ref[n].astype(F32) - _dot(y_ref[n], state, cfg)
-            ut_out[n] = ut.astype(ut_out.dtype)
-            return pic_ref[n][:, None] * state + _dot(keff_ref[n], ut, cfg, trans_a=True)
+            starts_out[n] = state.astype(starts_out.dtype)
+            true_pseudo = pseudo_values_ref[n].astype(F32) - _dot(state_reads_ref[n], state, cfg)
+            true_pseudo_out[n] = true_pseudo.astype(true_pseudo_out.dtype)
+            return chunk_decay_ref[n][:, None] * state + _dot(key_eff_ref[n], true_pseudo, cfg, trans_a=True)
 
         s_final_out[...] = jax.lax.fori_loop(0, n_chunks, body, s_init_ref[...].astype(F32))
 
@@ -429,8 +432,8 @@ def _scan_kernel(cfg, n_chunks):
 
 
 def _output_kernel(cfg):
-    def kernel(qpi_ref, s0_ref, m_ref, ut_ref, o_ref):
-        o = _dot(qpi_ref[...], s0_ref[...], cfg) + _dot(m_ref[...], ut_ref[...], cfg)
+    def kernel(query_start_ref, starts_ref, readout_ref, true_pseudo_ref, o_ref):
+        o = _dot(query_start_ref[...], starts_ref[...], cfg) + _dot(readout_ref[...], true_pseudo_ref[...], cfg)
         o_ref[...] = o.astype(o_ref.dtype)
 
     return kernel
@@ -439,17 +442,18 @@ def _output_kernel(cfg):
 def _scan_bwd_kernel(cfg, n_chunks):
     c = cfg.chunk
 
-    def kernel(m_ref, do_ref, keff_ref, qpi_ref, y_ref, pic_ref, ds_final_ref, dsc_out, dut_out, ds0_out):
+    def kernel(readout_ref, do_ref, key_eff_ref, query_start_ref, state_reads_ref, chunk_decay_ref, ds_final_ref,
+               d_ends_out, d_true_pseudo_out, d_start_state_out):
         def body(i, d_state):
             n = n_chunks - 1 - i
-            dsc_out[n] = d_state.astype(dsc_out.dtype)
+            d_ends_out[n] = d_state.astype(d_ends_out.dtype)
             d_out = do_ref[pl.ds(n * c, c), :]
-            dut = _dot(m_ref[n], d_out, cfg, trans_a=True) + _dot(keff_ref[n], d_state, cfg)
-            dut_out[n] = dut.astype(dut_out.dtype)
-            return (_dot(qpi_ref[n], d_out, cfg, trans_a=True) + pic_ref[n][:, None] * d_state
-                    - _dot(y_ref[n], dut, cfg, trans_a=True))
+            d_true_pseudo = _dot(readout_ref[n], d_out, cfg, trans_a=True) + _dot(key_eff_ref[n], d_state, cfg)
+            d_true_pseudo_out[n] = d_true_pseudo.astype(d_true_pseudo_out.dtype)
+            return (_dot(query_start_ref[n], d_out, cfg, trans_a=True) + chunk_decay_ref[n][:, None] * d_state
+                    - _dot(state_reads_ref[n], d_true_pseudo, cfg, trans_a=True))
 
-        ds0_out[...] = jax.lax.fori_loop(0, n_chunks, body, ds_final_ref[...].astype(F32))
+        d_start_state_out[...] = jax.lax.fori_loop(0, n_chunks, body, ds_final_ref[...].astype(F32))
 
     return kernel
 
@@ -459,29 +463,31 @@ def _cotangents_kernel(cfg):
     dA = −(dV̂ Uᵀ + dR Yᵀ) (strictly lower) with dR = Pᵀ dY, dY = −dŨ S₀ᵀ."""
     nkb = cfg.key_dim // cfg.block_k
 
-    def kernel(doc_ref, carry_ref, p_ref, u_ref, y_ref, s0_ref, do_ref, dut_ref, ut_out, dm_out, da_out, dv_out):
-        masks = _chunk_masks(doc_ref, carry_ref, cfg)
-        ut = u_ref[...].astype(F32) - _dot(y_ref[...], s0_ref[...], cfg)
-        ut_out[...] = ut.astype(ut_out.dtype)
-        d_m = _dot(do_ref[...], ut, cfg, trans_b=True)
-        dm_out[...] = jnp.where(masks.causal & masks.same_doc, d_m, 0.0).astype(dm_out.dtype)
-        d_v = _dot(p_ref[...], dut_ref[...], cfg, trans_a=True)
+    def kernel(document_ref, carried_document_ref, inverse_ref, pseudo_values_ref, state_reads_ref, starts_ref, do_ref,
+               d_true_pseudo_ref, true_pseudo_out, d_readout_out, d_strict_out, dv_out):
+        masks = _chunk_masks(document_ref, carried_document_ref, cfg)
+        true_pseudo = pseudo_values_ref[...].astype(F32) - _dot(state_reads_ref[...], starts_ref[...], cfg)
+        true_pseudo_out[...] = true_pseudo.astype(true_pseudo_out.dtype)
+        d_m = _dot(do_ref[...], true_pseudo, cfg, trans_b=True)
+        d_readout_out[...] = jnp.where(masks.causal & masks.same_doc, d_m, 0.0).astype(d_readout_out.dtype)
+        d_v = _dot(inverse_ref[...], d_true_pseudo_ref[...], cfg, trans_a=True)
         dv_out[...] = d_v.astype(dv_out.dtype)
 
         def key_block(b, acc):
             cols = _key_block(b, cfg)
-            return acc + _dot(_d_rhs(p_ref, dut_ref, s0_ref, cols, cfg), y_ref[:, cols], cfg, trans_b=True)
+            return acc + _dot(_d_rhs(inverse_ref, d_true_pseudo_ref, starts_ref, cols, cfg), state_reads_ref[:, cols],
+                              cfg, trans_b=True)
 
-        d_a = jax.lax.fori_loop(0, nkb, key_block, _dot(d_v, u_ref[...], cfg, trans_b=True))
-        da_out[...] = jnp.where(masks.strict & masks.same_doc, -d_a, 0.0).astype(da_out.dtype)
+        d_a = jax.lax.fori_loop(0, nkb, key_block, _dot(d_v, pseudo_values_ref[...], cfg, trans_b=True))
+        d_strict_out[...] = jnp.where(masks.strict & masks.same_doc, -d_a, 0.0).astype(d_strict_out.dtype)
 
     return kernel
 
 
-def _d_rhs(p_ref, dut_ref, s0_ref, cols, cfg):
+def _d_rhs(inverse_ref, d_true_pseudo_ref, starts_ref, cols, cfg):
     """dR = Pᵀ dY for the key block ``cols``: the cotangent of K̂⊙π (Y = P (K̂⊙π), dY = −dŨ S₀ᵀ). [C, BK]."""
-    d_y = -_dot(dut_ref[...], s0_ref[cols, :], cfg, trans_b=True)
-    return _dot(p_ref[...], d_y, cfg, trans_a=True)
+    d_y = -_dot(d_true_pseudo_ref[...], starts_ref[cols, :], cfg, trans_b=True)
+    return _dot(inverse_ref[...], d_y, cfg, trans_a=True)
 
 
 def _key_grads_kernel(cfg):
@@ -489,26 +495,27 @@ def _key_grads_kernel(cfg):
     from dA, dM, Ũ and the states."""
     c = cfg.chunk
 
-    def kernel(q_ref, k_ref, e_ref, lam_ref, doc_ref, carry_ref, p_ref, s0_ref, dsc_ref, do_ref, dut_ref, ut_ref,
-               dm_ref, da_ref, dq_out, dk_out, de_out, dlam_out):
-        masks = _chunk_masks(doc_ref, carry_ref, cfg)
-        lam = lam_ref[...].astype(F32)
-        lam_split = _split(lam, cfg)
-        q, k, e = q_ref[...], k_ref[...], e_ref[...]  # operand dtype; products promote to f32
-        s0 = s0_ref[...]
-        dsc = dsc_ref[...]
+    def kernel(q_ref, k_ref, erase_ref, log_decay_ref, document_ref, carried_document_ref, inverse_ref, starts_ref,
+               d_ends_ref, do_ref, d_true_pseudo_ref, true_pseudo_ref,
+               d_readout_ref, d_strict_ref, dq_out, dk_out, d_erase_out, d_log_decay_out):
+        masks = _chunk_masks(document_ref, carried_document_ref, cfg)
+        log_decay = log_decay_ref[...].astype(F32)
+        log_decay_split = _split(log_decay, cfg)
+        q, k, e = q_ref[...], k_ref[...], erase_ref[...]  # operand dtype; products promote to f32
+        s0 = starts_ref[...]
+        d_ends = d_ends_ref[...]
         d_qpi = _dot(do_ref[...], s0, cfg, trans_b=True)
-        d_keff = _dot(ut_ref[...], dsc, cfg, trans_b=True)
-        d_pic = jnp.sum(s0.astype(F32) * dsc.astype(F32), axis=1)
-        d_r = _dot(p_ref[...], -_dot(dut_ref[...], s0, cfg, trans_b=True), cfg, trans_a=True)
+        d_keff = _dot(true_pseudo_ref[...], d_ends, cfg, trans_b=True)
+        d_pic = jnp.sum(s0.astype(F32) * d_ends.astype(F32), axis=1)
+        d_r = _dot(inverse_ref[...], -_dot(d_true_pseudo_ref[...], s0, cfg, trans_b=True), cfg, trans_a=True)
 
         # pair gradients through the pivot tree (same factors as the forward; F is ρ on right-half rows and
         # κ on left-half rows)
         def level(l, acc):
             pairs, sums = _level(cfg, l)
-            f = _decay(sums, lam_split, cfg)
-            d_a = da_ref[...]
-            d_m = dm_ref[...]
+            f = _decay(sums, log_decay_split, cfg)
+            d_a = d_strict_ref[...]
+            d_m = d_readout_ref[...]
             da_l = jnp.where(pairs, d_a, jnp.zeros_like(d_a))
             dm_l = jnp.where(pairs, d_m, jnp.zeros_like(d_m))
             kf = k * f
@@ -519,11 +526,11 @@ def _key_grads_kernel(cfg):
 
         zeros = jnp.zeros((c, cfg.block_k), F32)
         d_e_pair, d_q_pair, d_k_pair = jax.lax.fori_loop(0, cfg.levels, level, (zeros, zeros, zeros))
-        d_m_diag = jnp.sum(jnp.where(masks.eye, dm_ref[...].astype(F32), 0.0), axis=1)[:, None]
-        start = _start_decay(lam_split, masks, cfg)
-        end, chunk_decay = _end_decays(lam, lam_split, masks, cfg)
+        d_m_diag = jnp.sum(jnp.where(masks.eye, d_readout_ref[...].astype(F32), 0.0), axis=1)[:, None]
+        start = _start_decay(log_decay_split, masks, cfg)
+        end, chunk_decay = _end_decays(log_decay, log_decay_split, masks, cfg)
         dq_out[...] = (d_qpi * start + d_q_pair + d_m_diag * k).astype(dq_out.dtype)
-        de_out[...] = (d_r * start + d_e_pair).astype(de_out.dtype)
+        d_erase_out[...] = (d_r * start + d_e_pair).astype(d_erase_out.dtype)
         dk_out[...] = (d_keff * end + d_k_pair + d_m_diag * q).astype(dk_out.dtype)
         # log-decay: every exponent is Λ_i − Λ_j (pairs, π, E, π_C; Λ the chunk's inclusive cumsum), so
         # dΛ_i collects +g, dΛ_j −g; dλ = reverse cumsum of dΛ within the chunk.
@@ -532,7 +539,7 @@ def _key_grads_kernel(cfg):
         chunk_end = jnp.sum(end_terms, axis=0) + d_pic * chunk_decay
         total = jnp.sum(d_cum, axis=0)
         d_lam = total[None, :] - jnp.cumsum(d_cum, axis=0) + d_cum + chunk_end[None, :]
-        dlam_out[...] = d_lam.astype(dlam_out.dtype)
+        d_log_decay_out[...] = d_lam.astype(d_log_decay_out.dtype)
 
     return kernel
 
@@ -543,12 +550,12 @@ def _key_grads_kernel(cfg):
 
 def _cost(cfg, kernel, batch_heads, n_chunks, save_matrices=True):
     """pl.CostEstimate of one pallas_call: the executed FLOPs (full masked tiles), exps and HBM bytes that
-    pallas_kernels/flops_gpu.py counts per chunk and head (tests/pallas_kernels/test_flops_gpu.py checks the
+    pallas_kernels/delta_rule/flops_gpu.py counts per chunk and head (tests/pallas_kernels/test_flops_gpu.py checks the
     FLOP and exp counts against the kernels' own jaxprs). The Triton lowering of JAX 0.10/0.11 drops it;
     interpret mode and tooling read it."""
     # imported here, not at the top: the package import must not load the FLOP CLIs, or
-    # `python -m pallas_kernels.flops_gpu` warns that the module was imported before it ran
-    from pallas_kernels import flops_gpu
+    # `python -m pallas_kernels.delta_rule.flops_gpu` warns that the module was imported before it ran
+    from pallas_kernels.delta_rule import flops_gpu
     operand_bytes = jnp.dtype(cfg.operand_dtype).itemsize
     sum_passes = 2 if cfg.resolved_decay_sums == "tf32x2" and not cfg.interpret else 1  # as _split
     counts = flops_gpu.kernel_counts(cfg.chunk, cfg.leaf, cfg.key_dim, cfg.value_dim, cfg.block_k, sum_passes,
@@ -594,7 +601,7 @@ def _rhs_blocks(cfg, q, v):
     return shapes, specs, in_specs, (b, h, n)
 
 
-def _intra(cfg, q, k, e, v, lam, doc, carry, with_inverse):
+def _intra(cfg, q, k, erase, v, log_decay, document, carried, with_inverse):
     """K1: (M, U, Y, Q̂⊙π, K⊙E, π_C[, P])."""
     shapes, specs, in_specs, grid = _rhs_blocks(cfg, q, v)
     c = cfg.chunk
@@ -607,69 +614,75 @@ def _intra(cfg, q, k, e, v, lam, doc, carry, with_inverse):
                           in_specs=in_specs, out_specs=tuple(specs), interpret=cfg.interpret,
                           cost_estimate=_cost(cfg, "K1_intra", grid[0] * grid[1], grid[2], with_inverse),
                           compiler_params=_params(cfg, cfg.warps_intra), name="delta_rule_intra")(
-        q, k, e, v, lam, doc, carry)
+        q, k, erase, v, log_decay, document, carried)
 
 
-def _rhs(cfg, q, k, e, v, lam, doc, carry, p):
+def _rhs(cfg, q, k, erase, v, log_decay, document, carried, inverse):
     """K1's backward twin with P given: (U, Y, Q̂⊙π, K⊙E, π_C)."""
     shapes, specs, in_specs, grid = _rhs_blocks(cfg, q, v)
     return pl.pallas_call(_rhs_kernel(cfg), out_shape=tuple(shapes), grid=grid,
                           in_specs=in_specs + [_chunk_spec(cfg.chunk, cfg.chunk)], out_specs=tuple(specs),
                           interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_rhs),
                           cost_estimate=_cost(cfg, "B0_rhs", grid[0] * grid[1], grid[2]),
-                          name="delta_rule_rhs")(q, k, e, v, lam, doc, carry, p)
+                          name="delta_rule_rhs")(q, k, erase, v, log_decay, document, carried, inverse)
 
 
-def _scan(cfg, y, u, keff, pic, state):
-    b, h, n, c, dk = y.shape
-    dv = u.shape[-1]
+def _scan(cfg, state_reads, pseudo_values, key_eff, chunk_decay, state):
+    b, h, n, c, dk = state_reads.shape
+    dv = pseudo_values.shape[-1]
     bv = cfg.scan_block_v
     per_bh = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b_, h_, j: (b_, h_, *([0] * len(tail))))  # noqa
-    per_bhv = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b_, h_, j: (b_, h_, *([0] * (len(tail) - 1)), j))  # noqa
+    per_bhv = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b_, h_, j: (b_, h_, *([0] * (len(tail) - 1)), j))
+    # noqa
     return pl.pallas_call(
         _scan_kernel(cfg, n),
         out_shape=(jax.ShapeDtypeStruct((b, h, n, dk, dv), cfg.operand_dtype),
-                   jax.ShapeDtypeStruct((b, h, n, c, dv), u.dtype), jax.ShapeDtypeStruct((b, h, dk, dv), F32)),
+                   jax.ShapeDtypeStruct((b, h, n, c, dv), pseudo_values.dtype), jax.ShapeDtypeStruct((b, h, dk, dv),
+                                        F32)),
         grid=(b, h, dv // bv),
         in_specs=[per_bh(n, c, dk), per_bhv(n, c, bv), per_bh(n, c, dk), per_bh(n, dk), per_bhv(dk, bv)],
         out_specs=(per_bhv(n, dk, bv), per_bhv(n, c, bv), per_bhv(dk, bv)),
         interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_scan, cfg.stages_scan),
-        cost_estimate=_cost(cfg, "K2_scan", b * h, n), name="delta_rule_scan")(y, u, keff, pic, state)
+        cost_estimate=_cost(cfg, "K2_scan", b * h, n), name="delta_rule_scan")(state_reads, pseudo_values, key_eff,
+                            chunk_decay, state)
 
 
-def _output(cfg, qpi, s0, m, ut, out_dtype):
-    b, h, n, c, dk = qpi.shape
-    dv = ut.shape[-1]
+def _output(cfg, query_start, starts, readout, true_pseudo, out_dtype):
+    b, h, n, c, dk = query_start.shape
+    dv = true_pseudo.shape[-1]
     return pl.pallas_call(
         _output_kernel(cfg), out_shape=jax.ShapeDtypeStruct((b, n * c, h, dv), out_dtype), grid=(b, h, n),
         in_specs=[_chunk_spec(c, dk), _chunk_spec(dk, dv), _chunk_spec(c, c), _chunk_spec(c, dv)],
         out_specs=_token_spec(cfg, dv), interpret=cfg.interpret, cost_estimate=_cost(cfg, "K3_output", b * h, n),
-        compiler_params=_params(cfg, cfg.warps_output), name="delta_rule_output")(qpi, s0, m, ut)
+        compiler_params=_params(cfg, cfg.warps_output), name="delta_rule_output")(query_start, starts, readout,
+                                true_pseudo)
 
 
-def _scan_bwd(cfg, m, d_out, keff, qpi, y, pic, d_final):
-    b, h, n, c, dk = y.shape
+def _scan_bwd(cfg, readout, d_out, key_eff, query_start, state_reads, chunk_decay, d_final):
+    b, h, n, c, dk = state_reads.shape
     dv = d_out.shape[-1]
     bv = cfg.scan_block_v
     per_bh = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b_, h_, j: (b_, h_, *([0] * len(tail))))  # noqa
-    per_bhv = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b_, h_, j: (b_, h_, *([0] * (len(tail) - 1)), j))  # noqa
+    per_bhv = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b_, h_, j: (b_, h_, *([0] * (len(tail) - 1)), j))
+    # noqa
     do_spec = pl.BlockSpec((None, n * c, None, bv), lambda b_, h_, j: (b_, 0, h_, j))
     return pl.pallas_call(
         _scan_bwd_kernel(cfg, n),
         out_shape=(jax.ShapeDtypeStruct((b, h, n, dk, dv), cfg.operand_dtype),
-                   jax.ShapeDtypeStruct((b, h, n, c, dv), y.dtype), jax.ShapeDtypeStruct((b, h, dk, dv), F32)),
+                   jax.ShapeDtypeStruct((b, h, n, c, dv), state_reads.dtype), jax.ShapeDtypeStruct((b, h, dk, dv),
+                                        F32)),
         grid=(b, h, dv // bv),
         in_specs=[per_bh(n, c, c), do_spec, per_bh(n, c, dk), per_bh(n, c, dk), per_bh(n, c, dk), per_bh(n, dk),
                   per_bhv(dk, bv)],
         out_specs=(per_bhv(n, dk, bv), per_bhv(n, c, bv), per_bhv(dk, bv)),
         interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_scan, cfg.stages_scan),
         cost_estimate=_cost(cfg, "B1_scan_bwd", b * h, n),
-        name="delta_rule_scan_bwd")(m, d_out, keff, qpi, y, pic, d_final)
+        name="delta_rule_scan_bwd")(readout, d_out, key_eff, query_start, state_reads, chunk_decay, d_final)
 
 
-def _cotangents(cfg, doc, carry, p, u, y, s0, d_out, dut, dv_dtype):
-    b, h, n, c, dv = u.shape
-    dk = y.shape[-1]
+def _cotangents(cfg, document, carried, inverse, pseudo_values, state_reads, starts, d_out, d_true_pseudo, dv_dtype):
+    b, h, n, c, dv = pseudo_values.shape
+    dk = state_reads.shape[-1]
     od = cfg.operand_dtype
     out_shape = (jax.ShapeDtypeStruct((b, h, n, c, dv), od),  # Ũ
                  jax.ShapeDtypeStruct((b, h, n, c, c), od),  # dM
@@ -684,18 +697,21 @@ def _cotangents(cfg, doc, carry, p, u, y, s0, d_out, dut, dv_dtype):
                           out_specs=out_specs, interpret=cfg.interpret,
                           cost_estimate=_cost(cfg, "B2a_cotangents", b * h, n),
                           compiler_params=_params(cfg, cfg.warps_cotangents), name="delta_rule_cotangents")(
-        doc, carry, p, u, y, s0, d_out, dut)
+        document, carried, inverse, pseudo_values, state_reads, starts, d_out, d_true_pseudo)
 
 
-def _key_grads(cfg, q, k, e, lam, doc, carry, p, s0, dsc, d_out, dut, ut, d_m, d_a, dtypes):
+def _key_grads(cfg, q, k, erase, log_decay, document, carried, inverse, starts, d_ends, d_out, d_true_pseudo,
+               true_pseudo, d_readout, d_strict, dtypes):
     b, t, h, dk = q.shape
-    dv = ut.shape[-1]
+    dv = true_pseudo.shape[-1]
     c, bk = cfg.chunk, cfg.block_k
     n = t // c
     # grid (B, H, N·key blocks): chunk j // nkb, key block j % nkb
     nkb = dk // bk
     token = pl.BlockSpec((None, c, None, bk), lambda b_, h_, j: (b_, j // nkb, h_, j % nkb))
-    chunk = lambda *tail: pl.BlockSpec((None, None, None, *tail), lambda b_, h_, j: (b_, h_, j // nkb, *([0] * len(tail))))  # noqa
+    chunk = lambda *tail: pl.BlockSpec((None, None, None, *tail),  # noqa: E731
+                                       lambda b_, h_, j: (b_, h_, j // nkb, *([0] * len(tail))))
+    # noqa
     state_rows = pl.BlockSpec((None, None, None, bk, dv), lambda b_, h_, j: (b_, h_, j // nkb, j % nkb, 0))
     in_specs = [token] * 4 + [
         pl.BlockSpec((None, c), lambda b_, h_, j: (b_, j // nkb)),
@@ -703,57 +719,70 @@ def _key_grads(cfg, q, k, e, lam, doc, carry, p, s0, dsc, d_out, dut, ut, d_m, d
         chunk(c, c), state_rows, state_rows, pl.BlockSpec((None, c, None, dv), lambda b_, h_, j: (b_, j // nkb, h_, 0)),
         chunk(c, dv), chunk(c, dv), chunk(c, c), chunk(c, c)]
     out_shape = (jax.ShapeDtypeStruct(q.shape, dtypes[0]), jax.ShapeDtypeStruct(k.shape, dtypes[1]),
-                 jax.ShapeDtypeStruct(e.shape, dtypes[2]), jax.ShapeDtypeStruct(lam.shape, dtypes[3]))
+                 jax.ShapeDtypeStruct(erase.shape, dtypes[2]), jax.ShapeDtypeStruct(log_decay.shape, dtypes[3]))
     return pl.pallas_call(_key_grads_kernel(cfg), out_shape=out_shape, grid=(b, h, n * nkb), in_specs=in_specs,
                           out_specs=(token,) * 4, interpret=cfg.interpret,
                           cost_estimate=_cost(cfg, "B2b_key_grads", b * h, n),
                           compiler_params=_params(cfg, cfg.warps_key_grads), name="delta_rule_key_grads")(
-        q, k, e, lam, doc, carry, p, s0, dsc, d_out, dut, ut, d_m, d_a)
+        q, k, erase, log_decay, document, carried, inverse, starts, d_ends, d_out, d_true_pseudo, true_pseudo,
+        d_readout, d_strict)
 
 
-def _grads(cfg, q, k, e, lam, doc, carry, p, u, y, s0, dsc, d_out, dut, dtypes):
+def _grads(cfg, q, k, erase, log_decay, document, carried, inverse, pseudo_values, state_reads, starts, d_ends, d_out,
+           d_true_pseudo, dtypes):
     """B2: dq̂, dk, dk̂, dV̂, dλ (B2a per chunk, then B2b per chunk and key block)."""
-    ut, d_m, d_a, dv = _cotangents(cfg, doc, carry, p, u, y, s0, d_out, dut, dtypes[3])
-    dq, dk, de, dlam = _key_grads(cfg, q, k, e, lam, doc, carry, p, s0, dsc, d_out, dut, ut, d_m, d_a,
+    true_pseudo, d_readout, d_strict, dv = _cotangents(cfg, document, carried, inverse, pseudo_values, state_reads,
+                                                       starts, d_out, d_true_pseudo, dtypes[3])
+    dq, dk, d_erase, d_log_decay = _key_grads(cfg, q, k, erase, log_decay, document, carried, inverse, starts, d_ends,
+                                              d_out, d_true_pseudo, true_pseudo, d_readout, d_strict,
                                   (dtypes[0], dtypes[1], dtypes[2], dtypes[4]))
-    return dq, dk, de, dv, dlam
+    return dq, dk, d_erase, dv, d_log_decay
 
 
 # ---------------------------------------------------------------------------------------------------------
 # custom VJP (padded inputs, documents and the carried-in document per chunk)
 
 
-def _forward(cfg, q, k, e, v, lam, state, doc, carry, for_backward=False):
+def _forward(cfg, q, k, erase, v, log_decay, state, document, carried, for_backward=False):
     """o, S_T, and what the backward keeps: S₀, plus M and P when ``cfg.save_matrices``."""
     keep = for_backward and cfg.save_matrices
-    m, u, y, qpi, keff, pic, *p = _intra(cfg, q, k, e, v, lam, doc, carry, with_inverse=keep)
-    s0, ut, final = _scan(cfg, y, u, keff, pic, state)
-    out = _output(cfg, qpi, s0, m, ut, v.dtype)
-    return out, final, (s0, m, p[0]) if keep else (s0, None, None)
+    readout, pseudo_values, state_reads, query_start, key_eff, chunk_decay, *inverse = _intra(cfg, q, k, erase, v,
+                                                                                              log_decay, document,
+                                                                                              carried,
+                                                                                              with_inverse=keep)
+    starts, true_pseudo, final = _scan(cfg, state_reads, pseudo_values, key_eff, chunk_decay, state)
+    out = _output(cfg, query_start, starts, readout, true_pseudo, v.dtype)
+    return out, final, (starts, readout, inverse[0]) if keep else (starts, None, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _delta_rule(cfg, q, k, e, v, lam, state, doc, carry):
-    out, final, _ = _forward(cfg, q, k, e, v, lam, state, doc, carry)
+def _delta_rule(cfg, q, k, erase, v, log_decay, state, document, carried):
+    out, final, _ = _forward(cfg, q, k, erase, v, log_decay, state, document, carried)
     return out, final
 
 
-def _delta_rule_fwd(cfg, q, k, e, v, lam, state, doc, carry):
-    out, final, saved = _forward(cfg, q, k, e, v, lam, state, doc, carry, for_backward=True)
-    return (out, final), (q, k, e, v, lam, state, doc, carry, *saved)
+def _delta_rule_fwd(cfg, q, k, erase, v, log_decay, state, document, carried):
+    out, final, saved = _forward(cfg, q, k, erase, v, log_decay, state, document, carried, for_backward=True)
+    return (out, final), (q, k, erase, v, log_decay, state, document, carried, *saved)
 
 
 def _delta_rule_bwd(cfg, residuals, cotangents):
-    q, k, e, v, lam, state, doc, carry, s0, m, p = residuals
+    q, k, erase, v, log_decay, state, document, carried, starts, readout, inverse = residuals
     d_out, d_final = cotangents
-    if p is None:  # recompute the chunk matrices (save_matrices=False: less memory, one more K1)
-        m, u, y, qpi, keff, pic, p = _intra(cfg, q, k, e, v, lam, doc, carry, with_inverse=True)
+    if inverse is None:  # recompute the chunk matrices (save_matrices=False: less memory, one more K1)
+        readout, pseudo_values, state_reads, query_start, key_eff, chunk_decay, inverse = _intra(cfg, q, k, erase, v,
+                                                                                                 log_decay, document,
+                                                                                                 carried,
+                                                                                                 with_inverse=True)
     else:
-        u, y, qpi, keff, pic = _rhs(cfg, q, k, e, v, lam, doc, carry, p)
-    dsc, dut, d_state = _scan_bwd(cfg, m, d_out.astype(v.dtype), keff, qpi, y, pic, d_final.astype(F32))
-    dq, dk, de, dv, dlam = _grads(cfg, q, k, e, lam, doc, carry, p, u, y, s0, dsc, d_out.astype(v.dtype), dut,
-                                  (q.dtype, k.dtype, e.dtype, v.dtype, lam.dtype))
-    return dq, dk, de, dv, dlam, d_state.astype(state.dtype), None, None
+        pseudo_values, state_reads, query_start, key_eff, chunk_decay = _rhs(cfg, q, k, erase, v, log_decay, document,
+                                                                             carried, inverse)
+    d_ends, d_true_pseudo, d_state = _scan_bwd(cfg, readout, d_out.astype(v.dtype), key_eff, query_start, state_reads,
+                                               chunk_decay, d_final.astype(F32))
+    dq, dk, d_erase, dv, d_log_decay = _grads(cfg, q, k, erase, log_decay, document, carried, inverse, pseudo_values,
+                                              state_reads, starts, d_ends, d_out.astype(v.dtype), d_true_pseudo,
+                                  (q.dtype, k.dtype, erase.dtype, v.dtype, log_decay.dtype))
+    return dq, dk, d_erase, dv, d_log_decay, d_state.astype(state.dtype), None, None
 
 
 _delta_rule.defvjp(_delta_rule_fwd, _delta_rule_bwd)
@@ -763,16 +792,16 @@ _delta_rule.defvjp(_delta_rule_fwd, _delta_rule_bwd)
 # public entry (the op's impl.run contract)
 
 
-def run(q, k, erase, v, lam, state, document_BT, *, chunk_size, leaf_size, interpret=False, **overrides):
+def run(q, k, erase, v, log_decay, state, document_BT, *, chunk_size, leaf_size, interpret=False, **overrides):
     """q, k, erase [B, T, H, Dk]; v [B, T, H, Dv] (one float dtype: bf16 runs bf16 matmul operands);
-    lam [B, T, H, Dk] log-decay ≤ 0 (f32 recommended); state [B, H, Dk, Dv]; document_BT [B, T] int32.
+    log_decay [B, T, H, Dk] log-decay ≤ 0 (f32 recommended); state [B, H, Dk, Dv]; document_BT [B, T] int32.
     Returns (o [B, T, H, Dv] in v's dtype, final_state [B, H, Dk, Dv] f32). Differentiable (custom VJP).
     ``overrides``: :class:`Config` fields (scan_block_v, inverse_precision, warps_*, ...)."""
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     cfg = make_config(chunk_size, leaf_size, dk, dv, v.dtype, batch_heads=b * h, interpret=interpret, **overrides)
-    padded = [common.pad_time(x, chunk_size) for x in (q, k, erase, v, lam)]
-    doc = common.pad_time(document_BT.astype(jnp.int32), chunk_size, mode="edge")
-    _, carry = common.chunk_documents(doc, chunk_size)
-    out, final = _delta_rule(cfg, *padded[:5], state.astype(F32), doc, carry)
+    padded = [common.pad_time(x, chunk_size) for x in (q, k, erase, v, log_decay)]
+    document = common.pad_time(document_BT.astype(jnp.int32), chunk_size, mode="edge")
+    _, carried = common.chunk_documents(document, chunk_size)
+    out, final = _delta_rule(cfg, *padded[:5], state.astype(F32), document, carried)
     return out[:, :t], final

@@ -1,4 +1,5 @@
-"""Token-by-token delta rule (spec §2, pseudo-value form): the oracle every other implementation is tested
+"""Token-by-token delta rule (pseudo-value form, docs/math/delta_rule.md 'The recurrence'): the oracle every other
+implementation is tested
 against. Differentiated by plain ``jax.grad``; exact to rounding in float64 (under ``jax.enable_x64``).
 
 All arguments arrive normalised by ``api.py``: one float compute dtype, channel-wise log-decay, a state, and

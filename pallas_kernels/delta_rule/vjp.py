@@ -1,4 +1,5 @@
-"""Custom VJP of the chunkwise delta rule (spec §6), written for the two-phase forward of ``xla.py``.
+"""Custom VJP of the chunkwise delta rule (docs/math/delta_rule.md, 'Backward pass'), written for the two-phase forward
+of ``xla.py``.
 
 Saved for the backward: the inputs and the chunk-start states S₀⁽ⁿ⁾ only. The backward recomputes every
 state-independent chunk tensor (leaf decays, pivots, P, M, U, Y, ...) for all chunks in parallel, runs one

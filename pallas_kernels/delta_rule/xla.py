@@ -1,11 +1,11 @@
-"""Boundary-pivoted chunkwise delta rule in pure JAX (spec §4.1–§4.8, §5): the forward math.
+"""Boundary-pivoted chunkwise delta rule in pure JAX: the forward math of docs/math/delta_rule.md.
 
 Layout inside this module: chunked arrays ``x_BHNCD`` (batch, head, chunk, position-in-chunk, channel);
 ``...`` in shapes below means (B, H, N). Documents arrive as ``document_B1NC`` (a running count of segment
 boundaries, so two tokens share a document iff their counts are equal) and ``carry_document_B1N`` (the
 document the state entering the chunk belongs to).
 
-Every exponent is a sum of log-decays λ ≤ 0 over a contiguous token range (spec §4.8 remedy (a)): no
+Every exponent is a sum of log-decays λ ≤ 0 over a contiguous token range ('Boundary pivots'): no
 Λ_i − Λ_j differences are ever formed, so nothing cancels, nothing overflows and no gate is clamped.
   * leaves (n0×n0): the exact 3-D decay tensor exp Σ_{j<s≤i} λ_s per channel, walked one sub-diagonal
     d = i − j at a time (a window sum that grows by one λ per step), masked outside the leaf/document;
@@ -20,7 +20,8 @@ Segments inside a chunk (derived from the recurrence with S reset to 0 at a boun
   * the E rows apply only to tokens of the chunk's last document (``end`` mask);
   * Diag(π_C) S₀ survives only if the chunk holds no boundary.
 
-The chunk is an affine map of its initial state (spec §4.2), computed for all chunks in parallel:
+The chunk is an affine map of its initial state ('The chunk as an affine map of its initial state'), computed for all
+chunks in parallel:
   Y = P (K̂⊙π),  U = P V̂,  Q_eff = Q̂⊙π − M Y,  K_eff = K⊙E,
   S_C = F S₀ + G,  F = Diag(π_C) − K_effᵀ Y,  G = K_effᵀ U,  O = Q_eff S₀ + M U,
 so the only sequential work is the scan S₀ ← F S₀ + G (a d_k×d_k by d_k×d_v product per chunk).
@@ -55,7 +56,7 @@ def transpose(x):
 
 def _range_sum(x, keep_ts, axis):
     """Σ_s keep[t, s] x_s along ``axis`` as a 0/1 matmul: XLA:CPU lowers cumsum to an associative scan
-    that is slow to compile, and a triangular-ones matmul is the MXU form anyway (spec §4.8)."""
+    that is slow to compile, and a triangular-ones matmul is the MXU form anyway."""
     moved = jnp.moveaxis(x, axis, -1)
     summed = einsum("...s,ts->...t", moved, keep_ts.astype(x.dtype))
     return jnp.moveaxis(summed, -1, axis)
@@ -210,7 +211,7 @@ def cross_blocks(erase, q, k, level):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# recursive inverse of T = I + A (spec §5.2–§5.3)
+# recursive inverse of T = I + A (docs/math/delta_rule.md, 'Recursive block inverse')
 
 
 def neumann_leaf_inverse(strict_lower_LNN):

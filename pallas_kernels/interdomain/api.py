@@ -1,4 +1,4 @@
-"""Public entry points of the interdomain op (spec IA B3–B6): validation, defaults, dispatch, parameter maps.
+"""Public entry points of the interdomain op (docs/math/interdomain.md): validation, defaults, dispatch, parameter maps.
 
 Per head h (all complex quantities carried as real (Re, Im) pairs; states stacked ``[Re X; Im X]``):
 
@@ -9,9 +9,10 @@ with ``q`` = ξ(q), ``k`` = k̃, ``v`` = ṽ, ``log_modulus`` = r (≤ 0; static
 ``phase`` = θ (static [H, M]), ``input_gain`` = b stacked [Re b; Im b] ([H, 2M]) and ``readout`` = Ĝ
 ([H, 2M, 2M], real). ``readout_matrix(C_re, C_im)`` builds Ĝ = ĈᵀĈ, which makes o_t the Hermitian
 denominator-free readout Re(ξ(q)ᵀ U_tᴴ Γ_t) with U = C X^k, Γ = C X^v (IA1 Eq. 13, our conjugation,
-spec B11.1); ``conjugate=False`` gives the bilinear Re(ξ(q)ᵀ U_tᵀ Γ_t).
+docs/math/interdomain.md, 'What the paper leaves open'); ``conjugate=False`` gives the bilinear Re(ξ(q)ᵀ U_tᵀ Γ_t).
 
-``s4d`` is the S4D-only baseline's core (spec B7): X_t = Λ ⊙ X_{t−1} + b z_tᵀ, o_t = ωᵀ X̂_t with a fixed real
+``s4d`` is the S4D-only baseline's core (docs/math/interdomain.md, 'S4D-only baseline'): X_t = Λ ⊙ X_{t−1} + b z_tᵀ, o_t
+= ωᵀ X̂_t with a fixed real
 2M vector ω per head (``readout_vector`` builds it from C and c_out: o_t = Re(c_outᵀ C X_t)).
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ from pallas_kernels import common, dispatch
 from pallas_kernels.interdomain import decode, reference, xla
 
 DEFAULT_CHUNK_SIZE = 64
-DEFAULT_SUB_CHUNK_SIZE = 16  # spec B6: factorised inside 16 tokens keeps |Λ|^{-16} bounded
+DEFAULT_SUB_CHUNK_SIZE = 16
+# docs/math/interdomain.md 'Chunked form': factorised inside 16 tokens keeps |Λ|^{-16} bounded
 
 
 class InterdomainState(NamedTuple):
@@ -152,7 +154,8 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
         belongs to the first segment of each row.
       segment_ids: [B, T] int; both states reset to zero at every t with seg[t] != seg[t−1].
       chunk_size: chunk length of "xla" (default 64; any positive int, T need not be a multiple).
-      sub_chunk_size: sub-chunk length of "xla" inside a chunk (spec B6: factorised within a sub-chunk,
+      sub_chunk_size: sub-chunk length of "xla" inside a chunk (docs/math/interdomain.md 'Chunked form': factorised
+      within a sub-chunk,
         stable relative form across). Default min(16, chunk_size); any int in [1, chunk_size], it need not
         divide chunk_size.
       implementation: "auto" | "reference" | "xla".
@@ -299,7 +302,8 @@ def s4d_step(z, *, log_modulus, phase, input_gain, readout, state):
 
 def s4d_inv_imag(num_modes: int, n: Optional[int] = None):
     """S4D-Inv imaginary parts a_im(j) = (N/π)(N/(2j+1) − 1), j = 0..M−1. ``n`` = N: M as printed in IA
-    (32 of 64 frequencies negative, spec B11.3) or 2M as the S4 code (``dplr.py``, init='inv': all positive)."""
+    (32 of 64 frequencies negative, docs/math/interdomain.md, 'What the paper leaves open') or 2M as the S4 code
+    (``dplr.py``, init='inv': all positive)."""
     n = num_modes if n is None else n
     j = jnp.arange(num_modes, dtype=jnp.float32)
     return (n / math.pi) * (n / (2.0 * j + 1.0) - 1.0)

@@ -1,7 +1,7 @@
 """One-token step of the interdomain (complex diagonal S4D) recurrence, in real arithmetic.
 
-Complex state rows are stacked ``[Re; Im]``: ``X̂ = [Re X; Im X]`` of shape ``[.., 2M, C]`` (spec IA B6).
-Per head, one token (spec IA B4/B5, "contract the query first"):
+Complex state rows are stacked ``[Re; Im]``: ``X̂ = [Re X; Im X]`` of shape ``[.., 2M, C]``.
+Per head, one token (docs/math/interdomain.md 'Recurrence and readout', "contract the query first"):
 
     X   ← Λ ⊙ X + b zᵀ                       Λ = exp(r + iθ) applied as a 2×2 rotation-scaling per mode
     â   = X̂ᵏ ξq                  (2M)          O(M R)

@@ -1,4 +1,5 @@
-"""Chunkwise pure-JAX form of the interdomain / S4D recurrences (spec IA B6), real arithmetic only.
+"""Chunkwise pure-JAX form of the interdomain / S4D recurrences (docs/math/interdomain.md, 'Chunked form'), real
+arithmetic only.
 
 Per head, chunk of K tokens (local s = 0..K-1), log Λ_{s,m} = r_{s,m} + iθ_m (r ≤ 0, θ static):
 
@@ -6,7 +7,7 @@ Per head, chunk of K tokens (local s = 0..K-1), log Λ_{s,m} = r_{s,m} + iθ_m (
     e^{ℓ_s}   = exp(L_s) · e^{iθ(s+1)}         carried state → token s                          |·| ≤ 1
     D[s,j,m]  = exp(L_s − L_j) · e^{iθ(s−j)} · 1[j ≤ s, same document]                            |D| ≤ 1
 
-Three passes (spec B6, IAs A.2):
+Three passes (the IA paper's Appendix A.2; docs/math/interdomain.md):
 
   (i)   local end state of every chunk from a zero start (parallel over chunks):
         X_loc = Σ_j (b ⊙ D[K−1, j]) z_jᵀ                     (relative to the chunk end, |·| ≤ 1)
@@ -25,7 +26,8 @@ Inside a chunk, D is never materialised (K×K×M). The chunk is cut into sub-chu
 |E| ≤ 1 always. For j in earlier sub-chunks (j ≤ p) F is itself a decay, |F| ≤ 1: the stable relative form
 across sub-chunks. For j inside sub-chunk I, |F| ≤ exp(−Σ_{τ∈I} r_τ) ≤ |Λ|^{−sub}: the factorised form,
 bounded because the sub-chunk is short (float32: −Σ_{τ∈I} r_τ < 88, so r > −5.5 per token at sub = 16;
-factorising a whole 64-token chunk overflows already at r < −1.4, spec B6's |Λ|^{−K} table). With that, both intra-chunk sums are GEMMs per sub-chunk:
+factorising a whole 64-token chunk overflows already at r < −1.4, docs/math/interdomain.md, 'Numerics'). With that, both
+intra-chunk sums are GEMMs per sub-chunk:
     Σ_j Sc[s,j] D[s,j] = E[s] ⊙ (Sc[I rows] · F[I])          Sc = tril(FQ KKᵀ) ⊙ same-document
     P[s,j]            = Re((conj(ω_s) ⊙ E[s]) · (b ⊙ F[I,j])) ⊙ tril ⊙ same-document
 Masks only touch the K×K matrices (never the decays), so document resets cost nothing extra.

@@ -1,4 +1,4 @@
-"""Public entry points of the Variational Linear Attention op (spec A2–A8): validation, defaults, dispatch.
+"""Public entry points of the Variational Linear Attention op (docs/math/vla.md): validation, defaults, dispatch.
 
 Per head, row vectors, key-major state S [Dk, Dv] (``o = q S``) and penalty inverse A [Dk, Dk]:
 
@@ -12,7 +12,8 @@ Per head, row vectors, key-major state S [Dk, Dv] (``o = q S``) and penalty inve
 The layer applies the feature maps: it passes ``q = φ(q)`` (or a normalised query), ``k = φ(k)`` (or the raw
 key) and ``penalty_key = f_θ(k)``; the op applies the unit normalisations with the ε floor. ``pos_t`` is the
 token's position inside its document (restarting at every segment boundary; the first segment starts at
-``initial_position``). Names follow spec A3: ``lambda0`` = λ₀ (A₀ = I/λ₀), ``refresh_period`` = P,
+``initial_position``). Names (docs/math/vla.md, 'Names in the code'): ``lambda0`` = λ₀ (A₀ = I/λ₀), ``refresh_period`` =
+P,
 ``refresh_magnitude`` = ρ, ``eps`` = ε.
 """
 from __future__ import annotations
@@ -28,10 +29,10 @@ from pallas_kernels.delta_rule.api import delta_rule
 from pallas_kernels.vla import decode, reference, xla
 from pallas_kernels.vla.reference import floored_norm
 
-DEFAULT_LAMBDA0 = 0.1          # A₀ = I/λ₀ = 10 I              [S:VLA Tab.3/6]
-DEFAULT_REFRESH_PERIOD = 20    # P                              [S:VLA Tab.3/6]
-DEFAULT_REFRESH_MAGNITUDE = 1e-3  # ρ                           [S:VLA Tab.3/6]
-DEFAULT_EPS = 1e-4             # every denominator floor        [S:VLA Tab.3/6]
+DEFAULT_LAMBDA0 = 0.1          # A₀ = I/λ₀ = 10 I              (VLA paper, Tables 3 and 6)
+DEFAULT_REFRESH_PERIOD = 20    # P                              (VLA paper, Tables 3 and 6)
+DEFAULT_REFRESH_MAGNITUDE = 1e-3  # ρ                           (VLA paper, Tables 3 and 6)
+DEFAULT_EPS = 1e-4             # every denominator floor        (VLA paper, Tables 3 and 6)
 MAX_DEFAULT_CHUNK = 64
 
 
@@ -126,7 +127,7 @@ def validate(q, k, v, penalty_key, initial_state, segment_ids, initial_position,
 
 
 def normalize(x, eps):
-    """x / max(‖x‖₂, ε) along the last axis (the spec's ε floor)."""
+    """x / max(‖x‖₂, ε) along the last axis (the ε floor)."""
     return x / floored_norm(x, eps)
 
 
@@ -219,7 +220,8 @@ def vla(q, k, v, *, penalty_key=None, initial_state=None, segment_ids=None, init
         segment, e.g. after a prefill); sets the refresh phase only.
       lambda0: λ₀ > 0 (A₀ = I/λ₀). refresh_period: P ≥ 0 (0 = never). refresh_magnitude: ρ ≥ 0.
       refresh_offset: 0 ≤ r < P; refresh after document position p iff (p + 1 + r) mod P == 0 (0: after the
-        write of tokens P, 2P, … counted from 1 — spec A3; 1: before the update of those tokens).
+        write of tokens P, 2P, … counted from 1 (docs/math/vla.md, 'What the paper leaves open'); 1: before the update
+        of those tokens).
       eps: ε floor of every denominator (‖k‖, ‖p‖, 1 + uᵀAu, ‖k̂A‖).
       chunk_size: A-pass chunk length of "xla"; ≤ refresh_period − refresh_offset (default min(64, that)).
       implementation: "auto" | "reference" | "xla".
@@ -242,7 +244,7 @@ def vla_diagnostics(q, k, v, *, penalty_key=None, initial_state=None, segment_id
                     lambda0: float = DEFAULT_LAMBDA0, refresh_period: int = DEFAULT_REFRESH_PERIOD,
                     refresh_magnitude: float = DEFAULT_REFRESH_MAGNITUDE, refresh_offset: int = 0,
                     eps: float = DEFAULT_EPS):
-    """Per-token diagnostics from the reference scan (spec A9, A11 metrics), each [B, T, H]:
+    """Per-token diagnostics from the reference scan (docs/math/vla.md, 'Jacobian norm'), each [B, T, H]:
     ``state_norm`` ‖S_t‖_F, ``penalty_norm`` ‖A_t‖_F (after any refresh at t), ``alignment`` c_t = α̂_t·k̂_t,
     ``jacobian_norm`` ‖J_t‖₂ = ‖I − α̂_t k̂_tᵀ‖₂ from the closed form sqrt((3 − 2c + sqrt(5 − 4c))/2); plus
     ``alpha`` [B, T, H, Dk] (α̂_t). Products of J over windows (‖∏_{25} J‖₂) need α̂ and k̂: see

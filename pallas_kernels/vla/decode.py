@@ -1,4 +1,5 @@
-"""One-token VLA step for inference (spec A8): the A3 loop body, ≈ 6 d² MACs per head."""
+"""One-token VLA step for inference (docs/math/vla.md, 'Decode and cost'): the recurrence's loop body,
+                                     ≈ 6 d² MACs per head."""
 from __future__ import annotations
 
 import jax

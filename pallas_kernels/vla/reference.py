@@ -1,4 +1,5 @@
-"""Token-by-token Variational Linear Attention (spec A3): the oracle every other form is tested against.
+"""Token-by-token Variational Linear Attention (docs/math/vla.md, 'Recurrence'): the oracle every other form is tested
+against.
 
 Per head, row-vector maths, key-major state (``o = q S``):
 
@@ -27,7 +28,8 @@ def floored_norm(x, eps):
 
 
 def jacobian_norm(c):
-    """‖I − α̂ k̂ᵀ‖₂ for unit vectors with c = α̂·k̂ (spec A9): sqrt((3 − 2c + sqrt(5 − 4c)) / 2) ∈ [1, 2]."""
+    """‖I − α̂ k̂ᵀ‖₂ for unit vectors with c = α̂·k̂ (docs/math/vla.md,
+                                                      'Jacobian norm'): sqrt((3 − 2c + sqrt(5 − 4c)) / 2) ∈ [1, 2]."""
     return jnp.sqrt((3.0 - 2.0 * c + jnp.sqrt(jnp.maximum(5.0 - 4.0 * c, 0.0))) / 2.0)
 
 

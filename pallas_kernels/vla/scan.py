@@ -1,8 +1,9 @@
-"""Associative-scan forms of VLA (spec A7.1 and A7.2 option 3): test oracles, O(T d³) work.
+"""Associative-scan forms of VLA (docs/math/vla.md, 'Scan forms'): test oracles, O(T d³) work.
 
 * ``affine_state_scan``: S_t = F_t S_{t−1} + G_t with F_t = I − α̂_tᵀ k̂_t (d_k×d_k), G_t = α̂_tᵀ v_t (key-major
-  S, left multiplication; the transpose of spec A7.1's value-major form). NB the VLA paper's §3.4 form
-  (G_t built from the residual e_t) is wrong: it double-counts the erase term (spec A7.1, A13 item 9).
+  S, left multiplication; the transpose of the value-major form). NB the VLA paper's §3.4 form
+  (G_t built from the residual e_t) is wrong: it double-counts the erase term (docs/math/vla.md, 'S-pass as a delta
+  rule').
 * ``mobius_penalty_scan``: A ↦ (aA + b)(cA + d)⁻¹ as 2d×2d block matrices, Sherman–Morrison
   [[I, 0], [uᵀu, I]], refresh [[I, ρI], [0, I]]; later maps multiply on the left.
 Neither handles documents (single segment, no reset): they are oracles for the unsegmented case.

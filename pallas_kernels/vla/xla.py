@@ -1,8 +1,9 @@
-"""Chunkwise VLA in pure JAX (spec A7.2 option 2 + A7.3): Woodbury–Cholesky A-pass, then the S-pass.
+"""Chunkwise VLA in pure JAX (docs/math/vla.md, 'Chunked A-pass', 'S-pass as a delta rule'): Woodbury–Cholesky A-pass,
+then the S-pass.
 
 **A-pass.** ``A`` does not depend on ``S``, so all α̂_t are computed first, chunk by chunk (serial over
 chunks on the d×d state, parallel inside a chunk). For a chunk whose rows are ``U`` (c×d) and ``K̂`` with
-start state ``A₀`` (spec A7.2):
+start state ``A₀``:
 
     L = chol(I_c + U A₀ Uᵀ);   W = L⁻¹ (U A₀)            rows w_s,  A_t = A₀ − Σ_{s≤t} w_sᵀ w_s
     G = K̂ A₀ − tril(K̂ Wᵀ) W                             row t = k̂_t A_t  (tril includes the diagonal)
@@ -22,7 +23,7 @@ Gram matrix is block-diagonal over pieces (cross-piece pairs masked), which keep
 one Cholesky of the masked ``I + [u_i · base u_j]`` gives every α̂ in the chunk exactly.
 
 **S-pass.** Given α̂, ``S_t = S_{t−1} + α̂_tᵀ (v_t − k̂_t S_{t−1})`` is the delta rule with write key α̂ and
-erase/read key k̂ (spec A7.3: the generalised/DPLR delta rule, UT/WY chunk form), which is exactly
+erase/read key k̂ (the generalised/DPLR delta rule, UT/WY chunk form; docs/math/vla.md), which is exactly
 ``pallas_kernels.delta_rule(q, α̂, v, erase_key=k̂)``; its chunkwise ``xla`` implementation (with its own
 custom VJP, segment resets and initial state) is reused as is.
 

@@ -85,7 +85,8 @@ def test_parameter_kinds_for_the_optimizer():
     assert ((dt >= 1e-3) & (dt <= 1e-1)).all()
 
 
-@pytest.mark.parametrize("name,flags", [("interdomain", ALL_FLAGS), ("s4d", dict(num_modes=8, use_rope=True, chunk_size=8))])
+@pytest.mark.parametrize("name,flags", [("interdomain", ALL_FLAGS), ("s4d", dict(num_modes=8, use_rope=True,
+                         chunk_size=8))])
 def test_decode_and_packing_match_forward(name, flags):
     layer = _build(name, **flags)
     _perturb_params(layer)

@@ -1,5 +1,7 @@
 """Decoder-level properties that must hold for EVERY registered mixer: packed documents are isolated,
 the model is causal, and token-by-token decoding equals the parallel forward."""
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +32,18 @@ def _packed(rng, lengths):
     seg = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)])
     pos = np.concatenate([np.arange(n) for n in lengths])
     return (jnp.asarray(tokens[None], jnp.int32), jnp.asarray(seg[None], jnp.int32), jnp.asarray(pos[None], jnp.int32))
+
+
+def test_every_registered_mixer_implements_the_mixer_protocol():
+    from mixers.base import Mixer
+
+    model = build_model(load_config("configs/tiny.yaml", ["model.num_layers=1"]), vocab_size=97, seed=1)
+    assert isinstance(model.blocks[0].mixer, Mixer)
+    for name in MIXERS:
+        cls = mixers.registry.get(name).cls
+        missing = [m for m in ("__call__", "init_cache", "decode") if not callable(getattr(cls, m, None))]
+        assert not missing, f"mixer {name!r} ({cls.__name__}) lacks {missing}"
+        assert list(inspect.signature(cls.__call__).parameters)[:2] == ["self", "x_BTD"], name
 
 
 @pytest.mark.parametrize("mixer", MIXERS)

@@ -159,7 +159,8 @@ def test_lowers_for_cuda_on_cpu(chunk_size, leaf_size):
 
     grad = jax.grad(loss, argnums=tuple(range(6)))
     text = jax.jit(grad).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 7  # forward: intra, scan, output; backward: intra, scan_bwd, cotangents, key_grads
+    assert text.count("__gpu$xla.gpu.triton") == 7
+    # forward: intra, scan, output; backward: intra, scan_bwd, cotangents, key_grads
 
 
 @pytest.mark.parametrize("mode", ["tf32", "tf32x2"])

@@ -1,4 +1,5 @@
-"""pallas_kernels/flops.py: Muir's Table 8 (docs/math/delta_rule.md), closed forms against brute-force counts, CLI."""
+"""pallas_kernels/delta_rule/flops.py: Muir's Table 8 (docs/math/delta_rule.md), closed forms against brute-force counts,
+                                                       CLI."""
 import math
 import os
 import subprocess
@@ -7,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from pallas_kernels import flops as F
+from pallas_kernels.delta_rule import flops as F
 
 DEFAULT = F.KernelConfig(256, 8, 128, 128)
 TREES = [(16, 2), (16, 4), (64, 8), (128, 16), (256, 8), (256, 4), (64, 64)]
@@ -193,7 +194,7 @@ def test_cli_rejects_bad_config(capsys):
 
 def test_cli_subprocess():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-m", "pallas_kernels.flops", "--chunk", "128", "--leaf", "8"],
+    r = subprocess.run([sys.executable, "-m", "pallas_kernels.delta_rule.flops", "--chunk", "128", "--leaf", "8"],
                        cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "Table 8 MXU rows" in r.stdout

@@ -1,4 +1,4 @@
-"""pallas_kernels/flops_gpu.py: counts by hand for one config, kernel names = the benchmark's breakdown, and
+"""pallas_kernels/delta_rule/flops_gpu.py: counts by hand for one config, kernel names = the benchmark's breakdown, and
 the Triton kernels' pl.CostEstimate against their own jaxprs."""
 import json
 import math
@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import flops_gpu
+from pallas_kernels import common
+from pallas_kernels.delta_rule import flops_gpu
 from pallas_kernels.delta_rule import pallas_triton as ptr
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -87,7 +88,7 @@ def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save)
     v = jax.random.normal(rng[3], (b, t, h, dv), dtype)
     lam = -jnp.ones((b, t, h, dk), jnp.float32)
     doc = jnp.zeros((b, t), jnp.int32)
-    carry = ptr.carried_documents(doc, c)
+    _, carry = common.chunk_documents(doc, c)
     state = jnp.zeros((b, h, dk, dv), jnp.float32)
 
     def fwd_bwd(q, k, e, v, lam, state):

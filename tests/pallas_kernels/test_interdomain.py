@@ -49,9 +49,11 @@ def _case(seed=0, *, t=T, selective=False, conjugate=True, initial=True, dtype=n
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
     state = None
     if initial:
-        state = ia.InterdomainState(cast(rng.standard_normal((B, H, 2 * m, R))), cast(rng.standard_normal((B, H, 2 * m, V))))
+        state = ia.InterdomainState(cast(rng.standard_normal((B, H, 2 * m, R))),
+                                    cast(rng.standard_normal((B, H, 2 * m, V))))
     args = (cast(q), cast(k), cast(v))
-    kw = dict(log_modulus=cast(log_mod), phase=cast(delta[:, None] * a_im), input_gain=cast(gain), readout=cast(readout),
+    kw = dict(log_modulus=cast(log_mod), phase=cast(delta[:, None] * a_im), input_gain=cast(gain),
+              readout=cast(readout),
               initial_state=state)
     raw = dict(q=q, k=k, v=v, log_mod=log_mod, delta=delta, a_im=a_im, a_re=a_re, c=c, state=state)
     return args, kw, raw

@@ -2,7 +2,7 @@
 the roofline time each would have on the H200 — to set the measured times of
 ``tools/bench_delta_rule_gpu.py`` against (no JAX needed).
 
-Unlike ``pallas_kernels.flops`` (the ideal fused TPU kernel, Muir's Table 8), this counts what the
+Unlike ``pallas_kernels.delta_rule.flops`` (the ideal fused TPU kernel, Muir's Table 8), this counts what the
 kernels in ``pallas_kernels/delta_rule/pallas_triton.py`` execute:
   * every matmul over its full tiles (the masked C×C pivot-level products count in full: they are computed
     in full and masked afterwards);
@@ -15,7 +15,7 @@ kernels in ``pallas_kernels/delta_rule/pallas_triton.py`` execute:
   * exps (``kernel_exps``); other elementwise work (masks, products) is not counted.
 The Triton kernels declare these counts as their ``pl.CostEstimate``.
 
-    python -m pallas_kernels.flops_gpu [--chunk 64 --leaf 16 --dk 128 --dv 128 --block-k 32]
+    python -m pallas_kernels.delta_rule.flops_gpu [--chunk 64 --leaf 16 --dk 128 --dv 128 --block-k 32]
         [--measured docs/benchmarks/raw/delta_rule_h200_2026-11-30.json]
 """
 from __future__ import annotations
@@ -25,10 +25,10 @@ import math
 import sys
 from typing import Sequence
 
-from pallas_kernels.flops import shape_parser
+from pallas_kernels.delta_rule.flops import shape_parser
 
-BF16_FLOPS = 790e12  # measured on the H200 here (guide/architecture.md); TF32 charged at half of it
-HBM_BYTES_S = 4.2e12  # measured device copy on the H200 (guide/architecture.md)
+BF16_FLOPS = 790e12  # a large bf16 matmul measured on the H200; TF32 charged at half of it
+HBM_BYTES_S = 4.2e12  # measured device copy on the H200
 
 
 def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, save_matrices=True,
@@ -91,7 +91,7 @@ def roofline_ms(counts, token_heads, chunk):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = shape_parser("python -m pallas_kernels.flops_gpu", __doc__.split("\n")[0], chunk=64, leaf=16)
+    p = shape_parser("python -m pallas_kernels.delta_rule.flops_gpu", __doc__.split("\n")[0], chunk=64, leaf=16)
     p.add_argument("--block-k", type=int, default=32)
     p.add_argument("--sum-passes", type=int, default=1, choices=(1, 2))
     p.add_argument("--measured", help="bench JSON of tools/bench_delta_rule_gpu.py (per-kernel breakdown)")
@@ -111,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"GPU delta-rule kernels, C={a.chunk} leaf={a.leaf} d_k={a.dk} d_v={a.dv} block_k={a.block_k}, "
           f"B·T·H = {a.batch}·{a.seq}·{a.heads}; H200 roofs {BF16_FLOPS / 1e12:.0f} TFLOP/s bf16 (TF32 at half), "
           f"{HBM_BYTES_S / 1e12:.1f} TB/s")
-    print("| kernel | GFLOP bf16 | GFLOP tf32 | GB | roof ms (FLOPs) | roof ms (bytes) | measured ms | measured / roof |")
+    print("| kernel | GFLOP bf16 | GFLOP tf32 | GB | roof ms (FLOPs) | roof ms (bytes) | measured ms "
+          "| measured / roof |")
     print("|---|---|---|---|---|---|---|---|")
     tot = [0.0] * 6
     chunks = n / a.chunk
@@ -120,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         got = measured.get(name)
         ratio = f"{got / max(t_f, t_b):.1f}×" if got else "—"
         print(f"| {name} | {chunks * bf / 1e9:.1f} | {chunks * tf / 1e9:.1f} | {chunks * nb / 1e9:.2f} | "
-              f"{t_f:.3f} | {t_b:.3f} | {got if got is None else f'{got:.3f}'} | {ratio} |".replace("| None |", "| — |"))
+              f"{t_f:.3f} | {t_b:.3f} | {got if got is None else f'{got:.3f}'} | {ratio} |".replace("| None |",
+                                                                                                    "| — |"))
         for i, x in enumerate((chunks * bf / 1e9, chunks * tf / 1e9, chunks * nb / 1e9, t_f, t_b, got or 0.0)):
             tot[i] += x
     print(f"| total | {tot[0]:.1f} | {tot[1]:.1f} | {tot[2]:.2f} | {tot[3]:.3f} | {tot[4]:.3f} | "

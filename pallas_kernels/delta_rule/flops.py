@@ -1,10 +1,11 @@
 """Static FLOP and HBM-byte accounting for the delta-rule chunk kernel (no JAX needed).
 
 Counts per token and per head, for one config (chunk C, leaf n0, d_k, d_v), of every stage of
-  * Muir's boundary-pivoted kernel ("ours": spec shared/spec/delta-family.md §4.7, §5.2-§5.3), and
-  * the naive chunkwise algorithm (a C×C×d_k 3-D decay tensor and forward substitution on the VPU, §4.4, §5.1),
-forward and backward (§6.2/§6.4), plus the HBM bytes the kernel moves, the MXU share and a roofline time
-per accelerator generation. Muir's Table 8 (spec §4.7, §8 item 8) is reproduced exactly.
+  * Muir's boundary-pivoted kernel ("ours": docs/math/delta_rule.md, 'Boundary pivots', 'Recursive block inverse'), and
+  * the naive chunkwise algorithm (a C×C×d_k 3-D decay tensor and forward substitution on the VPU),
+forward and backward (docs/math/delta_rule.md, 'Backward pass'), plus the HBM bytes the kernel moves, the MXU share and
+a roofline time
+per accelerator generation. Muir's Table 8 is reproduced exactly.
 
 Conventions (docs/flops.md):
   * MXU FLOPs count 2 per multiply-add of a matmul, over the full operand tiles (a triangular operand is
@@ -15,7 +16,8 @@ Conventions (docs/flops.md):
   * Counts are leading terms as in Table 8 (e.g. forward substitution is C(d_k+d_v), exactly (C-1)(d_k+d_v)).
   * Table 8 is "given Λ": the MXU cumulative log-decay is a separate stage, outside the Table 8 rows.
 
-    python -m pallas_kernels.flops --chunk 256 --leaf 8 --dk 128 --dv 128 --batch 8 --seq 4096 --heads 16 --backward
+    python -m pallas_kernels.delta_rule.flops --chunk 256 --leaf 8 --dk 128 --dv 128 --batch 8 --seq 4096 --heads 16
+    --backward
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ class KernelConfig:
 
     @property
     def depth(self) -> int:
-        """r = log2(C/n0), the number of tree levels above the leaves (§4.7)."""
+        """r = log2(C/n0), the number of tree levels above the leaves."""
         return int(math.log2(self.chunk // self.leaf))
 
 
@@ -78,55 +80,55 @@ class Stage:
 # Closed forms (per token, per head). The four Table 8 MXU rows return ints.
 
 def cumsum_flops(C: int, d_k: int) -> int:
-    """Λ = L_C λ on the MXU: a (C×C)(C×d_k) matmul per chunk → 2·C·d_k (§4.2 step 1, §4.7 'MXU cumsum')."""
+    """Λ = L_C λ on the MXU: a (C×C)(C×d_k) matmul per chunk → 2·C·d_k (the 'MXU cumsum')."""
     return 2 * C * d_k
 
 
 def leaf_inverse_flops(n0: int) -> int:
-    """Neumann product (I−N)(I+N²)…(I+N^{n0/2}): 2(log2 n0 − 1) n0³-matmuls per leaf → 4n0²(log2 n0 − 1) (§5.3)."""
+    """Neumann product (I−N)(I+N²)…(I+N^{n0/2}): 2(log2 n0 − 1) n0³-matmuls per leaf → 4n0²(log2 n0 − 1)."""
     return 4 * n0 * n0 * (int(math.log2(n0)) - 1)
 
 
 def cross_flops(C: int, n0: int, d_k: int) -> int:
-    """Fused cross blocks [K̂_R⊙ρ; Q̂_R⊙ρ](K_L⊙κ)ᵀ, 4h²d_k per node → 2(C−n0)d_k (§4.7 step 3, Table 8)."""
+    """Fused cross blocks [K̂_R⊙ρ; Q̂_R⊙ρ](K_L⊙κ)ᵀ, 4h²d_k per node → 2(C−n0)d_k (Muir, Table 8)."""
     return 2 * (C - n0) * d_k
 
 
 def merge_flops(C: int, n0: int) -> int:
-    """2×2 merges P_RL = −P_RR A_RL P_LL, m³/2 per node of size m → (2/3)(C² − n0²) (§5.2). Exact integer:
+    """2×2 merges P_RL = −P_RR A_RL P_LL, m³/2 per node of size m → (2/3)(C² − n0²). Exact integer:
     C² − n0² = n0²(4^r − 1) is divisible by 3."""
     return 2 * (C * C - n0 * n0) // 3
 
 
 def fused_solve_flops(C: int, d_k: int, d_v: int) -> int:
-    """[U Y] = P[V̂ ‖ K̂⊙π], a (C×C)(C×(d_v+d_k)) matmul → 2C(d_k + d_v) (§4.2 step 5, §4.7 step 5)."""
+    """[U Y] = P[V̂ ‖ K̂⊙π], a (C×C)(C×(d_v+d_k)) matmul → 2C(d_k + d_v)."""
     return 2 * C * (d_k + d_v)
 
 
 def leaf_decay_vpu(n0: int, d_k: int) -> int:
     """Leaf 3-D decay tensor n0×n0×d_k on the VPU, 7 ops per entry and channel (sub, exp, ×k_j, ×k̂_i, +,
-    ×q̂_i, +), the naive column's per-entry cost → 7·n0·d_k (§4.7 step 2; Table 8 gives only O(n0 d_k))."""
+    ×q̂_i, +), the naive column's per-entry cost → 7·n0·d_k (Muir's Table 8 gives only O(n0 d_k))."""
     return 7 * n0 * d_k
 
 
 def cross_split_vpu(C: int, n0: int, d_k: int) -> float:
     """Pivot splitting ρ, κ: per level a token is on the R side (sub, exp, ×k̂, ×q̂: 4 ops/channel) or the L side
-    (sub, exp, ×k: 3), half the time each → 3.5·r·d_k; r·d_k of them exps (§4.7 'Consistency with Table 8')."""
+    (sub, exp, ×k: 3), half the time each → 3.5·r·d_k; r·d_k of them exps."""
     return 3.5 * int(math.log2(C // n0)) * d_k
 
 
 def naive_decay_vpu(C: int, n0: int, d_k: int) -> int:
-    """Naive off-leaf part of the C×C×d_k 3-D decay tensor, 7 ops per entry → 7(C−n0)d_k (§4.6, Table 8)."""
+    """Naive off-leaf part of the C×C×d_k 3-D decay tensor, 7 ops per entry → 7(C−n0)d_k (Muir, Table 8)."""
     return 7 * (C - n0) * d_k
 
 
 def forward_substitution_vpu(C: int, d_k: int, d_v: int) -> int:
-    """Row-by-row solve T Z = [V̂ ‖ K̂⊙π] on the VPU → C(d_k + d_v), leading term (§5.1, Table 8)."""
+    """Row-by-row solve T Z = [V̂ ‖ K̂⊙π] on the VPU → C(d_k + d_v), leading term (Muir, Table 8)."""
     return C * (d_k + d_v)
 
 
 def table8(cfg: KernelConfig) -> dict[str, int]:
-    """The four MXU rows of Muir's Table 8 for this config (spec §4.7, §8 item 8)."""
+    """The four MXU rows of Muir's Table 8 for this config."""
     C, n0, dk, dv = cfg.chunk, cfg.leaf, cfg.d_k, cfg.d_v
     return {"leaf": leaf_inverse_flops(n0), "cross": cross_flops(C, n0, dk),
             "merges": merge_flops(C, n0), "solve": fused_solve_flops(C, dk, dv)}
@@ -139,9 +141,9 @@ def _decay_and_inverse(cfg: KernelConfig, algo: Algo, prefix: str = "") -> list[
     """Steps 1-6 up to Ũ (shared by the forward and the backward's recompute)."""
     C, n0, dk, dv, r = cfg.chunk, cfg.leaf, cfg.d_k, cfg.d_v, cfg.depth
     out = [
-        # π = e^Λ (exp), E = e^{Λ_C−Λ} (sub, exp) — §4.7 step 1
+        # π = e^Λ (exp), E = e^{Λ_C−Λ} (sub, exp)
         Stage(prefix + "cumulative log-decay Λ, π, E", cumsum_flops(C, dk), 3 * dk, 2 * dk),
-        # K̂⊙π, Q̂⊙π, K⊙E — §4.2
+        # K̂⊙π, Q̂⊙π, K⊙E
         Stage(prefix + "operand scaling K̂⊙π, Q̂⊙π, K⊙E", 0, 3 * dk),
     ]
     if algo == "ours":
@@ -165,13 +167,13 @@ def _decay_and_inverse(cfg: KernelConfig, algo: Algo, prefix: str = "") -> list[
             Stage(prefix + "tri. solve T Z = [V̂ ‖ K̂⊙π]", 0,
                   forward_substitution_vpu(C, dk, dv), table8=not prefix),
         ]
-    # Ũ = U − Y S₀ — §4.2 step 6
+    # Ũ = U − Y S₀
     out.append(Stage(prefix + "Ũ = U − Y S₀", 2 * dk * dv, dv))
     return out
 
 
 def forward_stages(cfg: KernelConfig, algo: Algo = "ours") -> list[Stage]:
-    """Forward per chunk (§4.2, §4.7): decay, A/M, T⁻¹, solve, Ũ, O = (Q̂⊙π)S₀ + MŨ, S_C update."""
+    """Forward per chunk: decay, A/M, T⁻¹, solve, Ũ, O = (Q̂⊙π)S₀ + MŨ, S_C update."""
     C, dk, dv = cfg.chunk, cfg.d_k, cfg.d_v
     return _decay_and_inverse(cfg, algo) + [
         Stage("(Q̂⊙π) S₀", 2 * dk * dv, 0),
@@ -182,7 +184,7 @@ def forward_stages(cfg: KernelConfig, algo: Algo = "ours") -> list[Stage]:
 
 
 def backward_stages(cfg: KernelConfig, algo: Algo = "ours") -> list[Stage]:
-    """Backward per chunk (§6.2, §6.4): recompute steps 1-6 up to Ũ (O and S_C are not needed), then the new
+    """Backward per chunk: recompute steps 1-6 up to Ũ (O and S_C are not needed), then the new
     matmuls. The dA/dM contraction uses the forward's pivoted factors (ours: 4 matmuls per node, 2× the
     forward cross cost, and the same splitting multiplies on the VPU) or the 3-D tensor (naive/leaves: 9 VPU
     ops per entry and channel: dK̂ += dA·w, dQ̂ += dM·w, t = dA·k̂ + dM·q̂, dK += t·e, with w = k·e reused)."""
@@ -224,7 +226,7 @@ def total(stages: Sequence[Stage], name: str = "total") -> Stage:
 # HBM bytes
 
 def hbm_bytes(cfg: KernelConfig, backward: bool = False) -> dict[str, float]:
-    """Bytes per token per head through HBM (§4.3, §6.1). Forward: read q̂, k, k̂, v̂ (bf16) and λ (f32), write
+    """Bytes per token per head through HBM. Forward: read q̂, k, k̂, v̂ (bf16) and λ (f32), write
     o (bf16) and S₀ of every chunk (f32 d_k·d_v per C tokens). Backward adds: read the inputs again, S₀ and dO,
     write dq̂, dk, dk̂, dv̂ (bf16) and dλ (f32). The per-sequence initial/final state (< C/T of the S₀ term) is
     left out; so is everything outside the kernel (gates, projections)."""
@@ -251,10 +253,10 @@ class Peak:
 
 PEAKS: dict[str, Peak] = {p.name: p for p in (
     Peak("v4", 275e12, 1.2e12, "Google Cloud TPU v4 datasheet (per chip)"),
-    Peak("v5e", 197e12, 819e9, "Google Cloud TPU v5e docs; guide/verification.md item 4"),
-    Peak("v5p", 459e12, 2.76e12, "Google Cloud TPU v5p docs; guide/verification.md item 4"),
-    Peak("v6e", 918e12, 1.6e12, "Google Cloud TPU v6e docs; guide/verification.md item 4"),
-    Peak("H200", 790e12, 4.2e12, "measured here: bf16 matmul, device copy (guide/architecture.md)"),
+    Peak("v5e", 197e12, 819e9, "Google Cloud TPU v5e docs"),
+    Peak("v5p", 459e12, 2.76e12, "Google Cloud TPU v5p docs"),
+    Peak("v6e", 918e12, 1.6e12, "Google Cloud TPU v6e docs"),
+    Peak("H200", 790e12, 4.2e12, "measured here: bf16 matmul, device copy"),
 )}
 
 
@@ -310,7 +312,7 @@ def _stage_table(title: str, ours: list[Stage], naive: list[Stage]) -> list[str]
 
 
 def shape_parser(prog: str, description: str, chunk: int, leaf: int) -> argparse.ArgumentParser:
-    """The arguments both FLOP CLIs share (this one and pallas_kernels.flops_gpu): kernel tiling and the
+    """The arguments both FLOP CLIs share (this one and pallas_kernels.delta_rule.flops_gpu): kernel tiling and the
     B·T·H workload, with the per-backend chunk and leaf defaults."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--chunk", type=int, default=chunk)
@@ -324,7 +326,7 @@ def shape_parser(prog: str, description: str, chunk: int, leaf: int) -> argparse
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = shape_parser("python -m pallas_kernels.flops", __doc__.split("\n")[0], chunk=256, leaf=8)
+    p = shape_parser("python -m pallas_kernels.delta_rule.flops", __doc__.split("\n")[0], chunk=256, leaf=8)
     p.add_argument("--backward", action="store_true", help="also count the backward (fwd+bwd totals)")
     a = p.parse_args(argv)
     try:
@@ -340,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ours_all, naive_all = list(fo), list(fn)
     if a.backward:
         bo, bn = backward_stages(cfg, "ours"), backward_stages(cfg, "naive")
-        lines += _stage_table("\nbackward (§6.2/§6.4)", bo, bn)
+        lines += _stage_table("\nbackward", bo, bn)
         ours_all += bo
         naive_all += bn
     print("\n".join(lines))

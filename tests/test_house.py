@@ -1,0 +1,64 @@
+"""Rules of the house that a refactor could silently break: layers import one way, and nothing in the
+repository points at documents outside it."""
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("pallas_kernels", "mixers", "models", "training", "eval")
+# Who may not be imported by whom: kernels ← mixers ← models ← training / eval.
+FORBIDDEN = {
+    "pallas_kernels": {"mixers", "models", "training", "eval"},
+    "mixers": {"models", "training", "eval"},
+    "models": {"training", "eval"},
+}
+
+
+def _imports(path):
+    """Top-level package names imported anywhere in the file (module level or inside functions)."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name.split(".")[0], node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module.split(".")[0], node.lineno
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_layers_import_one_way(package):
+    bad = []
+    for folder, _, files in os.walk(os.path.join(ROOT, package)):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                bad += [f"{os.path.relpath(path, ROOT)}:{line} imports {top}"
+                        for top, line in _imports(path) if top in FORBIDDEN[package]]
+    assert not bad, f"{package} must not import {sorted(FORBIDDEN[package])}:\n" + "\n".join(bad)
+
+
+# Pointers users cannot follow: internal notes, their section numbers, internal work items.
+OUTSIDE = re.compile(r"shared/|guide/(architecture|verification)|\bspec (§|[AB]\d)|\bspec §|papers/[a-z-]+\.md"
+                     r"|\b(issue|session) #?\d+\b", re.IGNORECASE)
+
+
+def test_nothing_points_outside_the_repository():
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    hits = []
+    for rel in files:
+        if rel.startswith("docs/benchmarks/raw/") or rel.endswith((".json", ".png", ".parquet", ".model")) \
+                or rel == "tests/test_house.py":
+            continue
+        try:
+            text = open(os.path.join(ROOT, rel), encoding="utf-8").read()
+        except (UnicodeDecodeError, FileNotFoundError):
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            if OUTSIDE.search(line):
+                hits.append(f"{rel}:{number}: {line.strip()[:120]}")
+    assert not hits, "lines pointing at documents outside the repository or at work items:\n" + "\n".join(hits)
