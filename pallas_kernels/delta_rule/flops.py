@@ -16,8 +16,8 @@ Conventions (docs/flops.md):
   * Counts are leading terms as in Table 8 (e.g. forward substitution is C(d_k+d_v), exactly (C-1)(d_k+d_v)).
   * Table 8 is "given Λ": the MXU cumulative log-decay is a separate stage, outside the Table 8 rows.
 
-    python -m pallas_kernels.delta_rule.flops --chunk 256 --leaf 8 --dk 128 --dv 128 --batch 8 --seq 4096 --heads 16
-    --backward
+    python -m pallas_kernels.delta_rule.flops --chunk 256 --leaf 8 --dk 128 --dv 128 \\
+        --batch 8 --seq 4096 --heads 16 --backward
 """
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""pallas_kernels/delta_rule/flops.py: Muir's Table 8 (docs/math/delta_rule.md), closed forms against brute-force counts,
-                                                       CLI."""
+"""Muir's Table 8 (docs/math/delta_rule.md): closed forms against brute-force counts, and the CLI."""
 import math
 import os
 import subprocess
