@@ -1,7 +1,7 @@
 """Causal softmax attention with RoPE (the Transformer baseline).
 
-Training path: ``jax.nn.dot_product_attention`` (cuDNN flash attention on GPU when the call qualifies,
-XLA elsewhere) with a causal + same-document mask built from ``segment_ids``. Decode path: a KV cache.
+Training path: the ``pallas_kernels.attention`` op — causal attention within documents (``segment_ids``):
+splash attention on TPU, flash attention on GPU (no T×T buffer), dense XLA on CPU. Decode path: a KV cache.
 """
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mixers.base import MixerSpec
-from mixers.registry import register
 from mixers.blocks import normal, rotary
+from mixers.registry import register
+from pallas_kernels.attention import attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,12 +23,13 @@ class SoftmaxOptions:
     """Options of ``softmax`` (config keys ``mixers.softmax.<field>``).
 
     rope_theta: RoPE base (10000, the Llama-2 value).
-    implementation: ``auto`` lets JAX choose (cuDNN on GPU when the shape/dtype allows, XLA otherwise);
-        ``xla`` or ``cudnn`` force one (``cudnn`` fails off-GPU or for unsupported shapes).
+    implementation: the attention op's implementation: ``auto`` (splash attention on TPU, Pallas flash
+        attention on GPU, dense ``xla`` elsewhere), or one forced: ``xla`` (dense, materialises T×T scores),
+        ``pallas_tpu``, ``pallas_triton``, ``cudnn`` (cuDNN with a dense T×T document mask), ``reference``.
     """
 
     rope_theta: float = 10000.0
-    implementation: Literal["auto", "xla", "cudnn"] = "auto"
+    implementation: Literal["auto", "xla", "pallas_tpu", "pallas_triton", "cudnn", "reference"] = "auto"
 
 
 @register("softmax", SoftmaxOptions)
@@ -54,11 +56,7 @@ class SoftmaxAttention(nnx.Module):
     def __call__(self, x_BTD, *, segment_ids, positions):
         b, t, _ = x_BTD.shape
         q, k, v = self._qkv(x_BTD, positions)
-        same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        mask = (same_doc & causal)[:, None]  # [B,1,T,T]
-        impl = None if self.options.implementation == "auto" else self.options.implementation
-        o = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
+        o = attention(q, k, v, segment_ids=segment_ids, implementation=self.options.implementation)
         return self.o_proj(o.reshape(b, t, -1))
 
     def init_cache(self, batch_size: int, max_length: int):

@@ -7,10 +7,8 @@ with q̂ = ``q``, k = ``k``, k̂ = ``erase_key``, v̂ = ``v``, λ = ``log_decay`
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common, dispatch
@@ -152,30 +150,6 @@ TABLE.register(dispatch.Implementation("pallas_tpu", pallas_tpu.run, pallas_tpu.
 TABLE.register(dispatch.Implementation("pallas_triton", pallas_triton.run, pallas_triton.supports, fast=True))
 
 
-def _sharded(run, heads: int):
-    """Pallas kernels cannot be partitioned by XLA: under a device mesh (``jax.sharding.use_abstract_mesh``,
-    set by the trainer) run them per shard with shard_map — batch over (data, fsdp), heads over tensor."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
-        return run
-    from jax.sharding import PartitionSpec as P
-
-    names = mesh.axis_names
-    batch = tuple(a for a in ("data", "fsdp") if a in names) or None
-    head = "tensor" if "tensor" in names and heads % mesh.shape["tensor"] == 0 else None
-    tokens, state, docs = P(batch, None, head, None), P(batch, head, None, None), P(batch, None)
-
-    def per_shard(q, k, erase, v, lam, initial, document_BT, **kw):
-        return run(q, k, erase, v, lam, initial, document_BT, **kw)
-
-    def wrapped(q, k, erase, v, lam, initial, document_BT, **kw):
-        f = jax.shard_map(functools.partial(per_shard, **kw), mesh=mesh, check_vma=False,
-                          in_specs=(tokens, tokens, tokens, tokens, tokens, state, docs), out_specs=(tokens, state))
-        return f(q, k, erase, v, lam, initial, document_BT)
-
-    return wrapped
-
-
 def delta_rule(q, k, v, *, erase_key=None, log_decay=None, initial_state=None, segment_ids=None,
                chunk_size: Optional[int] = None, leaf_size: Optional[int] = None, implementation: str = "auto"):
     """Delta-family token mixer core.
@@ -210,7 +184,7 @@ def delta_rule(q, k, v, *, erase_key=None, log_decay=None, initial_state=None, s
              else initial_state.astype(dtype))
     run = impl.run
     if impl.name.startswith("pallas_"):
-        run = _sharded(run, h)
+        run = common.per_shard(run, h, ("tokens",) * 5 + ("state", "rows"), ("tokens", "state"))
     out, final = run(q, k, erase, v, lam, state, common.document_index(segment_ids, b, t),
                           chunk_size=call.chunk_size, leaf_size=call.leaf_size)
     return out.astype(v.dtype), final
