@@ -128,3 +128,11 @@ def test_splash_compiles_for_tpu(topology):
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(spec, spec, spec, seg).compile()
     assert compiled.memory_analysis() is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype, out_tol, grad_tol", [(jnp.float32, 3e-3, 5e-3), (jnp.bfloat16, 2e-2, 3e-2)])
+def test_gpu_flash_matches_reference(dtype, out_tol, grad_tol):
+    """Compiled on the GPU (f32 dots run as TF32 there): T = 300 pads to 384; a boundary on a block boundary."""
+    _check_against_reference(pallas_triton.run, dtype, 300, 128, [(128, 100, 72), (300,)], out_tol, grad_tol)

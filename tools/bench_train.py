@@ -1,0 +1,163 @@
+"""Training-step benchmark: N warm steps of named configs, one table — step time, tokens/s, MFU, the share of
+the step the device waits for the host, peak device memory.
+
+    python tools/bench_train.py --steps 10 --warmup 3 \\
+        muir_166m=configs/paper/muir_166m.yaml,train.batch_size=32 \\
+        transformer_166m=configs/paper/transformer_166m.yaml,train.batch_size=32 \\
+        --set data.train_path=data/embedded/train --set data.tokenizer.kind=hf \\
+        --set data.tokenizer.path=data/embedded/tokenizer.json
+
+Each RUN is ``name=config.yaml[,section.key=value,...]``; ``--set`` overrides apply to every run. Each run
+goes in its own process (``--in_process`` to change that): peak memory is per run, and an out-of-memory run
+is reported as such instead of ending the benchmark.
+
+Three timings per run, all after ``--warmup`` compiled steps:
+  * pipeline — the trainer's way: host batches assembled and put on the device by a background thread
+    (training/prefetch.py), no host sync inside the timed steps; this is the step time the table reports;
+  * device — the same step on one batch already on the device: what the device alone needs;
+  * synced — the previous loop: assemble the batch after the step, then wait for its loss (one host sync per
+    step). Its difference to pipeline is what the prefetch buys.
+device idle = 1 − device / pipeline (clipped at 0). MFU uses training/flop_model.py and the chip's peak bf16
+FLOP/s (the H200: 790 TFLOP/s measured); mixers the flop model does not cover count their projections only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _parse_run(text: str):
+    name, sep, rest = text.partition("=")
+    if not sep or not rest:
+        raise SystemExit(f"bench_train: RUN {text!r} must be name=config.yaml[,section.key=value,...]")
+    config, *overrides = rest.split(",")
+    return name, config, overrides
+
+
+def _timed(fn, steps: int) -> float:
+    import jax
+
+    start = time.perf_counter()
+    out = None
+    for _ in range(steps):
+        out = fn()
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / steps
+
+
+def measure(config: str, overrides: list[str], steps: int, warmup: int, depth: int) -> dict:
+    import jax
+    import numpy as np
+
+    from training import config as config_lib
+    from training import data as data_lib
+    from training import flop_model
+    from training.loop import Trainer
+    from training.prefetch import DevicePrefetcher
+    from training.tokenizer import load_tokenizer
+
+    cfg = config_lib.load_config(config, overrides)
+    tokenizer = load_tokenizer(cfg.data.tokenizer.kind, cfg.data.tokenizer.path)
+    vocab = cfg.model.vocab_size or tokenizer.vocab_size
+    trainer = Trainer(cfg, vocab)
+    trainer.initialize()
+    host = data_lib.train_iterator(cfg.data, tokenizer, global_batch_size=cfg.train.batch_size, seed=cfg.train.seed)
+    state = {"params": trainer.params, "opt": trainer.opt_state}
+
+    def step(batch):
+        state["params"], state["opt"], metrics = trainer.train_step(state["params"], state["opt"], batch)
+        return metrics["loss"]
+
+    with DevicePrefetcher(host, trainer.global_batch, depth=depth) as batches:
+        compile_start = time.perf_counter()
+        jax.block_until_ready(step(next(batches)))
+        compile_s = time.perf_counter() - compile_start
+        for _ in range(max(warmup - 1, 0)):
+            jax.block_until_ready(step(next(batches)))
+        pipeline = _timed(lambda: step(next(batches)), steps)
+        fixed = next(batches)
+        device = _timed(lambda: step(fixed), steps)
+    synced = _timed(lambda: float(step(trainer.global_batch(next(host)))), steps)
+    loss = float(step(fixed))
+    if hasattr(host, "close"):
+        host.close()
+
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    flops = flop_model.training_flops(cfg, trainer.abstract_params, vocab)
+    chip = flop_model.peak_flops()
+    stats = jax.devices()[0].memory_stats() or {}
+    mfu = (lambda t: tokens / t * flops.per_token / (jax.device_count() * chip[1])) if chip else (lambda t: None)
+    return {"config": config, "overrides": overrides, "mixers": sorted(set(cfg.layer_mixers)),
+            "params_M": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract_params)) / 1e6,
+            "batch": cfg.train.batch_size, "seq_len": cfg.data.seq_len, "devices": jax.device_count(),
+            "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
+            "compile_s": compile_s, "step_s": pipeline, "device_step_s": device, "synced_step_s": synced,
+            "tokens_per_s": tokens / pipeline, "mfu": mfu(pipeline), "synced_mfu": mfu(synced),
+            "device_idle": max(0.0, 1.0 - device / pipeline), "synced_device_idle": max(0.0, 1.0 - device / synced),
+            "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30 or None, "loss_after": loss,
+            "flop_notes": list(flops.notes), "jax": jax.__version__}
+
+
+def _row(name: str, r: dict) -> str:
+    if "error" in r:
+        return f"| {name} | — | — | — | — | — | — | {r['error'].split(' / ')[-1][:100]} |"
+    pct = lambda x: "n/a" if x is None else f"{100 * x:.1f} %"  # noqa: E731
+    peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+    return (f"| {name} | {r['batch']}×{r['seq_len']} | {r['step_s']:.3f} s | {r['tokens_per_s'] / 1e3:,.0f}K | "
+            f"{pct(r['mfu'])} | {pct(r['device_idle'])} | {peak} | synced loop {r['synced_step_s']:.3f} s "
+            f"({pct(r['synced_mfu'])}, idle {pct(r['synced_device_idle'])}) |")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="*", metavar="RUN", help="name=config.yaml[,section.key=value,...]")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per timing (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first, the compile included (default 3)")
+    p.add_argument("--depth", type=int, default=2, help="batches prefetched ahead (default 2)")
+    p.add_argument("--out", help="write every run's numbers to this JSON file")
+    p.add_argument("--in_process", action="store_true", help="run every config in this process")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.child:  # one run, its JSON on the last line of stdout
+        _, config, overrides = _parse_run(args.child)
+        print(json.dumps(measure(config, overrides + args.set, args.steps, args.warmup, args.depth)), flush=True)
+        return
+    if not args.runs:
+        p.error("give at least one RUN (name=config.yaml[,section.key=value,...])")
+    results = {}
+    for run in args.runs:
+        name, config, overrides = _parse_run(run)
+        print(f"bench_train: {name} ...", file=sys.stderr, flush=True)
+        try:
+            if args.in_process:
+                results[name] = measure(config, overrides + args.set, args.steps, args.warmup, args.depth)
+            else:
+                cmd = [sys.executable, os.path.abspath(__file__), "--child", run, "--steps", str(args.steps),
+                       "--warmup", str(args.warmup), "--depth", str(args.depth), *[f"--set={s}" for s in args.set]]
+                out = subprocess.run(cmd, capture_output=True, text=True)
+                if out.returncode != 0:
+                    tail = [line for line in out.stderr.strip().splitlines() if line.strip()][-3:]
+                    raise RuntimeError(" / ".join(tail) or f"exit {out.returncode}")
+                results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+        except Exception as e:  # report and go on with the next run
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"bench_train: {name}: {json.dumps(results[name])[:400]}", file=sys.stderr, flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    print("| run | batch | step | tokens/s | MFU | device idle | peak GiB | previous loop (per-step sync) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(_row(name, r))
+
+
+if __name__ == "__main__":
+    main()
