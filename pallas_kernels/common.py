@@ -87,41 +87,51 @@ def check_segment_ids(op: str, segment_ids, batch: int, length: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# value domains (λ ≤ 0, r ≤ 0, positive-definite A₀): checked on concrete values always, under jit by a host
-# callback unless MIXERLAB_CHECK_DOMAINS=0. A violated domain is an error, never a silent wrong answer.
+# value domains (λ ≤ 0, r ≤ 0, positive-definite A₀). Concrete values: a ValueError now. Under jit: the op's
+# outputs become NaN when the domain is violated (computed on the device: no host sync, so the training step
+# stays asynchronous; the trainer reports non-finite steps), and with MIXERLAB_CHECK_DOMAINS=1 a host
+# callback raises the same ValueError at run time (it syncs with the host once per op call: debugging only).
+# Never a silent wrong answer.
 
-CHECK_DOMAINS_UNDER_JIT = os.environ.get("MIXERLAB_CHECK_DOMAINS", "1") != "0"
+CHECK_DOMAINS_UNDER_JIT = os.environ.get("MIXERLAB_CHECK_DOMAINS", "0") == "1"
 
 
 def _domain_error(op: str, name: str, expected: str, worst) -> ValueError:
-    return ValueError(f"{op}: argument {name!r} is outside its domain: expected {expected}; found {worst}. "
-                      f"(Set MIXERLAB_CHECK_DOMAINS=0 to skip this check inside jit.)")
+    return ValueError(f"{op}: argument {name!r} is outside its domain: expected {expected}; found {worst}")
 
 
-def _check_domain(op: str, name: str, expected: str, violation, summary, under_jit: bool = True) -> None:
-    """``violation`` (bool scalar) and ``summary`` (a scalar for the message) are computed from the argument;
-    raise now when they are concrete, else at run time through ``jax.debug.callback``."""
+def _check_domain(op: str, name: str, expected: str, violation, summary, under_jit: bool = True):
+    """``violation`` (bool scalar) and ``summary`` (a scalar for the message) are computed from the argument.
+    Concrete: raise now, return None. Traced: return ``violation`` for :func:`poison` (and raise at run time
+    through ``jax.debug.callback`` when MIXERLAB_CHECK_DOMAINS=1)."""
     if not isinstance(violation, jax.core.Tracer):
         if bool(violation):
             raise _domain_error(op, name, expected, np.asarray(summary).item())
-        return
-    if not (under_jit and CHECK_DOMAINS_UNDER_JIT):
-        return
+        return None
+    if under_jit and CHECK_DOMAINS_UNDER_JIT:
+        def raise_if(bad, worst):
+            if bool(bad):
+                raise _domain_error(op, name, expected, np.asarray(worst).item())
 
-    def raise_if(bad, worst):
-        if bool(bad):
-            raise _domain_error(op, name, expected, np.asarray(worst).item())
-
-    jax.debug.callback(raise_if, violation, summary)
+        jax.debug.callback(raise_if, violation, summary)
+    return violation
 
 
-def check_nonpositive(op: str, name: str, x, *, under_jit: bool = True) -> None:
-    """Every entry ≤ 0 (log-decays, log-moduli). NaN counts as a violation. ``under_jit=False`` checks concrete
-    values only (one-token decode steps, where a host callback per layer and token would cost latency)."""
+def check_nonpositive(op: str, name: str, x, *, under_jit: bool = True):
+    """Every entry ≤ 0 (log-decays, log-moduli); NaN counts as a violation. Returns the traced violation flag
+    under jit (None otherwise) for :func:`poison`. ``under_jit=False`` never adds a host callback (one-token
+    decode steps, where one per layer and token would cost latency)."""
     if x is None:
-        return
+        return None
     worst = jnp.max(jnp.where(jnp.isnan(x), jnp.inf, x))
-    _check_domain(op, name, "every entry <= 0", worst > 0, worst, under_jit)
+    return _check_domain(op, name, "every entry <= 0", worst > 0, worst, under_jit)
+
+
+def poison(violation, *arrays):
+    """The arrays, all NaN where ``violation`` (a traced domain check) is true; unchanged when it is None."""
+    if violation is None:
+        return arrays
+    return tuple(jnp.where(violation, jnp.asarray(jnp.nan, x.dtype), x) for x in arrays)
 
 
 def _not_positive_definite(a) -> tuple[bool, float]:
@@ -146,7 +156,7 @@ def check_positive_definite(op: str, name: str, a_KK) -> None:
         if bad:
             raise _domain_error(op, name, expected, smallest)
         return
-    if not CHECK_DOMAINS_UNDER_JIT:
+    if not CHECK_DOMAINS_UNDER_JIT:  # a traced A₀ is checked with MIXERLAB_CHECK_DOMAINS=1 only (host eigvalsh)
         return
 
     def raise_if(a):

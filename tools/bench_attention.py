@@ -2,7 +2,7 @@
 bf16, packed documents (every row split into documents of random lengths), with the error against the
 float32 dense reference at a small shape first.
 
-    python tools/bench_attention.py --shapes 8x4096x16x128,2x16384x16x128 --impls pallas_triton,cudnn,xla
+    python tools/bench_attention.py --shapes 8x4096x16x128,2x16384x16x128 --impls "pallas_triton;cudnn;xla"
 
 Also times cuDNN's causal attention without documents (``cudnn_causal``: one document per row), the anchor
 for what a fused kernel reaches on this GPU. Prints a table; ``--out`` writes the numbers as JSON.
@@ -43,9 +43,16 @@ def _median_ms(fn, args, reps):
 
 
 def _fns(impl):
-    from pallas_kernels.attention import attention
+    from pallas_kernels.attention import attention, pallas_triton
+    from pallas_kernels.common import document_index
 
-    if impl == "cudnn_causal":
+    if impl.startswith("triton:"):  # triton:bq,bk,bq_dkv,bkv_dkv,bq_dq,bkv_dq,warps — a block-size variant
+        bq, bk, *bwd, warps = (int(x) for x in impl.split(":")[1].split(","))
+
+        def fwd(q, k, v, seg):
+            return pallas_triton.run(q, k, v, document_index(seg, *seg.shape), scale=q.shape[-1] ** -0.5,
+                                     block_q=bq, block_k=bk, backward_blocks=tuple(bwd), num_warps=warps or None)
+    elif impl == "cudnn_causal":
         fwd = lambda q, k, v, seg: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     else:
         fwd = lambda q, k, v, seg: attention(q, k, v, segment_ids=seg, implementation=impl)
@@ -64,7 +71,7 @@ def check(impls):
     ref = attention(*(x.astype(jnp.float32) for x in (q, k, v)), segment_ids=seg, implementation="xla")
     rows = {}
     for impl in impls:
-        if impl == "cudnn_causal":
+        if impl == "cudnn_causal" or impl.startswith("triton:"):
             continue
         got = jax.jit(lambda *a: attention(*a, segment_ids=seg, implementation=impl))(q, k, v)
         rows[impl] = float(jnp.linalg.norm((got.astype(jnp.float32) - ref)) / jnp.linalg.norm(ref))
@@ -75,11 +82,12 @@ def check(impls):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="8x4096x16x128", help="BxTxHxD,... (default 8x4096x16x128)")
-    p.add_argument("--impls", default="pallas_triton,cudnn,cudnn_causal", help="comma-separated implementations")
+    p.add_argument("--impls", default="pallas_triton;cudnn;cudnn_causal",
+                   help="';'-separated implementations, or triton:bq,bk,bq_dkv,bkv_dkv,bq_dq,bkv_dq,warps variants")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--out")
     args = p.parse_args(argv)
-    impls = args.impls.split(",")
+    impls = args.impls.split(";")
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "check": check(impls), "timings": {}}
     for shape in args.shapes.split(","):
         b, t, h, d = (int(x) for x in shape.split("x"))

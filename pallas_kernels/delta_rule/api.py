@@ -95,7 +95,6 @@ def validate(q, k, v, erase_key, log_decay, initial_state, segment_ids, chunk_si
         else:
             raise _fail("log_decay", log_decay,
                         f"[B={b}, T={t}, H={h}, Dk={dk}] (channel-wise) or [B={b}, T={t}, H={h}] (per head)")
-        common.check_nonpositive(OP, "log_decay", log_decay)
     if initial_state is not None:
         common.check_shape(OP, "initial_state", initial_state, (b, h, dk, dv), "BHKV")
     common.check_segment_ids(OP, segment_ids, b, t)
@@ -170,6 +169,7 @@ def delta_rule(q, k, v, *, erase_key=None, log_decay=None, initial_state=None, s
       (o [B, T, H, Dv] in v's dtype, final_state [B, H, Dk, Dv] float32, or float64 for float64 inputs).
     """
     call = validate(q, k, v, erase_key, log_decay, initial_state, segment_ids, chunk_size, leaf_size)
+    violation = common.check_nonpositive(OP, "log_decay", log_decay)
     impl = TABLE.choose(implementation, call)
     dtype = compute_dtype(q.dtype)
     b, t, h, dk = q.shape
@@ -187,7 +187,7 @@ def delta_rule(q, k, v, *, erase_key=None, log_decay=None, initial_state=None, s
         run = common.per_shard(run, h, ("tokens",) * 5 + ("state", "rows"), ("tokens", "state"))
     out, final = run(q, k, erase, v, lam, state, common.document_index(segment_ids, b, t),
                           chunk_size=call.chunk_size, leaf_size=call.leaf_size)
-    return out.astype(v.dtype), final
+    return common.poison(violation, out.astype(v.dtype), final)
 
 
 def delta_rule_step(q, k, v, *, erase_key=None, log_decay=None, state):
@@ -221,11 +221,11 @@ def delta_rule_step(q, k, v, *, erase_key=None, log_decay=None, state):
             lam = log_decay.astype(dtype)
         else:
             raise _fail("log_decay", log_decay, f"[B={b}, H={h}, Dk={dk}] or [B={b}, H={h}]", STEP)
-        common.check_nonpositive(STEP, "log_decay", log_decay, under_jit=False)
+        violation = common.check_nonpositive(STEP, "log_decay", log_decay, under_jit=False)
     erase = jnp.zeros((b, h, dk), dtype) if erase_key is None else erase_key.astype(dtype)
     out, new_state = decode.fused_step(q.astype(dtype), k.astype(dtype), erase, v.astype(dtype), lam,
                                        state.astype(dtype))
-    return out.astype(v.dtype), new_state
+    return common.poison(violation if log_decay is not None else None, out.astype(v.dtype), new_state)
 
 
 def normalized_linear_attention(q_feat, k_feat, v, *, initial_state=None, segment_ids=None,

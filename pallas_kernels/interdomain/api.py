@@ -101,7 +101,6 @@ def _check_dynamics(op, b, t, h, log_modulus, phase, input_gain):
     else:
         raise _fail(op, "log_modulus", log_modulus, f"[H={h}, M={m}] (static) or [B={b}, T={t}, H={h}, M={m}]")
     _check_shape(op, "input_gain", input_gain, (h, 2 * m), ("H", "2M"))
-    common.check_nonpositive(op, "log_modulus", log_modulus)
     return m, selective
 
 
@@ -192,6 +191,7 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
     sub = resolve_sub_chunk_size(op, sub_chunk_size, chunk)
     call = InterdomainCall(op, b, t, h, r, dv, m, jnp.dtype(q.dtype), selective, initial_state is not None,
                            segment_ids is not None, chunk, sub, dispatch.target_backend())
+    violation = common.check_nonpositive(op, "log_modulus", log_modulus)
     impl = TABLE.choose(implementation, call)
     dt = compute_dtype(q.dtype)
     lm = log_modulus.astype(dt)
@@ -204,7 +204,8 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
     o, key, value = impl.run(q.astype(dt), k.astype(dt), v.astype(dt), lm, phase.astype(dt),
                              input_gain.astype(dt), readout.astype(dt), key0, value0,
                              common.document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
-    return o.astype(v.dtype), InterdomainState(key, value)
+    o, key, value = common.poison(violation, o.astype(v.dtype), key, value)
+    return o, InterdomainState(key, value)
 
 
 def interdomain_step(q, k, v, *, log_modulus, phase, input_gain, readout, state):
@@ -263,13 +264,14 @@ def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segme
     sub = resolve_sub_chunk_size(op, sub_chunk_size, chunk)
     call = InterdomainCall(op, b, t, h, 0, c, m, jnp.dtype(z.dtype), selective, initial_state is not None,
                            segment_ids is not None, chunk, sub, dispatch.target_backend())
+    violation = common.check_nonpositive(op, "log_modulus", log_modulus)
     impl = S4D_TABLE.choose(implementation, call)
     dt = compute_dtype(z.dtype)
     lm = jnp.broadcast_to(log_modulus.astype(dt), (b, t, h, m))
     x0 = jnp.zeros((b, h, 2 * m, c), dt) if initial_state is None else initial_state.astype(dt)
     o, x = impl.run(z.astype(dt), lm, phase.astype(dt), input_gain.astype(dt), readout.astype(dt), x0,
                     common.document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
-    return o.astype(z.dtype), x
+    return common.poison(violation, o.astype(z.dtype), x)
 
 
 def s4d_step(z, *, log_modulus, phase, input_gain, readout, state):

@@ -34,15 +34,19 @@ def _qkv(b=1, t=8, h=1, d=4):
     return [jax.random.normal(kk, (b, t, h, d)) for kk in keys]
 
 
-def test_delta_rule_rejects_a_positive_log_decay_eagerly_and_under_jit():
+def test_delta_rule_rejects_a_positive_log_decay_eagerly_and_under_jit(monkeypatch):
     q, k, v = _qkv()
     bad = jnp.full(q.shape, -0.1).at[0, 3, 0, 1].set(0.5)
     with pytest.raises(ValueError, match=r"delta_rule: argument 'log_decay' is outside its domain.*<= 0.*0\.5"):
         delta_rule(q, k, v, log_decay=bad)
-    f = jax.jit(lambda lam: delta_rule(q, k, v, log_decay=lam, implementation="xla")[0])
-    np.asarray(f(jnp.full(q.shape, -0.1)))  # valid values pass through jit
+    f = jax.jit(lambda lam: delta_rule(q, k, v, log_decay=lam, implementation="xla"))
+    assert np.isfinite(np.asarray(f(jnp.full(q.shape, -0.1))[0])).all()  # valid values pass through jit
+    out, state = f(bad)  # under jit: no host sync by default; the outputs say it (all NaN), never a wrong number
+    assert np.isnan(np.asarray(out)).all() and np.isnan(np.asarray(state)).all()
+    monkeypatch.setattr(common, "CHECK_DOMAINS_UNDER_JIT", True)  # MIXERLAB_CHECK_DOMAINS=1: the error itself
+    g = jax.jit(lambda lam: delta_rule(q, k, v, log_decay=lam, implementation="xla")[0])
     with pytest.raises(Exception, match=r"log_decay' is outside its domain"):
-        np.asarray(f(bad))
+        np.asarray(g(bad))
     with pytest.raises(ValueError, match="outside its domain"):  # NaN is not <= 0 either
         delta_rule(q, k, v, log_decay=jnp.full(q.shape[:3], jnp.nan))
 
@@ -65,5 +69,8 @@ def test_interdomain_rejects_a_positive_log_modulus():
     v = jax.random.normal(keys[2], (b, t, h, dv))
     args = dict(phase=jnp.ones((h, m)), input_gain=jnp.ones((h, 2 * m)), readout=jnp.eye(2 * m)[None])
     interdomain(q, k, v, log_modulus=-jnp.ones((h, m)), **args)
+    bad = jnp.ones((h, m)).at[0, 1].set(0.25) - 0.5
     with pytest.raises(ValueError, match=r"interdomain: argument 'log_modulus' is outside its domain"):
-        interdomain(q, k, v, log_modulus=jnp.ones((h, m)).at[0, 1].set(0.25) - 0.5, **args)
+        interdomain(q, k, v, log_modulus=bad, **args)
+    out, _ = jax.jit(lambda r: interdomain(q, k, v, log_modulus=r, **args))(bad)
+    assert np.isnan(np.asarray(out)).all()
