@@ -45,6 +45,8 @@ from typing import Sequence
 
 import grain
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 import pyarrow.parquet as pq
 from grain.experimental import ConcatThenSplitIterDataset, InterleaveIterDataset
 
@@ -55,6 +57,8 @@ SHUFFLE_WINDOW_BLOCKS = 16  # row-group blocks whose documents are shuffled toge
 READ_THREADS = 4  # grain prefetch threads per process (tokenisation, Parquet reads)
 PREFETCH_DOCS = 64
 _STATE_VERSION = 1
+SAMPLE_ROW_GROUPS = 32  # row groups read by the start-up check of the text (spread over the files)
+EMPTY_WARN_SHARE = 0.1  # warn when more than this share of the sampled documents is empty
 
 
 # ----------------------------------------------------------------------------------------------- files
@@ -87,7 +91,53 @@ def resolve_parquet_files(path: str, key: str, text_column: str = "text") -> lis
         if text_column not in schema.names:
             raise ValueError(f"{key}: {f!r} has no column {text_column!r} (data.text_column); "
                              f"its columns are {schema.names}")
+        kind = schema.field(text_column).type
+        if not _is_text_type(kind):
+            hint = (" (if it holds UTF-8 text, write it as a string column)" if pa.types.is_binary(kind)
+                    or pa.types.is_large_binary(kind) else "")
+            raise ValueError(f"{key}: column {text_column!r} (data.text_column) of {f!r} has type {kind}, not "
+                             f"string{hint}; name a text column")
     return files
+
+
+def _is_text_type(kind) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or getattr(pa.types, "is_string_view",
+                                                                               lambda _: False)(kind)
+
+
+def check_text_data(path: str, key: str, text_column: str = "text", *, max_row_groups: int = SAMPLE_ROW_GROUPS,
+                    empty_warn_share: float = EMPTY_WARN_SHARE) -> list[str]:
+    """Start-up check of the documents of ``path``: reads up to ``max_row_groups`` row groups spread evenly
+    over the files (every row group of a small corpus) and raises ValueError (naming the file and column) for
+    undecodable text or when no sampled document has any text. Returns warnings: the share of empty
+    documents when it is above ``empty_warn_share``."""
+    files = resolve_parquet_files(path, key, text_column)
+    groups = _RowGroups(files)
+    if groups.num_docs == 0:
+        raise ValueError(f"{key}: {path!r} holds no rows (column {text_column!r}, data.text_column)")
+    picks = sorted(set(np.linspace(0, len(groups.groups) - 1, min(max_row_groups, len(groups.groups)))
+                       .round().astype(int).tolist()))
+    empty = total = 0
+    for gi in picks:
+        fi, rg, _ = groups.groups[gi]
+        column = pq.ParquetFile(files[fi]).read_row_group(rg, columns=[text_column]).column(0)
+        try:
+            column.validate(full=True)
+        except pa.ArrowInvalid as e:
+            raise ValueError(f"{key}: column {text_column!r} (data.text_column) of {files[fi]!r}, row group "
+                             f"{rg}: the text is not valid UTF-8 ({e})") from None
+        lengths = pa.compute.utf8_length(pa.compute.utf8_trim_whitespace(column)).to_numpy(zero_copy_only=False)
+        empty += int(np.sum(~(np.nan_to_num(lengths.astype(float), nan=0.0) > 0)))
+        total += len(lengths)
+    sampled = "" if len(picks) == len(groups.groups) else f" (a sample of {len(picks)} of {len(groups.groups)} row groups)"
+    if empty == total:
+        raise ValueError(f"{key}: every document in column {text_column!r} (data.text_column) of {path!r} is "
+                         f"empty or null{sampled}; there is nothing to train on")
+    warnings_out = []
+    if empty / total > empty_warn_share:
+        warnings_out.append(f"{key}: {empty} of {total} documents in column {text_column!r} of {path!r} are empty "
+                            f"or null ({empty / total:.0%}{sampled}); they add only an end-of-text token each")
+    return warnings_out
 
 
 class _RowGroups:
@@ -228,7 +278,12 @@ class _ParquetDocs(grain.MapDataset):
             if texts is None:
                 fi, rg, _ = self._groups.groups[gi]
                 table = pq.ParquetFile(self._groups.files[fi]).read_row_group(rg, columns=[self._text_column])
-                texts = table.column(0).to_pylist()
+                try:
+                    texts = table.column(0).to_pylist()
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"column {self._text_column!r} (data.text_column) of "
+                                     f"{self._groups.files[fi]!r}, row group {rg}: the text is not valid UTF-8 "
+                                     f"({e})") from None
                 with self._lock:
                     self._cache_put(self._texts, gi, texts, self._window + 2)
                     self._loading.pop(gi, None)
