@@ -416,6 +416,21 @@ class _JsonStateIterDataset(grain.IterDataset):
         return "_JsonStateIterDataset"
 
 
+def _die_with_parent(worker_index: int = 0, worker_count: int = 0) -> None:
+    """Runs in each grain worker: the kernel kills the worker when the trainer dies, even by SIGKILL (which
+    runs no clean-up in the trainer). Linux only; elsewhere workers end when they next talk to the trainer."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # the trainer died before the line above (the worker was re-parented)
+        os._exit(1)
+
+
 def _mark_absl_flags_parsed() -> None:
     """grain's multiprocessing reads absl flags (defaults are fine); our entry point does not parse them."""
     from absl import flags
@@ -458,7 +473,8 @@ def train_iterator(cfg, tokenizer: Tokenizer, *, global_batch_size: int, seed: i
     ds = InterleaveIterDataset(slots, cycle_length=local_batch).batch(local_batch, drop_remainder=True)
     if cfg.num_workers and cfg.num_workers > 0:
         _mark_absl_flags_parsed()
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(cfg.num_workers)))
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(cfg.num_workers)),
+                            worker_init_fn=_die_with_parent)
     fingerprint = {"train_path": str(cfg.train_path), "seq_len": int(cfg.seq_len), "seed": int(seed),
                    "shuffle": bool(cfg.shuffle), "global_batch": global_batch_size, "local_batch": local_batch, "process_index": process_index,
                    "process_count": process_count, "num_workers": int(cfg.num_workers or 0),
