@@ -360,7 +360,7 @@ class _Loop:
         t_cfg = self.cfg.train
         self.checkpointer.finish()
         newest = self.checkpointer.latest_step()
-        where = (f"the newest checkpoint in {self.ckpt_dir} is step {newest}, from before these steps"
+        where = (f"the newest checkpoint in {self.ckpt_dir} is step {newest}"
                  if newest is not None else f"no checkpoint was written to {self.ckpt_dir}")
         raise FloatingPointError(
             f"{self.consecutive_skips} consecutive steps (up to step {step}) had a non-finite loss or gradient "
