@@ -129,13 +129,14 @@ def check_text_data(path: str, key: str, text_column: str = "text", *, max_row_g
         lengths = pa.compute.utf8_length(pa.compute.utf8_trim_whitespace(column)).to_numpy(zero_copy_only=False)
         empty += int(np.sum(~(np.nan_to_num(lengths.astype(float), nan=0.0) > 0)))
         total += len(lengths)
+    where = repr(files[0]) if len(files) == 1 else f"{path!r} ({len(files)} files)"
     sampled = "" if len(picks) == len(groups.groups) else f" (a sample of {len(picks)} of {len(groups.groups)} row groups)"
     if empty == total:
-        raise ValueError(f"{key}: every document in column {text_column!r} (data.text_column) of {path!r} is "
+        raise ValueError(f"{key}: every document in column {text_column!r} (data.text_column) of {where} is "
                          f"empty or null{sampled}; there is nothing to train on")
     warnings_out = []
     if empty / total > empty_warn_share:
-        warnings_out.append(f"{key}: {empty} of {total} documents in column {text_column!r} of {path!r} are empty "
+        warnings_out.append(f"{key}: {empty} of {total} documents in column {text_column!r} of {where} are empty "
                             f"or null ({empty / total:.0%}{sampled}); they add only an end-of-text token each")
     return warnings_out
 
