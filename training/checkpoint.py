@@ -107,6 +107,8 @@ class Checkpointer:
         written (False). Errors are one-line ``CheckpointError``s."""
         if not all_finite(params):
             return False
+        if self._pending:  # orbax waits for the previous async save anyway: its manifest can be written now
+            self.finish()
         try:
             saved = self.manager.save(step, args=ocp.args.Composite(
                 params=ocp.args.StandardSave(params),
