@@ -175,15 +175,15 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
     checkpoints made by the same model/optimizer/data config, the text columns), and nothing in the run
     directory is changed when a check fails."""
     t_cfg = cfg.train
-    run_dir, ckpt_dir = _check_run_dir(cfg)
-    data_notes = _check_data(cfg)
+    run_dir, ckpt_dir, notes = _check_run_dir(cfg)
+    notes += [f"warning: {note}" for note in _check_data(cfg)]
     tokenizer, vocab_size = _load_tokenizer(cfg)
     if not t_cfg.resume and jax.process_index() == 0:
         _set_aside_previous_run(run_dir)
     run_dir_lib.check_writable(ckpt_dir, "train.output_dir (its checkpoints folder)")
     log_handler = _open_log(run_dir)
-    for note in data_notes:
-        _say(f"warning: {note}")
+    for note in notes:
+        _say(note)
     try:
         loop = _Loop(cfg, run_dir, ckpt_dir)
         try:
@@ -197,16 +197,15 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
     return loop.result()
 
 
-def _check_run_dir(cfg) -> tuple[str, str]:
-    """The run and checkpoint folders; the run folder must be writable and, on resume, its checkpoints must
-    come from a compatible config (RunDirError otherwise, before anything is written)."""
+def _check_run_dir(cfg) -> tuple[str, str, list[str]]:
+    """The run and checkpoint folders and notes on allowed config changes. On resume the checkpoints must come
+    from a compatible config, and the run folder must be writable (RunDirError otherwise, before anything is
+    written)."""
     run_dir = os.path.abspath(cfg.train.output_dir)
     ckpt_dir = os.path.join(run_dir, "checkpoints")
+    changes = run_dir_lib.compare_with_checkpoint(cfg, run_dir) if cfg.train.resume else []
     run_dir_lib.check_writable(run_dir, "train.output_dir")
-    if cfg.train.resume:
-        for note in run_dir_lib.compare_with_checkpoint(cfg, run_dir):
-            _print(f"resuming with a changed setting: {note}")
-    return run_dir, ckpt_dir
+    return run_dir, ckpt_dir, [f"resuming with a changed setting: {c}" for c in changes]
 
 
 def _check_data(cfg) -> list[str]:
