@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -181,7 +182,7 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
     if not t_cfg.resume and jax.process_index() == 0:
         _set_aside_previous_run(run_dir)
     run_dir_lib.check_writable(ckpt_dir, "train.output_dir (its checkpoints folder)")
-    log_handler = _open_log(run_dir)
+    run_log = _RunLog(run_dir)
     for note in notes:
         _say(note)
     try:
@@ -192,8 +193,7 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
         finally:
             loop.close()
     finally:
-        logging.getLogger("training").removeHandler(log_handler)
-        log_handler.close()
+        run_log.close()
     return loop.result()
 
 
@@ -225,18 +225,43 @@ def _load_tokenizer(cfg):
     return tokenizer, vocab_size
 
 
-def _open_log(run_dir: str) -> logging.Handler:
-    """<run_dir>/train.log: every message of the run plus the details (tracebacks, library errors) that the
-    terminal gets as one line."""
-    handler = logging.FileHandler(os.path.join(run_dir, LOG_NAME)) if jax.process_index() == 0 \
-        else logging.NullHandler()
-    handler.setLevel(logging.INFO)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logger = logging.getLogger("training")
-    logger.addHandler(handler)
-    if logger.getEffectiveLevel() > logging.INFO:
-        logger.setLevel(logging.INFO)
-    return handler
+class _RunLog:
+    """<run_dir>/train.log for the length of a run: every message of the run, plus what the terminal should not
+    get as dumps: orbax's (absl) and asyncio's error tracebacks and exceptions raised in library callbacks
+    (a failed checkpoint write otherwise prints hundreds of lines before the one-line error)."""
+
+    QUIET = ("absl", "asyncio")
+
+    def __init__(self, run_dir: str):
+        self.handler = logging.FileHandler(os.path.join(run_dir, LOG_NAME)) if jax.process_index() == 0 \
+            else logging.NullHandler()
+        self.handler.setLevel(logging.INFO)
+        self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger = logging.getLogger("training")
+        logger.addHandler(self.handler)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+        self._propagate = {}
+        for name in self.QUIET:
+            quiet = logging.getLogger(name)
+            self._propagate[name] = quiet.propagate
+            quiet.addHandler(self.handler)
+            quiet.propagate = False
+        self._unraisable = sys.unraisablehook
+        sys.unraisablehook = self._log_unraisable
+
+    @staticmethod
+    def _log_unraisable(info) -> None:
+        log.info("exception ignored in %r: %s", info.object, info.err_msg or "",
+                 exc_info=(info.exc_type, info.exc_value, info.exc_traceback))
+
+    def close(self) -> None:
+        sys.unraisablehook = self._unraisable
+        for name, propagate in self._propagate.items():
+            logging.getLogger(name).removeHandler(self.handler)
+            logging.getLogger(name).propagate = propagate
+        logging.getLogger("training").removeHandler(self.handler)
+        self.handler.close()
 
 
 class _Loop:
