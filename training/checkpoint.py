@@ -214,6 +214,29 @@ class Checkpointer:
         except (OSError, ValueError):
             return None
 
+    def _check_same_model(self, step: int, params) -> None:
+        """RunDirError when step's parameter names differ from the model's: a checkpoint of another model is
+        not corrupt and must not be quarantined (the config comparison catches this first; this covers
+        checkpoints without a stored config)."""
+        try:
+            with open(os.path.join(self.step_dir(step), "params", "_METADATA")) as f:
+                stored = {tuple(k["key"] for k in v["key_metadata"])
+                          for v in json.load(f)["tree_metadata"].values()}
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # unreadable metadata: the restore below fails and the step is treated as corrupt
+        wanted = {tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+                  for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+        if stored != wanted:
+            from training.run_dir import RunDirError
+
+            missing, extra = sorted(wanted - stored), sorted(stored - wanted)
+            show = lambda keys: ", ".join(".".join(k) for k in keys[:3]) + (" ..." if len(keys) > 3 else "")
+            raise RunDirError(
+                f"checkpoint step {step} in {self.directory} holds the parameters of a different model "
+                f"({len(missing)} of this model's parameters missing: {show(missing) or '-'}; {len(extra)} others: "
+                f"{show(extra) or '-'}); nothing was changed. Resume with the config that wrote it, or start over "
+                f"with train.resume=false or a new train.output_dir")
+
     def restore(self, step: int, *, params, opt_state):
         """Restores into the structure (and shardings) of the given templates."""
         abstract = lambda tree: jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
@@ -239,6 +262,7 @@ class Checkpointer:
             problem = self.verify(step)
             restored = None
             if problem is None:
+                self._check_same_model(step, params)
                 try:
                     restored = self.restore(step, params=params, opt_state=opt_state)
                 except Exception as e:  # orbax raises many types for truncated/corrupt files

@@ -285,9 +285,10 @@ class _Loop:
                                                  seed=t_cfg.seed, process_index=jax.process_index(),
                                                  process_count=jax.process_count())
         self.val_batches = self._val_batches(tokenizer)
-        self.metrics = MetricsWriter(run_dir)
         self.checkpointer = Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
         self.start_step = self._restore()
+        self.metrics = MetricsWriter(run_dir)  # after the restore: a refused checkpoint leaves the metrics alone
+        self._resume_metrics()
         if jax.process_index() == 0:
             with open(os.path.join(run_dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
@@ -318,8 +319,7 @@ class _Loop:
                                                max_batches=t_cfg.eval_batches)]
 
     def _restore(self) -> int:
-        """The step to continue after: the newest good checkpoint's (bad ones are quarantined), else 0.
-        Metrics logged after it are dropped, so the files describe one run."""
+        """The step to continue after: the newest good checkpoint's (bad ones are quarantined), else 0."""
         start = 0
         if self.cfg.train.resume:
             restored = self.checkpointer.restore_newest(params=self.trainer.params, opt_state=self.trainer.opt_state,
@@ -328,11 +328,19 @@ class _Loop:
                 start, self.trainer.params, self.trainer.opt_state, data_state, _meta = restored
                 self.data_iter.set_state(_own_data_state(data_state))
                 log.info("resumed from %s at step %d", self.ckpt_dir, start)
-            dropped = self.metrics.resume_at(start)
-            if dropped:
-                _say(f"resuming at step {start}: dropped {dropped} metrics rows logged after it "
-                     f"(they are logged again as the steps rerun)")
+            elif self.checkpointer.quarantined:
+                _say(f"warning: none of the checkpoints in {self.ckpt_dir} could be used (all moved to "
+                     f"{self.checkpointer.quarantine_dir}); starting from step 0")
         return start
+
+    def _resume_metrics(self) -> None:
+        """Drops metrics rows logged after the restored step, so that the files describe one run."""
+        if not self.cfg.train.resume:
+            return
+        dropped = self.metrics.resume_at(self.start_step)
+        if dropped:
+            _say(f"resuming at step {self.start_step}: dropped {dropped} metrics rows logged after it "
+                 f"(they are logged again as the steps rerun)")
 
     def _reset_window(self) -> None:  # throughput over train steps only: no evals/checkpoints
         self.window_tokens, self.window_seconds, self.steps_in_window = 0.0, 0.0, 0

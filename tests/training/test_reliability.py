@@ -98,6 +98,20 @@ def test_a_changed_model_or_data_config_is_refused_and_a_safe_change_resumes(tmp
     resumed = train(_cfg(run, "train.steps=6", "checkpoint.every=3", "train.log_every=1"), progress=False)
     assert sorted(resumed.train_losses) == [5, 6]
     assert "resuming with a changed setting: checkpoint.every: 2 in the checkpoint, 3 now" in capsys.readouterr().out
+    # Checkpoints without a stored config (an older format, config.yaml gone): a different model is still
+    # refused, from the parameter names, and its checkpoints are not mistaken for corrupt ones.
+    for meta_path in glob.glob(str(run / "checkpoints" / "*" / "meta" / "metadata")):
+        meta = json.load(open(meta_path))
+        meta.pop("config")
+        json.dump(meta, open(meta_path, "w"))
+        os.remove(os.path.join(os.path.dirname(os.path.dirname(meta_path)), MANIFEST))  # none in that format
+    os.remove(run / "config.yaml")
+    before = _snapshot(run)
+    with pytest.raises(RunDirError, match="holds the parameters of a different model .*blocks.2"):
+        train(_cfg(run, "train.steps=6", "model.num_layers=4"), progress=False)
+    after = _snapshot(run)
+    after.pop("train.log"), before.pop("train.log")  # this check runs after the model is built: the log has it
+    assert after == before and not (run / "checkpoints.quarantine").exists()
 
 
 def test_unwritable_checkpoint_folder_is_reported_before_the_first_step(tmp_path):
