@@ -23,8 +23,9 @@ class RunDirError(ValueError):
 SAFE_KEYS = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "train.output_dir",
              "train.resume", "train.max_consecutive_skips", "train.microbatches", "train.loss_chunk",
              "checkpoint.", "profile.", "mesh.", "data.val_path", "model.remat")
-# Changes that alter which batches follow the saved data position (it is kept per batch row and per packed
-# sequence, so it cannot be remapped to another batch size or sequence length).
+# Changes that alter which batches follow the saved data position. The position is grain's iterator state per
+# batch row (each row reads its own slice of the documents) and per packed sequence, so it has no meaning for
+# another batch size, sequence length, file set, tokenizer, shuffle seed or worker layout: refused, not remapped.
 DATA_KEYS = ("train.batch_size", "train.seed", "data.")
 NOTES = {"train.steps": "the cosine schedule now decays over the new number of steps"}
 
@@ -97,8 +98,8 @@ def compare_with_checkpoint(cfg, run_dir: str) -> list[str]:
         if any(_kind(k) == "state" for k in refused):
             why.append("the model or optimizer state would differ")
         if any(_kind(k) == "data" for k in refused):
-            why.append("the saved data position belongs to the old batch size, sequence length and data order "
-                       "and cannot be remapped")
+            why.append("the saved data position belongs to the old data pipeline (batch size, sequence length, "
+                       "files, tokenizer, order, workers) and cannot be remapped to the new one")
         raise RunDirError(
             f"{run_dir} holds checkpoints (newest step {step}) of a run with a different config: {what}. Refused "
             f"because {' and '.join(why)}; nothing in the directory was changed. Resume with the old values, "
