@@ -88,6 +88,7 @@ class Checkpointer:
         self.quarantined: list[tuple[int, str]] = []  # (step, where it went) moved aside by this process
         self._pending: list[int] = []  # saved steps whose manifest is not written yet (async saves)
         self._primary = jax.process_index() == 0
+        self._async = async_save
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
@@ -120,7 +121,7 @@ class Checkpointer:
             raise self._save_error(step, e) from e
         if saved:
             self._pending.append(step)
-            if not self.manager._options.enable_async_checkpointing:  # noqa: SLF001 - a plain option read
+            if not self._async:
                 self.finish()
         return bool(saved)
 

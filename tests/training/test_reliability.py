@@ -4,7 +4,6 @@ import errno
 import glob
 import json
 import os
-import shutil
 import signal
 import struct
 import subprocess
@@ -12,7 +11,6 @@ import sys
 import time
 
 import jax.numpy as jnp
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -101,9 +99,11 @@ def test_a_changed_model_or_data_config_is_refused_and_a_safe_change_resumes(tmp
     # Checkpoints without a stored config (an older format, config.yaml gone): a different model is still
     # refused, from the parameter names, and its checkpoints are not mistaken for corrupt ones.
     for meta_path in glob.glob(str(run / "checkpoints" / "*" / "meta" / "metadata")):
-        meta = json.load(open(meta_path))
+        with open(meta_path) as f:
+            meta = json.load(f)
         meta.pop("config")
-        json.dump(meta, open(meta_path, "w"))
+        with open(meta_path, "w") as f:
+            json.dump(meta, f)
         os.remove(os.path.join(os.path.dirname(os.path.dirname(meta_path)), MANIFEST))  # none in that format
     os.remove(run / "config.yaml")
     before = _snapshot(run)
