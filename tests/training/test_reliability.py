@@ -190,6 +190,15 @@ def test_non_finite_parameters_are_never_saved_and_a_flipped_byte_is_detected(tm
         assert "does not match its checksum" in checker.verify(2)
     finally:
         checker.close()
+    # Asynchronous saves get their manifest once complete: when the next save starts, or at close().
+    checker = Checkpointer(str(tmp_path / "async"), keep=3, async_save=True)
+    try:
+        for step in (1, 2):
+            assert checker.save(step, params=good, opt_state={"m": good["w"]}, data_state={}, meta={})
+        assert checker.has_manifest(1) and checker.verify(1) is None
+    finally:
+        checker.close()
+    assert os.path.exists(tmp_path / "async" / "2" / MANIFEST)
 
 
 def test_sigterm_message_is_true_and_rows_of_an_attempt_without_a_checkpoint_are_dropped(tmp_path, monkeypatch, capsys):
