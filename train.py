@@ -28,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--process_id", type=int, default=None)
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("MIXERLAB_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    level = os.environ.get("MIXERLAB_LOG", "WARNING")
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger().handlers[0].setLevel(level)  # the run's log file gets more detail than the terminal
 
     from training.config import ConfigError, load_config
 
@@ -53,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     from training.loop import train
 
     start = time.perf_counter()
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except Exception as e:  # one readable line here; the traceback goes to the run's log file
+        return _report_error(cfg, e)
     minutes = (time.perf_counter() - start) / 60
     print(f"\n{'stopped' if result.preempted else 'done'} in {minutes:.1f} min: step {result.final_step}, "
           f"final train loss {result.train_losses.get(result.final_step, float('nan')):.4f}"
@@ -68,6 +74,32 @@ def main(argv: list[str] | None = None) -> int:
         print("stopped by SIGTERM before the last step; run the same command to resume")
         return 143
     return 0
+
+
+def _report_error(cfg, e: Exception) -> int:
+    """Prints one line for a failed run (library errors run to hundreds of lines) and appends the full
+    traceback to <output_dir>/train.log. Exit code 2 for a refused run directory or bad data, 1 otherwise."""
+    import traceback
+
+    from training.checkpoint import short_error
+    from training.loop import LOG_NAME
+    from training.run_dir import RunDirError
+
+    if isinstance(e, RunDirError):  # a refused run writes nothing into the directory it refused
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ours = isinstance(e, FloatingPointError) or type(e).__module__.startswith("training")
+    line = str(e) if ours or isinstance(e, ValueError) else short_error(e, limit=400)
+    log_path = os.path.join(os.path.abspath(cfg.train.output_dir), LOG_NAME)
+    try:
+        with open(log_path, "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR train.py: {line}\n")
+            traceback.print_exception(e, file=f)
+        where = f" (details: {log_path})"
+    except OSError:
+        where = ""
+    print(f"error: {line}{where}", file=sys.stderr)
+    return 2 if isinstance(e, ValueError) else 1
 
 
 def _compile_only(cfg, topology: str) -> int:

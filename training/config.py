@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -71,7 +72,7 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
-    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    grad_clip: float | None = 1.0  # global-norm clip; null disables
     ssm_lr_cap: float | None = None  # LR cap for mixers.base.SSMParam parameters (IA recipe: 1e-3)
 
 
@@ -370,8 +371,7 @@ def validate(cfg: Config) -> None:
                           f"({d.seq_len})")
     if t.batch_size % t.microbatches:
         raise ConfigError(f"train.microbatches: got {t.microbatches}; must divide train.batch_size ({t.batch_size})")
-    if o.lr <= 0:
-        raise ConfigError(f"optim.lr: got {o.lr}; must be > 0")
+    _check_ranges(cfg)
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio: got {o.min_lr_ratio}; must be in [0, 1]")
     if o.warmup_steps > t.steps:
@@ -417,3 +417,30 @@ def validate(cfg: Config) -> None:
                 raise
             except ValueError as e:  # mixers raise ValueError naming their own keys
                 raise ConfigError(f"mixers.{name}: {e}") from None
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Numeric keys with a meaningful domain; a value outside it would train silently wrong (eps=-1 leaves the
+    loss flat, grad_clip=-1 turned clipping off) or fail deep inside numpy/optax without naming the key."""
+    m, o, t = cfg.model, cfg.optim, cfg.train
+    floats = {"optim.lr": o.lr, "optim.min_lr_ratio": o.min_lr_ratio, "optim.weight_decay": o.weight_decay,
+              "optim.b1": o.b1, "optim.b2": o.b2, "optim.eps": o.eps, "optim.grad_clip": o.grad_clip,
+              "optim.ssm_lr_cap": o.ssm_lr_cap, "model.init_std": m.init_std, "model.norm_eps": m.norm_eps}
+    for key, value in floats.items():
+        if value is not None and not math.isfinite(value):
+            raise ConfigError(f"{key}: got {value}; must be a finite number")
+    rules = [  # (key, value, ok, what is valid)
+        ("optim.lr", o.lr, o.lr > 0, "must be > 0"),
+        ("optim.b1", o.b1, 0.0 <= o.b1 < 1.0, "must be in [0, 1)"),
+        ("optim.b2", o.b2, 0.0 <= o.b2 < 1.0, "must be in [0, 1)"),
+        ("optim.eps", o.eps, o.eps > 0, "must be > 0"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, "must be >= 0"),
+        ("optim.grad_clip", o.grad_clip, o.grad_clip is None or o.grad_clip > 0,
+         "must be > 0 (the global gradient-norm limit) or null (no clipping)"),
+        ("model.init_std", m.init_std, m.init_std > 0, "must be > 0"),
+        ("model.norm_eps", m.norm_eps, m.norm_eps > 0, "must be > 0"),
+        ("train.seed", t.seed, 0 <= t.seed < 2 ** 32, "must be in [0, 2**32)"),
+    ]
+    for key, value, ok, valid in rules:
+        if not ok:
+            raise ConfigError(f"{key}: got {value}; {valid}")

@@ -45,6 +45,8 @@ from typing import Sequence
 
 import grain
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute  # makes pa.compute available
 import pyarrow.parquet as pq
 from grain.experimental import ConcatThenSplitIterDataset, InterleaveIterDataset
 
@@ -55,6 +57,8 @@ SHUFFLE_WINDOW_BLOCKS = 16  # row-group blocks whose documents are shuffled toge
 READ_THREADS = 4  # grain prefetch threads per process (tokenisation, Parquet reads)
 PREFETCH_DOCS = 64
 _STATE_VERSION = 1
+SAMPLE_ROW_GROUPS = 32  # row groups read by the start-up check of the text (spread over the files)
+EMPTY_WARN_SHARE = 0.1  # warn when more than this share of the sampled documents is empty
 
 
 # ----------------------------------------------------------------------------------------------- files
@@ -87,7 +91,54 @@ def resolve_parquet_files(path: str, key: str, text_column: str = "text") -> lis
         if text_column not in schema.names:
             raise ValueError(f"{key}: {f!r} has no column {text_column!r} (data.text_column); "
                              f"its columns are {schema.names}")
+        kind = schema.field(text_column).type
+        if not _is_text_type(kind):
+            hint = (" (if it holds UTF-8 text, write it as a string column)" if pa.types.is_binary(kind)
+                    or pa.types.is_large_binary(kind) else "")
+            raise ValueError(f"{key}: column {text_column!r} (data.text_column) of {f!r} has type {kind}, not "
+                             f"string{hint}; name a text column")
     return files
+
+
+def _is_text_type(kind) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or getattr(pa.types, "is_string_view",
+                                                                               lambda _: False)(kind)
+
+
+def check_text_data(path: str, key: str, text_column: str = "text", *, max_row_groups: int = SAMPLE_ROW_GROUPS,
+                    empty_warn_share: float = EMPTY_WARN_SHARE) -> list[str]:
+    """Start-up check of the documents of ``path``: reads up to ``max_row_groups`` row groups spread evenly
+    over the files (every row group of a small corpus) and raises ValueError (naming the file and column) for
+    undecodable text or when no sampled document has any text. Returns warnings: the share of empty
+    documents when it is above ``empty_warn_share``."""
+    files = resolve_parquet_files(path, key, text_column)
+    groups = _RowGroups(files)
+    if groups.num_docs == 0:
+        raise ValueError(f"{key}: {path!r} holds no rows (column {text_column!r}, data.text_column)")
+    picks = sorted(set(np.linspace(0, len(groups.groups) - 1, min(max_row_groups, len(groups.groups)))
+                       .round().astype(int).tolist()))
+    empty = total = 0
+    for gi in picks:
+        fi, rg, _ = groups.groups[gi]
+        column = pq.ParquetFile(files[fi]).read_row_group(rg, columns=[text_column]).column(0)
+        try:
+            column.validate(full=True)
+        except pa.ArrowInvalid as e:
+            raise ValueError(f"{key}: column {text_column!r} (data.text_column) of {files[fi]!r}, row group "
+                             f"{rg}: the text is not valid UTF-8 ({e})") from None
+        lengths = pa.compute.utf8_length(pa.compute.utf8_trim_whitespace(column)).to_numpy(zero_copy_only=False)
+        empty += int(np.sum(~(np.nan_to_num(lengths.astype(float), nan=0.0) > 0)))
+        total += len(lengths)
+    where = repr(files[0]) if len(files) == 1 else f"{path!r} ({len(files)} files)"
+    sampled = "" if len(picks) == len(groups.groups) else f" (a sample of {len(picks)} of {len(groups.groups)} row groups)"
+    if empty == total:
+        raise ValueError(f"{key}: every document in column {text_column!r} (data.text_column) of {where} is "
+                         f"empty or null{sampled}; there is nothing to train on")
+    warnings_out = []
+    if empty / total > empty_warn_share:
+        warnings_out.append(f"{key}: {empty} of {total} documents in column {text_column!r} of {where} are empty "
+                            f"or null ({empty / total:.0%}{sampled}); they add only an end-of-text token each")
+    return warnings_out
 
 
 class _RowGroups:
@@ -228,7 +279,12 @@ class _ParquetDocs(grain.MapDataset):
             if texts is None:
                 fi, rg, _ = self._groups.groups[gi]
                 table = pq.ParquetFile(self._groups.files[fi]).read_row_group(rg, columns=[self._text_column])
-                texts = table.column(0).to_pylist()
+                try:
+                    texts = table.column(0).to_pylist()
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"column {self._text_column!r} (data.text_column) of "
+                                     f"{self._groups.files[fi]!r}, row group {rg}: the text is not valid UTF-8 "
+                                     f"({e})") from None
                 with self._lock:
                     self._cache_put(self._texts, gi, texts, self._window + 2)
                     self._loading.pop(gi, None)
@@ -361,6 +417,21 @@ class _JsonStateIterDataset(grain.IterDataset):
         return "_JsonStateIterDataset"
 
 
+def _die_with_parent(worker_index: int = 0, worker_count: int = 0) -> None:
+    """Runs in each grain worker: the kernel kills the worker when the trainer dies, even by SIGKILL (which
+    runs no clean-up in the trainer). Linux only; elsewhere workers end when they next talk to the trainer."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # the trainer died before the line above (the worker was re-parented)
+        os._exit(1)
+
+
 def _mark_absl_flags_parsed() -> None:
     """grain's multiprocessing reads absl flags (defaults are fine); our entry point does not parse them."""
     from absl import flags
@@ -403,7 +474,8 @@ def train_iterator(cfg, tokenizer: Tokenizer, *, global_batch_size: int, seed: i
     ds = InterleaveIterDataset(slots, cycle_length=local_batch).batch(local_batch, drop_remainder=True)
     if cfg.num_workers and cfg.num_workers > 0:
         _mark_absl_flags_parsed()
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(cfg.num_workers)))
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(cfg.num_workers)),
+                            worker_init_fn=_die_with_parent)
     fingerprint = {"train_path": str(cfg.train_path), "seq_len": int(cfg.seq_len), "seed": int(seed),
                    "shuffle": bool(cfg.shuffle), "global_batch": global_batch_size, "local_batch": local_batch, "process_index": process_index,
                    "process_count": process_count, "num_workers": int(cfg.num_workers or 0),

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -20,6 +21,7 @@ from jax.sharding import NamedSharding
 
 from models.decoder import Decoder, cross_entropy
 from training import data as data_lib
+from training import run_dir as run_dir_lib
 from training.checkpoint import Checkpointer
 from training import flop_model, mesh as mesh_lib
 from training.metrics import MetricsWriter, plot_loss_curve
@@ -28,6 +30,7 @@ from training.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
+LOG_NAME = "train.log"
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
@@ -167,138 +170,310 @@ def evaluate(trainer: Trainer, batches: list[dict]) -> dict:
 
 def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> RunResult:
     """Runs (or resumes) the configured training. ``stop_at_step`` ends the run early after that step (and its
-    checkpoint, if one is due) — used by tests to simulate an interruption."""
-    t_cfg, c_cfg = cfg.train, cfg.checkpoint
-    run_dir = os.path.abspath(t_cfg.output_dir)
-    os.makedirs(run_dir, exist_ok=True)
+    checkpoint, if one is due) — used by tests to simulate an interruption.
+
+    Everything that can be checked is checked before the first step (folders writable, the run directory's
+    checkpoints made by the same model/optimizer/data config, the text columns), and nothing in the run
+    directory is changed when a check fails."""
+    t_cfg = cfg.train
+    run_dir, ckpt_dir, notes = _check_run_dir(cfg)
+    notes += [f"warning: {note}" for note in _check_data(cfg)]
+    tokenizer, vocab_size = _load_tokenizer(cfg)
+    if not t_cfg.resume and jax.process_index() == 0:
+        _set_aside_previous_run(run_dir)
+    run_dir_lib.check_writable(ckpt_dir, "train.output_dir (its checkpoints folder)")
+    run_log = _RunLog(run_dir)
+    for note in notes:
+        _say(note)
+    try:
+        loop = _Loop(cfg, run_dir, ckpt_dir)
+        try:
+            loop.setup(tokenizer, vocab_size, progress=progress)
+            loop.run(stop_at_step)
+        finally:
+            loop.close()
+    finally:
+        run_log.close()
+    return loop.result()
+
+
+def _check_run_dir(cfg) -> tuple[str, str, list[str]]:
+    """The run and checkpoint folders and notes on allowed config changes. On resume the checkpoints must come
+    from a compatible config, and the run folder must be writable (RunDirError otherwise, before anything is
+    written)."""
+    run_dir = os.path.abspath(cfg.train.output_dir)
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    changes = run_dir_lib.compare_with_checkpoint(cfg, run_dir) if cfg.train.resume else []
+    run_dir_lib.check_writable(run_dir, "train.output_dir")
+    return run_dir, ckpt_dir, [f"resuming with a changed setting: {c}" for c in changes]
+
+
+def _check_data(cfg) -> list[str]:
+    """Start-up check of the training and validation text (file and column in every message)."""
+    notes = data_lib.check_text_data(cfg.data.train_path, "data.train_path", cfg.data.text_column)
+    if cfg.train.eval_every and cfg.data.val_path:
+        notes += data_lib.check_text_data(cfg.data.val_path, "data.val_path", cfg.data.text_column)
+    return notes
+
+
+def _load_tokenizer(cfg):
     tokenizer = load_tokenizer(cfg.data.tokenizer.kind, cfg.data.tokenizer.path)
     vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
     if vocab_size < tokenizer.vocab_size:
         raise ValueError(f"model.vocab_size: got {vocab_size}; the tokenizer ({tokenizer.name}) needs at least "
                          f"{tokenizer.vocab_size}")
+    return tokenizer, vocab_size
 
-    trainer = Trainer(cfg, vocab_size)
-    trainer.initialize()
-    n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
-    flops = flop_model.training_flops(cfg, trainer.abstract_params, vocab_size)
-    chip = flop_model.peak_flops()
-    for note in flops.notes:
-        log.info("flop model: %s", note)
-    data_iter = data_lib.train_iterator(cfg.data, tokenizer, global_batch_size=t_cfg.batch_size, seed=t_cfg.seed,
-                                        process_index=jax.process_index(), process_count=jax.process_count())
-    val_batches = []
-    if t_cfg.eval_every and cfg.data.val_path:
+
+class _RunLog:
+    """<run_dir>/train.log for the length of a run: every message of the run, plus what the terminal should not
+    get as dumps: orbax's (absl) and asyncio's error tracebacks and exceptions raised in library callbacks
+    (a failed checkpoint write otherwise prints hundreds of lines before the one-line error)."""
+
+    QUIET = ("absl", "asyncio")
+
+    def __init__(self, run_dir: str):
+        self.handler = logging.FileHandler(os.path.join(run_dir, LOG_NAME)) if jax.process_index() == 0 \
+            else logging.NullHandler()
+        self.handler.setLevel(logging.INFO)
+        self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger = logging.getLogger("training")
+        logger.addHandler(self.handler)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+        self._propagate = {}
+        for name in self.QUIET:
+            quiet = logging.getLogger(name)
+            self._propagate[name] = quiet.propagate
+            quiet.addHandler(self.handler)
+            quiet.propagate = False
+        self._unraisable = sys.unraisablehook
+        sys.unraisablehook = self._log_unraisable
+
+    @staticmethod
+    def _log_unraisable(info) -> None:
+        log.info("exception ignored in %r: %s", info.object, info.err_msg or "",
+                 exc_info=(info.exc_type, info.exc_value, info.exc_traceback))
+
+    def close(self) -> None:
+        sys.unraisablehook = self._unraisable
+        for name, propagate in self._propagate.items():
+            logging.getLogger(name).removeHandler(self.handler)
+            logging.getLogger(name).propagate = propagate
+        logging.getLogger("training").removeHandler(self.handler)
+        self.handler.close()
+
+
+class _Loop:
+    """One training run: restore, then steps with their logging, validation and checkpoints."""
+
+    def __init__(self, cfg, run_dir: str, ckpt_dir: str):
+        self.cfg, self.run_dir, self.ckpt_dir = cfg, run_dir, ckpt_dir
+        self.data_iter = self.metrics = self.checkpointer = self.profiler = self.preemption = self.bar = None
+
+    def setup(self, tokenizer, vocab_size: int, *, progress: bool) -> None:
+        """Model, data, outputs and the restored state (close() undoes whatever part of this ran)."""
+        cfg, run_dir, ckpt_dir, t_cfg = self.cfg, self.run_dir, self.ckpt_dir, self.cfg.train
+        self.trainer = Trainer(cfg, vocab_size)
+        self.trainer.initialize()
+        self.n_params = sum(x.size for x in jax.tree.leaves(self.trainer.params))
+        self.flops = flop_model.training_flops(cfg, self.trainer.abstract_params, vocab_size)
+        self.chip = flop_model.peak_flops()
+        for note in self.flops.notes:
+            log.info("flop model: %s", note)
+        self.data_iter = data_lib.train_iterator(cfg.data, tokenizer, global_batch_size=t_cfg.batch_size,
+                                                 seed=t_cfg.seed, process_index=jax.process_index(),
+                                                 process_count=jax.process_count())
+        self.val_batches = self._val_batches(tokenizer)
+        self.checkpointer = Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+        self.start_step = self._restore()
+        self.metrics = MetricsWriter(run_dir)  # after the restore: a refused checkpoint leaves the metrics alone
+        self._resume_metrics()
+        if jax.process_index() == 0:
+            with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+                yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+        _print(f"mixerlab: {','.join(sorted(set(cfg.layer_mixers)))} model, {self.n_params / 1e6:.2f}M parameters, "
+               f"vocab {vocab_size} ({tokenizer.name}), {t_cfg.steps} steps of {t_cfg.batch_size}x"
+               f"{cfg.data.seq_len} tokens on {jax.device_count()} {jax.devices()[0].platform} device(s), mesh "
+               f"{dict(self.trainer.mesh.shape)}; {self.flops.per_token / 1e6:.1f} MFLOP/token"
+               + (f", MFU against {self.chip[0]} peak" if self.chip else "")
+               + (f"; resuming at step {self.start_step}" if self.start_step else ""))
+        self.train_losses: dict[int, float] = {}
+        self.skipped_steps: list[int] = []
+        self.consecutive_skips = 0
+        self.val_loss = None
+        self.last_step = self.start_step
+        self.preemption = _SigtermFlag()
+        self.profiler = _Profiler(cfg.profile, os.path.join(run_dir, "profile"))
+        self.bar = _progress(progress, self.start_step, t_cfg.steps)
+        self._reset_window()
+
+    def _val_batches(self, tokenizer) -> list:
+        t_cfg = self.cfg.train
+        if not (t_cfg.eval_every and self.cfg.data.val_path):
+            return []
         # Every process evaluates its own rows of each global batch (the same global batch on all hosts).
-        local = t_cfg.batch_size // jax.process_count()
-        val_batches = [{k: v[jax.process_index() * local:(jax.process_index() + 1) * local] for k, v in b.items()}
-                       for b in data_lib.eval_batches(cfg.data, tokenizer, batch_size=t_cfg.batch_size,
-                                                      max_batches=t_cfg.eval_batches)]
+        local, p = t_cfg.batch_size // jax.process_count(), jax.process_index()
+        return [{k: v[p * local:(p + 1) * local] for k, v in b.items()}
+                for b in data_lib.eval_batches(self.cfg.data, tokenizer, batch_size=t_cfg.batch_size,
+                                               max_batches=t_cfg.eval_batches)]
 
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
-    if not t_cfg.resume and jax.process_index() == 0:
-        _set_aside_previous_run(run_dir)
-    metrics = MetricsWriter(run_dir)
-    checkpointer = Checkpointer(ckpt_dir, keep=c_cfg.keep, async_save=c_cfg.async_save)
-    start_step = 0
-    if t_cfg.resume:
-        restored = checkpointer.restore_newest(params=trainer.params, opt_state=trainer.opt_state)
-        if restored is not None:
-            start_step, trainer.params, trainer.opt_state, data_state, _meta = restored
-            data_iter.set_state(_own_data_state(data_state))
-            metrics.truncate_after(start_step)
-            log.info("resumed from %s at step %d", ckpt_dir, start_step)
-    if jax.process_index() == 0:
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    def _restore(self) -> int:
+        """The step to continue after: the newest good checkpoint's (bad ones are quarantined), else 0."""
+        start = 0
+        if self.cfg.train.resume:
+            restored = self.checkpointer.restore_newest(params=self.trainer.params, opt_state=self.trainer.opt_state,
+                                                        report=_say)
+            if restored is not None:
+                start, self.trainer.params, self.trainer.opt_state, data_state, _meta = restored
+                self.data_iter.set_state(_own_data_state(data_state))
+                log.info("resumed from %s at step %d", self.ckpt_dir, start)
+            elif self.checkpointer.quarantined:
+                _say(f"warning: none of the checkpoints in {self.ckpt_dir} could be used (all moved to "
+                     f"{self.checkpointer.quarantine_dir}); starting from step 0")
+        return start
 
-    _print(f"mixerlab: {','.join(sorted(set(cfg.layer_mixers)))} model, {n_params / 1e6:.2f}M parameters, "
-           f"vocab {vocab_size} ({tokenizer.name}), {t_cfg.steps} steps of {t_cfg.batch_size}x{cfg.data.seq_len} "
-           f"tokens on {jax.device_count()} {jax.devices()[0].platform} device(s), mesh "
-           f"{dict(trainer.mesh.shape)}; {flops.per_token / 1e6:.1f} MFLOP/token"
-           + (f", MFU against {chip[0]} peak" if chip else "")
-           + (f"; resuming at step {start_step}" if start_step else ""))
+    def _resume_metrics(self) -> None:
+        """Drops metrics rows logged after the restored step, so that the files describe one run."""
+        if not self.cfg.train.resume:
+            return
+        dropped = self.metrics.resume_at(self.start_step)
+        if dropped:
+            _say(f"resuming at step {self.start_step}: dropped {dropped} metrics rows logged after it "
+                 f"(they are logged again as the steps rerun)")
 
-    train_losses: dict[int, float] = {}
-    skipped_steps: list[int] = []
-    consecutive_skips = 0
-    val_loss = None
-    preemption = _SigtermFlag()
-    profiler = _Profiler(cfg.profile, os.path.join(run_dir, "profile"))
-    bar = _progress(progress, start_step, t_cfg.steps)
-    window_tokens, window_seconds, steps_in_window = 0.0, 0.0, 0  # train steps only: no evals/checkpoints
-    last_step = start_step
-    try:
-        for step in range(start_step + 1, t_cfg.steps + 1):
-            profiler.before(step)
-            step_start = time.perf_counter()
-            batch = trainer.global_batch(next(data_iter))
-            trainer.params, trainer.opt_state, m = trainer.train_step(trainer.params, trainer.opt_state, batch)
-            loss = float(m["loss"])  # one host sync per step: keeps the bar honest and the loss exact
-            train_losses[step] = loss
-            profiler.after(step)
-            if float(m["skipped"]):
-                skipped_steps.append(step)
-                consecutive_skips += 1
-                msg = (f"step {step}: non-finite loss ({loss}) or gradient norm ({float(m['grad_norm'])}); "
-                       f"update skipped ({len(skipped_steps)} skipped so far)")
-                log.warning(msg)
-                _print(f"warning: {msg}", bar)
-                if consecutive_skips >= t_cfg.max_consecutive_skips:
-                    raise FloatingPointError(
-                        f"{consecutive_skips} consecutive steps (up to step {step}) had a non-finite loss or "
-                        f"gradient (train.max_consecutive_skips={t_cfg.max_consecutive_skips}); stopping. The "
-                        f"newest checkpoint in {ckpt_dir} holds the last good parameters; lower optim.lr or check "
-                        f"the data before resuming")
-            else:
-                consecutive_skips = 0
-            window_tokens += float(m["tokens"])
-            window_seconds += time.perf_counter() - step_start
-            steps_in_window += 1
-            last_step = step
-            if bar is not None:
-                bar.update(1)
-            if step % t_cfg.log_every == 0 or step == t_cfg.steps:
-                tok_s = window_tokens / max(window_seconds, 1e-9)
-                row = {"loss": loss, "grad_norm": float(m["grad_norm"]), "lr": float(trainer.lr(step - 1)),
-                       "tokens_per_s": tok_s, "step_time_s": window_seconds / steps_in_window,
-                       "model_tflops_per_s": tok_s * flops.per_token / 1e12, "skipped_total": len(skipped_steps)}
-                if chip is not None:
-                    row["mfu"] = tok_s * flops.per_token / (jax.device_count() * chip[1])
-                metrics.write(step, "train", row)
-                if bar is not None:
-                    extra = {"mfu": f"{row['mfu']:.1%}"} if "mfu" in row else {}
-                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", **extra)
-                window_tokens, window_seconds, steps_in_window = 0.0, 0.0, 0
-            if val_batches and (step % t_cfg.eval_every == 0 or step == t_cfg.steps):
-                ev = evaluate(trainer, val_batches)
-                val_loss = ev["loss"]
-                metrics.write(step, "val", ev)
-                _print(f"step {step}: validation loss {ev['loss']:.4f}, perplexity {ev['perplexity']:.2f}", bar)
-            if (c_cfg.every and (step % c_cfg.every == 0 or step == t_cfg.steps)) or preemption.requested:
-                checkpointer.save(step, params=trainer.params, opt_state=trainer.opt_state,
-                                  data_state=_all_data_states(data_iter), meta={"step": step, "val_loss": val_loss})
-            if preemption.requested:
-                _print(f"SIGTERM: saved a checkpoint at step {step} in {ckpt_dir}; the same command resumes", bar)
+    def _reset_window(self) -> None:  # throughput over train steps only: no evals/checkpoints
+        self.window_tokens, self.window_seconds, self.steps_in_window = 0.0, 0.0, 0
+
+    def run(self, stop_at_step: int | None) -> None:
+        t_cfg = self.cfg.train
+        for step in range(self.start_step + 1, t_cfg.steps + 1):
+            m = self._step(step)
+            skipped = self._check_skip(step, m)
+            self._log(step, m, force=skipped)
+            if skipped and self.consecutive_skips >= t_cfg.max_consecutive_skips:
+                self._stop_on_skips(step)
+            self._maybe_eval(step)
+            saved = self._maybe_save(step)
+            if self.preemption.requested:
+                self._report_preemption(step, saved)
                 break
             if stop_at_step is not None and step >= stop_at_step:
                 break
-    finally:
-        profiler.close()
-        preemption.restore()
-        if bar is not None:
-            bar.close()
-        checkpointer.close()
-        metrics.close()
-        if hasattr(data_iter, "close"):  # stops grain's prefetch threads/processes now, not at interpreter exit
-            data_iter.close()
 
-    plot_path = None
-    if jax.process_index() == 0 and os.path.exists(metrics.jsonl_path):
-        plot_path = plot_loss_curve(metrics.jsonl_path, os.path.join(run_dir, "loss_curve.png"),
-                                    title=f"{','.join(sorted(set(cfg.layer_mixers)))} — {os.path.basename(run_dir)}")
-    return RunResult(run_dir=run_dir, final_step=last_step, train_losses=train_losses, val_loss=val_loss,
-                     metrics_path=metrics.jsonl_path, plot_path=plot_path, checkpoint_dir=ckpt_dir,
-                     skipped_steps=skipped_steps, preempted=preemption.requested)
+    def _step(self, step: int) -> dict:
+        self.profiler.before(step)
+        start = time.perf_counter()
+        batch = self.trainer.global_batch(next(self.data_iter))
+        self.trainer.params, self.trainer.opt_state, m = self.trainer.train_step(
+            self.trainer.params, self.trainer.opt_state, batch)
+        m = {k: float(v) for k, v in m.items()}  # one host sync per step: keeps the bar honest, the loss exact
+        self.train_losses[step] = m["loss"]
+        self.profiler.after(step)
+        self.window_tokens += m["tokens"]
+        self.window_seconds += time.perf_counter() - start
+        self.steps_in_window += 1
+        self.last_step = step
+        if self.bar is not None:
+            self.bar.update(1)
+        return m
+
+    def _check_skip(self, step: int, m: dict) -> bool:
+        if not m["skipped"]:
+            self.consecutive_skips = 0
+            return False
+        self.skipped_steps.append(step)
+        self.consecutive_skips += 1
+        _say(f"warning: step {step}: non-finite loss ({m['loss']}) or gradient norm ({m['grad_norm']}); update "
+             f"skipped ({len(self.skipped_steps)} skipped so far)", self.bar)
+        return True
+
+    def _stop_on_skips(self, step: int) -> None:
+        t_cfg = self.cfg.train
+        self.checkpointer.finish()
+        newest = self.checkpointer.latest_step()
+        where = (f"the newest checkpoint in {self.ckpt_dir} is step {newest}"
+                 if newest is not None else f"no checkpoint was written to {self.ckpt_dir}")
+        raise FloatingPointError(
+            f"{self.consecutive_skips} consecutive steps (up to step {step}) had a non-finite loss or gradient "
+            f"(train.max_consecutive_skips={t_cfg.max_consecutive_skips}); stopping. Skipped steps leave the "
+            f"parameters untouched; {where}. Lower optim.lr or check the data before resuming")
+
+    def _log(self, step: int, m: dict, *, force: bool) -> None:
+        """A train row every train.log_every steps, at the last step and at every skipped step."""
+        t_cfg = self.cfg.train
+        if not (force or step % t_cfg.log_every == 0 or step == t_cfg.steps):
+            return
+        tok_s = self.window_tokens / max(self.window_seconds, 1e-9)
+        row = {"loss": m["loss"], "grad_norm": m["grad_norm"], "lr": float(self.trainer.lr(step - 1)),
+               "tokens_per_s": tok_s, "step_time_s": self.window_seconds / max(self.steps_in_window, 1),
+               "model_tflops_per_s": tok_s * self.flops.per_token / 1e12, "skipped": m["skipped"],
+               "skipped_total": len(self.skipped_steps)}
+        if self.chip is not None:
+            row["mfu"] = tok_s * self.flops.per_token / (jax.device_count() * self.chip[1])
+        self.metrics.write(step, "train", row)
+        if self.bar is not None:
+            extra = {"mfu": f"{row['mfu']:.1%}"} if "mfu" in row else {}
+            self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tok_s:,.0f}", **extra)
+        self._reset_window()
+
+    def _maybe_eval(self, step: int) -> None:
+        t_cfg = self.cfg.train
+        if self.val_batches and (step % t_cfg.eval_every == 0 or step == t_cfg.steps):
+            ev = evaluate(self.trainer, self.val_batches)
+            self.val_loss = ev["loss"]
+            self.metrics.write(step, "val", ev)
+            _print(f"step {step}: validation loss {ev['loss']:.4f}, perplexity {ev['perplexity']:.2f}", self.bar)
+
+    def _maybe_save(self, step: int) -> bool:
+        """Saves when due (or on SIGTERM); True when a checkpoint of this step was written."""
+        c_cfg, t_cfg = self.cfg.checkpoint, self.cfg.train
+        due = c_cfg.every and (step % c_cfg.every == 0 or step == t_cfg.steps)
+        if not (due or self.preemption.requested):
+            return False
+        saved = self.checkpointer.save(step, params=self.trainer.params, opt_state=self.trainer.opt_state,
+                                       data_state=_all_data_states(self.data_iter),
+                                       meta={"step": step, "val_loss": self.val_loss, "config": self.cfg.to_dict()})
+        if not saved:
+            newest = self.checkpointer.latest_step()
+            _say(f"warning: step {step}: no checkpoint written (the parameters are not finite); the newest "
+                 f"checkpoint is {'step ' + str(newest) if newest is not None else 'none'}", self.bar)
+        return saved
+
+    def _report_preemption(self, step: int, saved: bool) -> None:
+        if saved:
+            self.checkpointer.finish()  # the message below is only true once the save is complete
+            _say(f"SIGTERM: saved a checkpoint at step {step} in {self.ckpt_dir}; the same command resumes",
+                 self.bar)
+        else:
+            newest = self.checkpointer.latest_step()
+            _say(f"SIGTERM: stopped after step {step} without a checkpoint of it; the same command resumes from "
+                 + (f"step {newest}" if newest is not None else "step 0"), self.bar)
+
+    def close(self) -> None:
+        """Stops the profiler, the progress bar, pending saves and the data workers, whatever happened."""
+        for part in (self.profiler, self.preemption, self.bar):
+            if part is not None:
+                part.close()
+        try:
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()
+            if hasattr(self.data_iter, "close"):  # stops grain's prefetch threads/processes now, not at exit
+                self.data_iter.close()
+
+    def result(self) -> RunResult:
+        plot_path = None
+        if jax.process_index() == 0 and os.path.exists(self.metrics.jsonl_path):
+            plot_path = plot_loss_curve(self.metrics.jsonl_path, os.path.join(self.run_dir, "loss_curve.png"),
+                                        title=f"{','.join(sorted(set(self.cfg.layer_mixers)))} — "
+                                              f"{os.path.basename(self.run_dir)}")
+        return RunResult(run_dir=self.run_dir, final_step=self.last_step, train_losses=self.train_losses,
+                         val_loss=self.val_loss, metrics_path=self.metrics.jsonl_path, plot_path=plot_path,
+                         checkpoint_dir=self.ckpt_dir, skipped_steps=self.skipped_steps,
+                         preempted=self.preemption.requested)
 
 
 class _Profiler:
@@ -344,6 +519,8 @@ class _SigtermFlag:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
 
+    close = restore
+
 
 def _progress(enabled: bool, start: int, total: int):
     if not enabled or jax.process_index() != 0:
@@ -351,6 +528,12 @@ def _progress(enabled: bool, start: int, total: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _say(msg: str, bar=None) -> None:
+    """A message for the terminal that also goes to the run's log file."""
+    log.info(msg)
+    _print(msg, bar)
 
 
 def _print(msg: str, bar=None) -> None:
@@ -366,7 +549,7 @@ def _set_aside_previous_run(run_dir: str) -> None:
     """train.resume=false in a directory that holds a previous run: rename its checkpoints and metrics
     (``*.previous-N``) instead of deleting them or mixing the two runs."""
     moved = []
-    for name in ("checkpoints", "metrics.jsonl", "tensorboard"):
+    for name in ("checkpoints", "checkpoints.quarantine", "metrics.jsonl", "tensorboard", LOG_NAME):
         path = os.path.join(run_dir, name)
         if os.path.exists(path):
             n = 1
@@ -375,7 +558,7 @@ def _set_aside_previous_run(run_dir: str) -> None:
             os.rename(path, f"{path}.previous-{n}")
             moved.append(f"{name}.previous-{n}")
     if moved:
-        _print(f"train.resume=false: kept the previous run's files in {run_dir} as {', '.join(moved)}")
+        _say(f"train.resume=false: kept the previous run's files in {run_dir} as {', '.join(moved)}")
 
 
 def _all_data_states(data_iter) -> dict:

@@ -32,16 +32,39 @@ class MetricsWriter:
         for k, v in values.items():
             self._tb.add_scalar(f"{split}/{k}", float(v), int(step))
 
-    def truncate_after(self, step: int) -> None:
-        """On resume, drop rows logged after the checkpoint we restart from (they will be logged again)."""
+    def truncate_after(self, step: int) -> int:
+        """On resume, drop rows logged after the checkpoint we restart from (they will be logged again, and
+        rows of an attempt that never reached a checkpoint belong to no run). Returns the rows dropped."""
         if not self.enabled or not os.path.exists(self.jsonl_path):
-            return
+            return 0
         with open(self.jsonl_path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-        with open(self.jsonl_path, "w") as f:
-            for row in rows:
-                if row["step"] <= step:
-                    f.write(json.dumps(row) + "\n")
+        kept = [row for row in rows if row["step"] <= step]
+        tmp = self.jsonl_path + ".tmp"
+        with open(tmp, "w") as f:
+            for row in kept:
+                f.write(json.dumps(row) + "\n")
+        os.replace(tmp, self.jsonl_path)  # a kill during the rewrite leaves the old file, not half of it
+        return len(rows) - len(kept)
+
+    def resume_at(self, step: int) -> int:
+        """truncate_after(step), and TensorBoard rebuilt from the kept rows when rows were dropped, so that
+        both show the same run. Returns the rows dropped."""
+        dropped = self.truncate_after(step)
+        if dropped and self._tb is not None:
+            import shutil
+
+            from tensorboardX import SummaryWriter
+
+            self._tb.close()
+            shutil.rmtree(self.tb_dir, ignore_errors=True)
+            self._tb = SummaryWriter(self.tb_dir, flush_secs=10)
+            for row in read_metrics(self.jsonl_path):
+                for k, v in row.items():
+                    if k not in ("step", "split"):
+                        self._tb.add_scalar(f"{row['split']}/{k}", float(v), int(row["step"]))
+            self._tb.flush()
+        return dropped
 
     def close(self) -> None:
         if self._tb is not None:

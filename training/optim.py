@@ -42,6 +42,6 @@ def make_optimizer(cfg, params_state) -> optax.GradientTransformation:
     adam = lambda sched, wd: optax.adamw(sched, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=wd)
     ssm_lr = lr if o.ssm_lr_cap is None else (lambda step: jax.numpy.minimum(lr(step), o.ssm_lr_cap))
     groups = {"decay": adam(lr, o.weight_decay), "no_decay": adam(lr, 0.0), "ssm": adam(ssm_lr, 0.0)}
-    chain = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
+    chain = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip is not None else []
     chain.append(optax.multi_transform(groups, param_groups(params_state)))
     return optax.chain(*chain)

@@ -40,6 +40,16 @@ def test_layer_pattern_tiles_layers():
     (["data.tokenizer.kind=bpe"], ["data.tokenizer.kind", "bpe", "'sentencepiece'"]),
     (["train=5"], ["train", "mapping"]),
     (["notakey"], ["notakey", "section.key=value"]),
+    (["optim.b1=1.5"], ["optim.b1", "1.5", "[0, 1)"]),
+    (["optim.b2=-1"], ["optim.b2", "-1", "[0, 1)"]),
+    (["optim.eps=-1"], ["optim.eps", "-1", "> 0"]),
+    (["optim.eps=0"], ["optim.eps", "0", "> 0"]),
+    (["optim.weight_decay=-5"], ["optim.weight_decay", "-5", ">= 0"]),
+    (["optim.grad_clip=-1"], ["optim.grad_clip", "-1", "> 0", "null"]),
+    (["optim.lr=.nan"], ["optim.lr", "nan", "finite"]),
+    (["model.init_std=-1"], ["model.init_std", "-1", "> 0"]),
+    (["model.norm_eps=-1"], ["model.norm_eps", "-1", "> 0"]),
+    (["train.seed=-1"], ["train.seed", "-1", "[0, 2**32)"]),
 ])
 def test_bad_config_is_one_clear_error(override, fragments):
     with pytest.raises(ConfigError) as err:
@@ -47,6 +57,14 @@ def test_bad_config_is_one_clear_error(override, fragments):
     msg = str(err.value)
     for fragment in fragments:
         assert fragment in msg, f"{fragment!r} missing from: {msg}"
+
+
+def test_grad_clip_null_turns_clipping_off():
+    from training.optim import make_optimizer
+
+    assert load_config("configs/tiny.yaml", ["optim.grad_clip=null"]).optim.grad_clip is None
+    cfg = load_config("configs/tiny.yaml", ["optim.grad_clip=null"])
+    assert len(make_optimizer(cfg, {}).init({})) == 1  # no clip_by_global_norm in the chain
 
 
 def test_missing_file_and_bad_yaml(tmp_path):

@@ -65,8 +65,13 @@ def test_nan_batch_is_skipped_counted_and_leaves_parameters_untouched(tmp_path, 
 
 def test_consecutive_non_finite_steps_stop_the_run(tmp_path, monkeypatch):
     _poison(monkeypatch, [2, 3, 4])
-    with pytest.raises(FloatingPointError, match="3 consecutive steps.*train.max_consecutive_skips=3"):
+    with pytest.raises(FloatingPointError, match="3 consecutive steps.*train.max_consecutive_skips=3") as err:
         train(_cfg(tmp_path, "stop", "train.steps=8", "train.max_consecutive_skips=3"), progress=False)
+    # The message says what is really on disk (checkpoint.every=10: nothing yet).
+    assert "no checkpoint was written to" in str(err.value) and "last good parameters" not in str(err.value)
+    # Every skipped step has its row, the last one (which stopped the run) included.
+    rows = [json.loads(line) for line in open(tmp_path / "stop" / "metrics.jsonl")]
+    assert [(r["step"], r["skipped_total"]) for r in rows if r.get("skipped")] == [(2, 1), (3, 2), (4, 3)]
 
 
 def test_unreadable_newest_checkpoint_is_reported_and_an_older_one_used(tmp_path, capsys):
@@ -81,7 +86,7 @@ def test_unreadable_newest_checkpoint_is_reported_and_an_older_one_used(tmp_path
                                                       "train.eval_every=0", "train.steps=8", "checkpoint.every=2",
                                                       "optim.warmup_steps=5"]), progress=False)
     out = capsys.readouterr().out
-    assert "checkpoint step 6" in out and "could not be restored" in out
+    assert "checkpoint step 6" in out and "the manifest says" in out and "checkpoints.quarantine/6" in out
     assert sorted(resumed.train_losses) == [5, 6, 7, 8]
 
 

@@ -1,0 +1,319 @@
+"""Nothing lost, nothing silent: a run directory belongs to one run, checkpoints are verified, bad data and
+bad folders are reported before the first step, metrics describe one run, errors are one line."""
+import errno
+import glob
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import train as train_cli
+from training import data as data_lib
+from training import loop
+from training.checkpoint import MANIFEST, Checkpointer
+from training.config import load_config
+from training.loop import train
+from training.run_dir import RunDirError
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _args(run_dir, *extra):
+    return [f"train.output_dir={run_dir}", "train.eval_every=0", "optim.warmup_steps=1", *extra]
+
+
+def _cfg(run_dir, *extra):
+    return load_config("configs/tiny.yaml", _args(run_dir, *extra))
+
+
+def _snapshot(run_dir):
+    """Every file under run_dir with its size and modification time."""
+    out = {}
+    for root, _dirs, files in os.walk(run_dir):
+        for f in files:
+            st = os.stat(os.path.join(root, f))
+            out[os.path.relpath(os.path.join(root, f), run_dir)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _largest_file(directory):
+    files = [p for p in glob.glob(os.path.join(directory, "**", "*"), recursive=True) if os.path.isfile(p)]
+    return max(files, key=os.path.getsize)
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def _tensorboard_steps(run_dir, tag="train/loss"):
+    """Steps of ``tag`` in the TensorBoard event files (TFRecord framing, Event protos)."""
+    from tensorboardX.proto import event_pb2
+
+    steps = []
+    for path in glob.glob(os.path.join(run_dir, "tensorboard", "events.*")):
+        with open(path, "rb") as f:
+            while header := f.read(12):
+                (length,) = struct.unpack("<Q", header[:8])
+                event = event_pb2.Event.FromString(f.read(length))
+                f.read(4)
+                steps += [event.step for v in event.summary.value if v.tag == tag]
+    return sorted(steps)
+
+
+# ------------------------------------------------------------------------------------ run directory
+def test_a_changed_model_or_data_config_is_refused_and_a_safe_change_resumes(tmp_path, capsys):
+    run = tmp_path / "run"
+    train(_cfg(run, "train.steps=6", "checkpoint.every=2"), stop_at_step=4, progress=False)
+    before = _snapshot(run)
+    config_before = (run / "config.yaml").read_text()
+    refused = {
+        "model.mixer=linear_attention": ["model.mixer", "'softmax' in the checkpoint", "'linear_attention' now"],
+        "model.d_model=96": ["model.d_model", "64 in the checkpoint", "96 now", "model or optimizer state"],
+        "optim.b2=0.99": ["optim.b2"],
+        "train.batch_size=8": ["train.batch_size", "cannot be remapped"],
+        "data.seq_len=32": ["data.seq_len", "cannot be remapped"],
+    }
+    for override, fragments in refused.items():
+        with pytest.raises(RunDirError) as err:
+            train(_cfg(run, "train.steps=6", "checkpoint.every=2", override), progress=False)
+        for fragment in fragments + ["newest step 4", "train.resume=false", "train.output_dir"]:
+            assert fragment in str(err.value), (fragment, str(err.value))
+    # The command line: exit code 2, one line, nothing in the directory touched.
+    code = train_cli.main(["--config", "configs/tiny.yaml", *_args(run, "train.steps=6", "checkpoint.every=2",
+                                                                   "model.d_model=96")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and "model.d_model" in err[0]
+    assert _snapshot(run) == before and (run / "config.yaml").read_text() == config_before
+    # A safe change is stated and the run continues from its checkpoint.
+    resumed = train(_cfg(run, "train.steps=6", "checkpoint.every=3", "train.log_every=1"), progress=False)
+    assert sorted(resumed.train_losses) == [5, 6]
+    assert "resuming with a changed setting: checkpoint.every: 2 in the checkpoint, 3 now" in capsys.readouterr().out
+    # Checkpoints without a stored config (an older format, config.yaml gone): a different model is still
+    # refused, from the parameter names, and its checkpoints are not mistaken for corrupt ones.
+    for meta_path in glob.glob(str(run / "checkpoints" / "*" / "meta" / "metadata")):
+        with open(meta_path) as f:
+            meta = json.load(f)
+        meta.pop("config")
+        with open(meta_path, "w") as f:
+            json.dump(meta, f)
+        os.remove(os.path.join(os.path.dirname(os.path.dirname(meta_path)), MANIFEST))  # none in that format
+    os.remove(run / "config.yaml")
+    before = _snapshot(run)
+    with pytest.raises(RunDirError, match="holds the parameters of a different model .*blocks.2"):
+        train(_cfg(run, "train.steps=6", "model.num_layers=4"), progress=False)
+    after = _snapshot(run)
+    after.pop("train.log"), before.pop("train.log")  # this check runs after the model is built: the log has it
+    assert after == before and not (run / "checkpoints.quarantine").exists()
+
+
+def test_unwritable_checkpoint_folder_is_reported_before_the_first_step(tmp_path):
+    run = tmp_path / "ro"
+    run.mkdir()
+    if os.geteuid() == 0:  # root writes through permissions: point the folder at a read-only file system
+        os.symlink("/sys/kernel", run / "checkpoints")
+    else:
+        (run / "checkpoints").mkdir()
+        os.chmod(run / "checkpoints", 0o555)
+    with pytest.raises(RunDirError, match=r"train.output_dir \(its checkpoints folder\): cannot write to"):
+        train(_cfg(run, "train.steps=2", "checkpoint.every=2"), progress=False)
+    assert not (run / "metrics.jsonl").exists()  # no step was computed
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+def test_corrupt_checkpoints_are_quarantined_and_training_continues_identically(tmp_path, capfd):
+    common = ("train.steps=8", "checkpoint.every=2", "checkpoint.keep=3", "train.log_every=1")
+    full = train(_cfg(tmp_path / "full", *common), progress=False)
+    ckpt = full.checkpoint_dir
+    assert sorted(os.listdir(ckpt)) == ["4", "6", "8"]
+    # Step 8: three flipped bytes in the parameter data (its manifest catches them).
+    # (the array data: such flips load without any error from orbax, as values up to 3e38 and NaNs)
+    with open(_largest_file(os.path.join(ckpt, "8", "params")), "r+b") as f:
+        for offset in (1000, 2000, 3000):
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    # Step 6: truncated and without a manifest (as if killed between the save and the manifest).
+    if os.path.exists(os.path.join(ckpt, "6", MANIFEST)):
+        os.remove(os.path.join(ckpt, "6", MANIFEST))
+    data_file = _largest_file(os.path.join(ckpt, "6", "params"))
+    with open(data_file, "r+b") as f:
+        f.truncate(os.path.getsize(data_file) // 2)
+    capfd.readouterr()
+
+    resumed = train(_cfg(tmp_path / "full", *common), progress=False)
+    out = capfd.readouterr()
+    # Training after the fallback equals the uninterrupted run, loss for loss.
+    assert sorted(resumed.train_losses) == [5, 6, 7, 8]
+    for step in range(5, 9):
+        assert resumed.train_losses[step] == full.train_losses[step], step
+    # Each bad step: one line naming it and where it went; no library dump.
+    lines = (out.out + out.err).splitlines()
+    assert len([l for l in lines if "checkpoint step 8" in l]) == 1
+    assert len([l for l in lines if "checkpoint step 6" in l]) == 1
+    assert any("checkpoint step 8" in l and "does not match its checksum" in l for l in lines)
+    assert len(lines) < 10, lines
+    quarantine = ckpt + ".quarantine"
+    assert sorted(n for n in os.listdir(quarantine) if n.isdigit()) == ["6", "8"]
+    # Saving continued at the quarantined steps; keep counts only good steps.
+    checker = Checkpointer(ckpt, keep=3, async_save=False)
+    try:
+        assert checker.steps() == [4, 6, 8]
+        assert all(checker.verify(s) is None and checker.has_manifest(s) for s in (6, 8))
+    finally:
+        checker.close()
+    assert [r["step"] for r in _rows(full.run_dir)] == list(range(1, 9))
+
+
+def test_non_finite_parameters_are_never_saved_and_a_flipped_byte_is_detected(tmp_path):
+    checker = Checkpointer(str(tmp_path / "ckpt"), keep=3, async_save=False)
+    try:
+        good = {"w": jnp.arange(256, dtype=jnp.float32)}
+        assert not checker.save(1, params={"w": good["w"].at[3].set(jnp.nan)}, opt_state={"m": good["w"]},
+                                data_state={}, meta={})
+        assert checker.steps() == []
+        assert checker.save(2, params=good, opt_state={"m": good["w"]}, data_state={}, meta={})
+        assert checker.has_manifest(2) and checker.verify(2) is None
+        with open(_largest_file(str(tmp_path / "ckpt" / "2" / "params")), "r+b") as f:
+            f.seek(40)
+            byte = f.read(1)
+            f.seek(40)
+            f.write(bytes([byte[0] ^ 0x01]))
+        assert "does not match its checksum" in checker.verify(2)
+    finally:
+        checker.close()
+    # Asynchronous saves get their manifest once complete: when the next save starts, or at close().
+    checker = Checkpointer(str(tmp_path / "async"), keep=3, async_save=True)
+    try:
+        for step in (1, 2):
+            assert checker.save(step, params=good, opt_state={"m": good["w"]}, data_state={}, meta={})
+        assert checker.has_manifest(1) and checker.verify(1) is None
+    finally:
+        checker.close()
+    assert os.path.exists(tmp_path / "async" / "2" / MANIFEST)
+
+
+def test_sigterm_message_is_true_and_rows_of_an_attempt_without_a_checkpoint_are_dropped(tmp_path, monkeypatch, capsys):
+    real = loop.data_lib.train_iterator
+
+    class _TermAtStep2:
+        def __init__(self, inner):
+            self.inner, self.n = inner, 0
+
+        def __next__(self):
+            self.n += 1
+            if self.n == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return next(self.inner)
+
+        def get_state(self):
+            return self.inner.get_state()
+
+        def set_state(self, state):
+            self.inner.set_state(state)
+
+    run = tmp_path / "term"
+    common = ("train.steps=3", "train.log_every=1")
+    with monkeypatch.context() as patch:
+        patch.setattr(loop.data_lib, "train_iterator", lambda *a, **k: _TermAtStep2(real(*a, **k)))
+        patch.setattr(loop.Checkpointer, "save", lambda self, step, **kw: False)  # e.g. non-finite parameters
+        result = train(_cfg(run, *common), progress=False)
+    out = capsys.readouterr().out
+    assert result.preempted and result.final_step == 2
+    assert "saved a checkpoint" not in out
+    assert "SIGTERM: stopped after step 2 without a checkpoint of it; the same command resumes from step 0" in out
+    # The rows of that attempt (steps 1, 2; no checkpoint) are dropped when the run starts again, in
+    # metrics.jsonl and in TensorBoard.
+    assert [r["step"] for r in _rows(run)] == [1, 2]
+    train(_cfg(run, *common), progress=False)
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3]
+    assert _tensorboard_steps(run) == [1, 2, 3]
+
+
+# ------------------------------------------------------------------------------------ data
+def _parquet(path, column):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"text": column}), path)
+    return str(path)
+
+
+def _cli_error(capsys, run_dir, *overrides):
+    """(exit code, stderr lines other than the progress bar) of train.py on the tiny config."""
+    code = train_cli.main(["--config", "configs/tiny.yaml", *_args(run_dir, "train.steps=2", *overrides)])
+    return code, [l for l in capsys.readouterr().err.strip().splitlines() if not l.startswith("train:")]
+
+
+@pytest.mark.parametrize("column, fragments", [
+    (pa.array(["", " ", None] * 4), ["every document", "empty or null"]),
+    (pa.array([b"Type Objects\n"] * 12, pa.binary()), ["has type binary", "not string"]),
+    (pa.array(list(range(12)), pa.int64()), ["has type int64"]),
+    (pa.array([b"ok", b"\xff\xfebad"] * 6, pa.binary()).view(pa.string()), ["not valid UTF-8", "row group 0"]),
+])
+def test_bad_text_columns_stop_the_run_before_the_first_step(tmp_path, capsys, column, fragments):
+    path = _parquet(tmp_path / "bad" / "part-0.parquet", column)
+    code, err = _cli_error(capsys, tmp_path / "run", f"data.train_path={tmp_path / 'bad'}")
+    assert code == 2 and len(err) == 1, err
+    for fragment in fragments + ["error: data.train_path", path, "column 'text'"]:
+        assert fragment in err[0], (fragment, err[0])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_many_empty_documents_are_a_warning(tmp_path):
+    some = _parquet(tmp_path / "some.parquet", pa.array(["text"] * 8 + [""] * 3 + [None]))
+    (warning,) = data_lib.check_text_data(some, "data.train_path")
+    assert "4 of 12 documents" in warning and "33%" in warning and "column 'text'" in warning
+    assert data_lib.check_text_data("data/embedded/train", "data.train_path") == []
+
+
+# ------------------------------------------------------------------------------------ errors
+def test_disk_full_is_one_line_with_details_in_the_log(tmp_path, monkeypatch, capsys):
+    import orbax.checkpoint as ocp
+
+    def full(self, *a, **k):
+        import logging
+
+        logging.getLogger("absl").error("orbax write failed\n" + "  tensorstore spec ...\n" * 60)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full)
+    run = tmp_path / "full"
+    code = train_cli.main(["--config", "configs/tiny.yaml", *_args(run, "train.steps=2", "checkpoint.every=2")])
+    err = [l for l in capsys.readouterr().err.strip().splitlines() if not l.startswith("train:")]  # progress bar
+    assert code == 1 and len(err) == 1, err
+    assert "checkpoint step 2: no space left on the device of" in err[0] and "train.log" in err[0]
+    log_text = (run / "train.log").read_text()
+    assert "Traceback" in log_text and "orbax write failed" in log_text  # the library's dump went to the log
+
+
+# ------------------------------------------------------------------------------------ processes
+@pytest.mark.slow
+def test_sigkill_ends_the_grain_workers_too(tmp_path):
+    import psutil
+
+    run = tmp_path / "workers"
+    cmd = [sys.executable, "train.py", "--config", "configs/tiny.yaml", *_args(run, "train.steps=500",
+           "train.log_every=1", "checkpoint.every=0", "data.num_workers=1")]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None and not (run / "metrics.jsonl").exists():
+            time.sleep(0.2)
+        assert proc.poll() is None, "training ended before it could be killed"
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "no grain worker process found"
+    finally:
+        proc.kill()
+        proc.wait()
+    _gone, alive = psutil.wait_procs(children, timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive, f"worker processes outlived the trainer: {[p.pid for p in alive]}"

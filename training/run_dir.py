@@ -1,0 +1,109 @@
+"""A run directory belongs to one run: checks made before a step is computed.
+
+* ``check_writable``: the output and checkpoint folders accept files (not discovered at the first save).
+* ``compare_with_checkpoint``: on resume, the requested config against the one stored with the newest
+  checkpoint. A change to the model, the optimizer or the data order is refused (``RunDirError``, nothing
+  in the directory is touched); a change of length, cadence, logging, checkpointing, profiling or layout is
+  allowed and returned as notes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import yaml
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used as requested; the message says why and what to do, in one line."""
+
+
+# Keys a resumed run may change: they do not alter the model, the optimizer state or the data order.
+SAFE_KEYS = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "train.output_dir",
+             "train.resume", "train.max_consecutive_skips", "train.microbatches", "train.loss_chunk",
+             "checkpoint.", "profile.", "mesh.", "data.val_path", "model.remat")
+# Changes that alter which batches follow the saved data position. The position is grain's iterator state per
+# batch row (each row reads its own slice of the documents) and per packed sequence, so it has no meaning for
+# another batch size, sequence length, file set, tokenizer, shuffle seed or worker layout: refused, not remapped.
+DATA_KEYS = ("train.batch_size", "train.seed", "data.")
+NOTES = {"train.steps": "the cosine schedule now decays over the new number of steps"}
+
+
+def check_writable(path: str, key: str) -> None:
+    """Creates ``path`` if needed and writes a probe file into it; RunDirError naming ``key`` if it cannot."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise RunDirError(f"{key}: cannot write to {path} ({e.strerror or e}); fix its permissions or free "
+                          f"space, or choose another train.output_dir") from None
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _newest_stored_config(run_dir: str) -> tuple[int | None, dict | None]:
+    """(newest checkpoint step, the config stored with it). Older checkpoints have no config in their
+    metadata; then config.yaml of the run directory (written by the run that saved them) is used."""
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    steps = sorted((int(n) for n in os.listdir(ckpt_dir) if n.isdigit()), reverse=True) \
+        if os.path.isdir(ckpt_dir) else []
+    if not steps:
+        return None, None
+    for step in steps:
+        try:
+            with open(os.path.join(ckpt_dir, str(step), "meta", "metadata")) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and isinstance(meta.get("config"), dict):
+            return steps[0], meta["config"]
+    try:
+        with open(os.path.join(run_dir, "config.yaml")) as f:
+            return steps[0], yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return steps[0], None
+
+
+def _kind(key: str) -> str:
+    if any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_KEYS):
+        return "safe"
+    if any(key == s or (s.endswith(".") and key.startswith(s)) for s in DATA_KEYS):
+        return "data"
+    return "state"
+
+
+def compare_with_checkpoint(cfg, run_dir: str) -> list[str]:
+    """Notes on the allowed changes; RunDirError naming every refused key with both values."""
+    step, stored = _newest_stored_config(run_dir)
+    if step is None or stored is None:
+        return []
+    old, new = _flatten(stored), _flatten(cfg.to_dict())
+    missing = "<not set>"
+    changed = {k: (old.get(k, missing), new.get(k, missing)) for k in sorted(set(old) | set(new))
+               if old.get(k, missing) != new.get(k, missing)}
+    refused = {k: v for k, v in changed.items() if _kind(k) != "safe"}
+    if refused:
+        what = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in refused.items())
+        why = []
+        if any(_kind(k) == "state" for k in refused):
+            why.append("the model or optimizer state would differ")
+        if any(_kind(k) == "data" for k in refused):
+            why.append("the saved data position belongs to the old data pipeline (batch size, sequence length, "
+                       "files, tokenizer, order, workers) and cannot be remapped to the new one")
+        raise RunDirError(
+            f"{run_dir} holds checkpoints (newest step {step}) of a run with a different config: {what}. Refused "
+            f"because {' and '.join(why)}; nothing in the directory was changed. Resume with the old values, "
+            f"or start over with train.resume=false (the old files are kept as *.previous-N) or a new "
+            f"train.output_dir")
+    return [f"{k}: {a!r} in the checkpoint, {b!r} now" + (f" ({NOTES[k]})" if k in NOTES else "")
+            for k, (a, b) in changed.items() if k not in ("train.output_dir", "train.resume")]
