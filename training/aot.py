@@ -130,5 +130,6 @@ def compile_for_topology(cfg, topology: str, vocab_size: int) -> CompileReport:
         param_bytes_per_chip=param_b, opt_bytes_per_chip=opt_b, temp_bytes_per_chip=temp_b,
         total_bytes_per_chip=total_b, hbm_bytes_per_chip=HBM_BYTES.get(chip_generation(topology)),
         model_flops_per_step=flops.per_token * cfg.train.batch_size * cfg.data.seq_len,
-        compiler_flops_per_chip=cost.get("flops"), compiler_seconds=(cost.get("optimal_seconds") or 0) > 0 and cost.get("optimal_seconds") or None,
+        compiler_flops_per_chip=cost.get("flops"),
+        compiler_seconds=(cost.get("optimal_seconds") or 0) > 0 and cost.get("optimal_seconds") or None,
         compile_seconds=compile_seconds)

@@ -115,6 +115,7 @@ class TrainConfig:
     output_dir: str = "runs/base"
     resume: bool = True  # continue from the newest checkpoint in output_dir if there is one
     max_consecutive_skips: int = 5  # stop after this many non-finite steps in a row (each is skipped)
+    prefetch: int = 2  # batches built and put on the devices ahead of the step; 0: built after each step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +249,8 @@ def from_dict(raw: dict) -> Config:
     mixers = {}
     for name, opts in mixer_raw.items():
         if name not in registry.names():
-            raise ConfigError(f"mixers.{name}: unknown mixer {name!r}; registered mixers: {', '.join(registry.names())}")
+            raise ConfigError(f"mixers.{name}: unknown mixer {name!r}; registered mixers: "
+                              f"{', '.join(registry.names())}")
         mixers[name] = _build(registry.get(name).options, opts or {}, f"mixers.{name}")
     sections = _build(Config, raw, "")
     cfg = dataclasses.replace(sections, mixers=types.MappingProxyType(mixers))
@@ -263,7 +265,8 @@ def _build(cls, raw: Any, where: str):
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         key = f"{where}.{unknown[0]}" if where else unknown[0]
-        raise ConfigError(f"{key}: unknown key; valid keys{(' of ' + where) if where else ''}: {', '.join(sorted(fields))}")
+        raise ConfigError(f"{key}: unknown key; valid keys{(' of ' + where) if where else ''}: "
+                          f"{', '.join(sorted(fields))}")
     hints = typing.get_type_hints(cls)
     values = {}
     for name, value in raw.items():
@@ -363,7 +366,7 @@ def validate(cfg: Config) -> None:
                           f"{cfg.profile.start_step}, {cfg.profile.num_steps}")
     for key, value in {"train.eval_every": t.eval_every, "train.eval_batches": t.eval_batches,
                        "checkpoint.every": cfg.checkpoint.every, "optim.warmup_steps": o.warmup_steps,
-                       "data.num_workers": d.num_workers}.items():
+                       "data.num_workers": d.num_workers, "train.prefetch": t.prefetch}.items():
         if value < 0:
             raise ConfigError(f"{key}: got {value}; must be >= 0")
     if t.loss_chunk < 0 or (t.loss_chunk and d.seq_len % t.loss_chunk):

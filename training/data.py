@@ -130,7 +130,8 @@ def check_text_data(path: str, key: str, text_column: str = "text", *, max_row_g
         empty += int(np.sum(~(np.nan_to_num(lengths.astype(float), nan=0.0) > 0)))
         total += len(lengths)
     where = repr(files[0]) if len(files) == 1 else f"{path!r} ({len(files)} files)"
-    sampled = "" if len(picks) == len(groups.groups) else f" (a sample of {len(picks)} of {len(groups.groups)} row groups)"
+    sampled = ("" if len(picks) == len(groups.groups)
+               else f" (a sample of {len(picks)} of {len(groups.groups)} row groups)")
     if empty == total:
         raise ValueError(f"{key}: every document in column {text_column!r} (data.text_column) of {where} is "
                          f"empty or null{sampled}; there is nothing to train on")
@@ -477,7 +478,8 @@ def train_iterator(cfg, tokenizer: Tokenizer, *, global_batch_size: int, seed: i
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(cfg.num_workers)),
                             worker_init_fn=_die_with_parent)
     fingerprint = {"train_path": str(cfg.train_path), "seq_len": int(cfg.seq_len), "seed": int(seed),
-                   "shuffle": bool(cfg.shuffle), "global_batch": global_batch_size, "local_batch": local_batch, "process_index": process_index,
+                   "shuffle": bool(cfg.shuffle), "global_batch": global_batch_size, "local_batch": local_batch,
+                   "process_index": process_index,
                    "process_count": process_count, "num_workers": int(cfg.num_workers or 0),
                    "tokenizer": getattr(tokenizer, "name", type(tokenizer).__name__)}
     return iter(_JsonStateIterDataset(ds, fingerprint))

@@ -17,13 +17,13 @@ import numpy as np
 import optax
 import yaml
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from models.decoder import Decoder, cross_entropy
 from training import data as data_lib
 from training import run_dir as run_dir_lib
 from training.checkpoint import Checkpointer
 from training import flop_model, mesh as mesh_lib
+from training.prefetch import DevicePrefetcher
 from training.metrics import MetricsWriter, plot_loss_curve
 from training.optim import make_optimizer, schedule
 from training.tokenizer import load_tokenizer
@@ -270,6 +270,8 @@ class _Loop:
     def __init__(self, cfg, run_dir: str, ckpt_dir: str):
         self.cfg, self.run_dir, self.ckpt_dir = cfg, run_dir, ckpt_dir
         self.data_iter = self.metrics = self.checkpointer = self.profiler = self.preemption = self.bar = None
+        self.batches = None
+        self.pending: list = []  # (step, device metrics) not yet fetched to the host
 
     def setup(self, tokenizer, vocab_size: int, *, progress: bool) -> None:
         """Model, data, outputs and the restored state (close() undoes whatever part of this ran)."""
@@ -287,6 +289,12 @@ class _Loop:
         self.val_batches = self._val_batches(tokenizer)
         self.checkpointer = Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
         self.start_step = self._restore()
+        # Batches are built and put on the devices by a background thread while the step runs (after the
+        # restore: it starts from the restored data position); the state of the batch consumed last is what a
+        # checkpoint stores.
+        self.batches = DevicePrefetcher(self.data_iter, self.trainer.global_batch, depth=t_cfg.prefetch,
+                                        state=lambda: json.loads(json.dumps(self.data_iter.get_state()))) \
+            if t_cfg.prefetch else None
         self.metrics = MetricsWriter(run_dir)  # after the restore: a refused checkpoint leaves the metrics alone
         self._resume_metrics()
         if jax.process_index() == 0:
@@ -344,15 +352,19 @@ class _Loop:
 
     def _reset_window(self) -> None:  # throughput over train steps only: no evals/checkpoints
         self.window_tokens, self.window_seconds, self.steps_in_window = 0.0, 0.0, 0
+        self.window_start = time.perf_counter()
 
     def run(self, stop_at_step: int | None) -> None:
-        t_cfg = self.cfg.train
+        t_cfg, c_cfg = self.cfg.train, self.cfg.checkpoint
         for step in range(self.start_step + 1, t_cfg.steps + 1):
-            m = self._step(step)
-            skipped = self._check_skip(step, m)
-            self._log(step, m, force=skipped)
-            if skipped and self.consecutive_skips >= t_cfg.max_consecutive_skips:
-                self._stop_on_skips(step)
+            self._step(step)
+            # The host waits for the device only here: every train.log_every steps and before an evaluation, a
+            # checkpoint, a stop or the end; the steps in between are dispatched without a sync.
+            if (step % t_cfg.log_every == 0 or step == t_cfg.steps or self.preemption.requested
+                    or (self.val_batches and step % t_cfg.eval_every == 0)
+                    or (c_cfg.every and step % c_cfg.every == 0)
+                    or (stop_at_step is not None and step >= stop_at_step)):
+                self._fetch_metrics()
             self._maybe_eval(step)
             saved = self._maybe_save(step)
             if self.preemption.requested:
@@ -361,22 +373,36 @@ class _Loop:
             if stop_at_step is not None and step >= stop_at_step:
                 break
 
-    def _step(self, step: int) -> dict:
+    def _step(self, step: int) -> None:
         self.profiler.before(step)
-        start = time.perf_counter()
-        batch = self.trainer.global_batch(next(self.data_iter))
+        batch = next(self.batches) if self.batches is not None else self.trainer.global_batch(next(self.data_iter))
         self.trainer.params, self.trainer.opt_state, m = self.trainer.train_step(
             self.trainer.params, self.trainer.opt_state, batch)
-        m = {k: float(v) for k, v in m.items()}  # one host sync per step: keeps the bar honest, the loss exact
-        self.train_losses[step] = m["loss"]
+        self.pending.append((step, m))
+        if self.profiler.active:  # a trace should hold whole steps
+            jax.block_until_ready(m)
         self.profiler.after(step)
-        self.window_tokens += m["tokens"]
-        self.window_seconds += time.perf_counter() - start
-        self.steps_in_window += 1
         self.last_step = step
         if self.bar is not None:
             self.bar.update(1)
-        return m
+
+    def _fetch_metrics(self) -> None:
+        """One host sync for the pending steps; then, step by step: losses, skip checks and rows."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        fetched = jax.device_get([m for _, m in pending])
+        self.window_seconds += time.perf_counter() - self.window_start
+        self.window_start = time.perf_counter()
+        for (step, _), m in zip(pending, fetched):
+            m = {k: float(v) for k, v in m.items()}
+            self.train_losses[step] = m["loss"]
+            self.window_tokens += m["tokens"]
+            self.steps_in_window += 1
+            skipped = self._check_skip(step, m)
+            self._log(step, m, force=skipped)
+            if skipped and self.consecutive_skips >= self.cfg.train.max_consecutive_skips:
+                self._stop_on_skips(step)
 
     def _check_skip(self, step: int, m: dict) -> bool:
         if not m["skipped"]:
@@ -415,7 +441,8 @@ class _Loop:
         if self.bar is not None:
             extra = {"mfu": f"{row['mfu']:.1%}"} if "mfu" in row else {}
             self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tok_s:,.0f}", **extra)
-        self._reset_window()
+        if step % t_cfg.log_every == 0 or step == t_cfg.steps:  # a skipped step's extra row keeps the window
+            self.window_tokens, self.window_seconds, self.steps_in_window = 0.0, 0.0, 0
 
     def _maybe_eval(self, step: int) -> None:
         t_cfg = self.cfg.train
@@ -424,6 +451,7 @@ class _Loop:
             self.val_loss = ev["loss"]
             self.metrics.write(step, "val", ev)
             _print(f"step {step}: validation loss {ev['loss']:.4f}, perplexity {ev['perplexity']:.2f}", self.bar)
+            self.window_start = time.perf_counter()  # evaluation time is not training throughput
 
     def _maybe_save(self, step: int) -> bool:
         """Saves when due (or on SIGTERM); True when a checkpoint of this step was written."""
@@ -431,13 +459,15 @@ class _Loop:
         due = c_cfg.every and (step % c_cfg.every == 0 or step == t_cfg.steps)
         if not (due or self.preemption.requested):
             return False
+        data_state = self.batches.last_state if self.batches is not None else self.data_iter.get_state()
         saved = self.checkpointer.save(step, params=self.trainer.params, opt_state=self.trainer.opt_state,
-                                       data_state=_all_data_states(self.data_iter),
+                                       data_state=_all_data_states(data_state),
                                        meta={"step": step, "val_loss": self.val_loss, "config": self.cfg.to_dict()})
         if not saved:
             newest = self.checkpointer.latest_step()
             _say(f"warning: step {step}: no checkpoint written (the parameters are not finite); the newest "
                  f"checkpoint is {'step ' + str(newest) if newest is not None else 'none'}", self.bar)
+        self.window_start = time.perf_counter()
         return saved
 
     def _report_preemption(self, step: int, saved: bool) -> None:
@@ -461,6 +491,8 @@ class _Loop:
         finally:
             if self.metrics is not None:
                 self.metrics.close()
+            if self.batches is not None:
+                self.batches.close()
             if hasattr(self.data_iter, "close"):  # stops grain's prefetch threads/processes now, not at exit
                 self.data_iter.close()
 
@@ -561,10 +593,10 @@ def _set_aside_previous_run(run_dir: str) -> None:
         _say(f"train.resume=false: kept the previous run's files in {run_dir} as {', '.join(moved)}")
 
 
-def _all_data_states(data_iter) -> dict:
+def _all_data_states(state) -> dict:
     """Every process's grain iterator state (each host reads its own shard), gathered so that the primary
     host's checkpoint holds all of them."""
-    mine = json.dumps(data_iter.get_state()).encode()
+    mine = json.dumps(state).encode()
     if jax.process_count() == 1:
         return {"per_process": [json.loads(mine)]}
     from jax.experimental import multihost_utils
