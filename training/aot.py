@@ -4,7 +4,8 @@
 
 libtpu (``jax[tpu]``) compiles for a named topology (``jax.experimental.topologies``); the report gives the
 per-chip parameter / optimizer / activation memory, whether it fits the chip's HBM, FLOPs per step (ours
-and the compiler's) and the compiler's estimated step time.
+and the compiler's), the compiler's estimated step time, a roofline step time from the compiler's FLOPs and
+bytes and the chip's peaks, and the MFU those imply — to compare mixers on a slice before renting it.
 """
 from __future__ import annotations
 
@@ -33,8 +34,33 @@ class CompileReport:
     hbm_bytes_per_chip: float | None
     model_flops_per_step: float
     compiler_flops_per_chip: float | None
+    compiler_bytes_per_chip: float | None
     compiler_seconds: float | None
     compile_seconds: float
+
+    @property
+    def roofline_seconds(self) -> float | None:
+        """max(compiler FLOPs / peak FLOP/s, compiler bytes / HBM bandwidth) per chip: a lower bound on the
+        step time on this chip generation (the compiler counts each Pallas kernel by its CostEstimate)."""
+        from pallas_kernels.delta_rule.flops import PEAKS
+
+        peak = PEAKS.get(chip_generation(self.topology))
+        if peak is None or not self.compiler_flops_per_chip:
+            return None
+        return max(self.compiler_flops_per_chip / peak.flops, (self.compiler_bytes_per_chip or 0.0) / peak.bandwidth)
+
+    @property
+    def estimated_seconds(self) -> float | None:
+        """The step-time estimate: the compiler's own when it gives one, else the roofline bound."""
+        return self.compiler_seconds or self.roofline_seconds
+
+    def estimated_mfu(self) -> float | None:
+        from pallas_kernels.delta_rule.flops import PEAKS
+
+        peak, seconds = PEAKS.get(chip_generation(self.topology)), self.estimated_seconds
+        if peak is None or not seconds:
+            return None
+        return self.model_flops_per_step / (seconds * self.chips * peak.flops)
 
     @property
     def fits(self) -> bool | None:
@@ -56,6 +82,11 @@ class CompileReport:
              else f"{self.compiler_flops_per_chip:.4e} (cost_analysis; Pallas kernels count their CostEstimate)"),
             ("compiler step time", "n/a" if self.compiler_seconds is None
              else f"{self.compiler_seconds * 1e3:.2f} ms (cost_analysis 'optimal_seconds', an estimate)"),
+            ("roofline step time", "n/a" if self.roofline_seconds is None
+             else f"{self.roofline_seconds * 1e3:.2f} ms (max of compiler FLOPs / peak and bytes / HBM bandwidth)"),
+            ("estimated MFU", "n/a" if self.estimated_mfu() is None
+             else f"{100 * self.estimated_mfu():.1f} % (model FLOPs over the estimated step time; real steps "
+                  f"are slower)"),
             ("compile time", f"{self.compile_seconds:.1f} s"),
         ]
         width = max(len(k) for k, _ in rows)
@@ -130,6 +161,6 @@ def compile_for_topology(cfg, topology: str, vocab_size: int) -> CompileReport:
         param_bytes_per_chip=param_b, opt_bytes_per_chip=opt_b, temp_bytes_per_chip=temp_b,
         total_bytes_per_chip=total_b, hbm_bytes_per_chip=HBM_BYTES.get(chip_generation(topology)),
         model_flops_per_step=flops.per_token * cfg.train.batch_size * cfg.data.seq_len,
-        compiler_flops_per_chip=cost.get("flops"),
+        compiler_flops_per_chip=cost.get("flops"), compiler_bytes_per_chip=cost.get("bytes accessed"),
         compiler_seconds=(cost.get("optimal_seconds") or 0) > 0 and cost.get("optimal_seconds") or None,
         compile_seconds=compile_seconds)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The training-throughput measurements of docs/benchmarks/train_h200.md, on the GPU machine (one H200, JAX 0.11.2,
+# Python 3.12): the paper configs on the embedded corpus (the output layer keeps its 32K vocabulary: step
+# time does not depend on which token ids occur).
+#   usage: bash tools/h200_train.sh {bench166|bench125|loop|losses} OUT_DIR
+set -euo pipefail
+what=${1:?bench166, bench125, loop or losses}
+out=${2:?output directory}
+mkdir -p "$out"
+if ! python3 -c "import grain" 2>/dev/null; then  # the GPU machine lacks these; wheels carried in .whl/
+  pip install -q --no-deps --target /tmp/site .whl/grain-*.whl .whl/array_record-*.whl .whl/portpicker-*.whl \
+      .whl/tensorboardx-*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD
+data="data.train_path=data/embedded/train data.val_path=data/embedded/val data.tokenizer.kind=hf
+      data.tokenizer.path=data/embedded/tokenizer.json"
+sets=$(for kv in $data; do printf -- "--set %s " "$kv"; done)
+case $what in
+  bench166) python3 tools/bench_train.py --steps 10 --warmup 3 --out "$out/bench166.json" $sets \
+      transformer_166m=configs/paper/transformer_166m.yaml,train.batch_size=32 \
+      gdn2_166m=configs/paper/gdn2_166m.yaml,train.batch_size=32 \
+      muir_166m=configs/paper/muir_166m.yaml,train.batch_size=32 ;;
+  bench125) python3 tools/bench_train.py --steps 10 --warmup 3 --out "$out/bench125.json" $sets \
+      softmax_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8 \
+      gdn2_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=gdn2 \
+      transformer_166m_noremat=configs/paper/transformer_166m.yaml,train.batch_size=32,model.remat=none ;;
+  loop)  # the trainer itself (prefetch, metrics every 10 steps): 40 steps of Muir 166M
+    python3 train.py --config configs/paper/muir_166m.yaml $data train.steps=40 train.batch_size=32 \
+      train.log_every=10 train.eval_every=0 checkpoint.every=0 optim.warmup_steps=10 \
+      train.output_dir="$out/muir_166m_loop" ;;
+  losses)  # the first 200 losses of the 8x4096 Transformer: cuDNN with a dense document mask vs flash attention
+    for impl in cudnn auto; do
+      python3 train.py --config configs/paper/transformer_166m.yaml $data train.steps=200 train.batch_size=8 \
+        train.log_every=1 train.eval_every=0 checkpoint.every=0 optim.warmup_steps=20 \
+        mixers.softmax.implementation=$impl train.output_dir="$out/losses_$impl"
+    done ;;
+  *) echo "unknown '$what' (valid: bench166, bench125, loop, losses)" >&2; exit 2 ;;
+esac
