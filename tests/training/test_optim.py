@@ -67,21 +67,37 @@ def test_decoder_norms_and_dynamics_are_never_decayed():
     assert any("scale" in n for n in kinds["no_decay"]), kinds["no_decay"]  # norm scales
 
 
-def test_one_zero_gradient_adamw_step_shrinks_only_matrices():
-    """With g = 0 Adam's moment update is exactly 0, so one step is pure decoupled weight decay:
-    p ← p (1 − lr·wd) for the decay group and p unchanged for every other group (exact in float32 up to
-    one rounding: tolerance 1e-6 relative)."""
-    lr, wd = 0.1, 0.5
+def _one_step(grad_value, lr=0.1, wd=0.5, ssm_cap=1e-3):
+    """Parameters (all 2.0) after one optimizer step of the tiny config with every gradient = grad_value."""
     cfg = load_config("configs/tiny.yaml", [f"optim.lr={lr}", f"optim.weight_decay={wd}", "optim.warmup_steps=0",
-                                            "optim.ssm_lr_cap=0.001"])
+                                            f"optim.ssm_lr_cap={ssm_cap}"])
     state = _params(_Kinds())
     tx = make_optimizer(cfg, state)  # groups from the Variable types; updates on the pure dict (as the Trainer)
     params = nnx.to_pure_dict(state)
-    opt_state = tx.init(params)
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    updates, _ = jax.jit(tx.update)(zeros, opt_state, params)
-    new = _leaves_by_name(optax.apply_updates(params, updates))
-    factor = {"matrix": 1 - lr * wd, "embedding": 1 - lr * wd, "norm_scale": 1.0, "gate_bias": 1.0, "a_log": 1.0}
+    grads = jax.tree.map(lambda p: jnp.full_like(p, grad_value), params)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    return _leaves_by_name(optax.apply_updates(params, updates))
+
+
+def _assert_step(new, expected):
     for name, value in new.items():
-        key = next(k for k in factor if k in name)
-        np.testing.assert_allclose(np.asarray(value), 2.0 * factor[key], rtol=1e-6, err_msg=name)
+        key = next(k for k in expected if k in name)
+        # float32, a few roundings; Adam's eps/|g| ≈ 5e-8 relative on the unit-gradient step
+        np.testing.assert_allclose(np.asarray(value), expected[key], rtol=1e-6, err_msg=name)
+
+
+def test_one_zero_gradient_adamw_step_shrinks_only_matrices():
+    """With g = 0 Adam's moment update is exactly 0, so one step is pure decoupled weight decay:
+    p ← p (1 − lr·wd) for the decay group (matrices of any rank), p unchanged for every other group."""
+    shrunk = 2.0 * (1 - 0.1 * 0.5)
+    _assert_step(_one_step(0.0), {"matrix": shrunk, "embedding": shrunk, "norm_scale": 2.0, "gate_bias": 2.0,
+                                  "a_log": 2.0})
+
+
+def test_one_unit_gradient_adamw_step_caps_the_ssm_learning_rate():
+    """Adam's first step moves every parameter by its group's learning rate times sign(g) (m̂/√v̂ = g/|g|, also
+    after global-norm clipping), plus lr·wd·p in the decay group: SSM parameters move by the cap (1e-3), all
+    others by the schedule's lr (0.1)."""
+    decayed = 2.0 - 0.1 - 0.1 * 0.5 * 2.0
+    _assert_step(_one_step(1.0), {"matrix": decayed, "embedding": decayed, "norm_scale": 1.9, "gate_bias": 1.9,
+                                  "a_log": 2.0 - 1e-3})
