@@ -90,14 +90,15 @@ def test_delta_rule_xla_documents_on_chunk_boundaries(name, length, chunk, leaf,
 
 
 def test_delta_rule_pallas_tpu_interpret_weak_decay_documents_on_chunk_boundary():
-    """C = 64, three chunks: documents (36, 92, 64) — chunk 1 lies wholly inside the carried document 1 (its
-    state leaves through the chunk-end decay π_C ≈ e^−0.64), document 2 starts exactly at chunk 2's first
-    token (a reset on a chunk boundary). λ ≈ −0.01 per token and channel; d = 64 (the kernel's smallest)."""
+    """C = 64, three chunks, documents (64, 128): document 1 starts exactly at chunk 1's first token (a reset on
+    a chunk boundary) and fills chunks 1 and 2, so chunk 2's carried state leaves through its chunk-end decay
+    π_C ≈ e^−0.64 into the final state (forward) and d(final state) flows back through it (backward).
+    λ ≈ −0.01 per token and channel; d = 64 (the kernel's smallest)."""
     length, chunk, leaf = 192, 64, 8
     rng = np.random.default_rng(7)
     inputs = gdn2_inputs(7, 1, length, 1, 64, 64, dtype=np.float32)
     inputs["log_decay"] = jnp.asarray(_log_decay(rng, inputs["q"].shape, np.array([0.01])), jnp.float32)
-    ids = _ids((36, 128), length)
+    ids = _ids((64,), length)
     w_out = rng.normal(size=inputs["v"].shape)
     w_state = rng.normal(size=inputs["initial_state"].shape)
 
