@@ -59,7 +59,9 @@ def _log_decay(rng, shape, scales):
 # delta rule: xla forward + custom VJP (float64)
 
 DELTA_CASES = [  # (name, T, chunk, leaf, cuts or None for random, seed)
-    ("docs_64_36_chunk64_weak", 100, 64, 8, (64,), 0),
+    # document 1 starts exactly at chunk 1 and fills chunks 1-2: a reset on a chunk boundary, then a carried
+    # state that leaves chunk 2 through its chunk-end decay π_C ≈ e^−0.64 into the final state
+    ("docs_64_128_chunk64_weak", 192, 64, 8, (64,), 0),
     ("random_0", 96, 16, 4, None, 1),
     ("random_1", 96, 16, 4, None, 2),
     ("random_2", 96, 16, 4, None, 3),
