@@ -38,6 +38,7 @@ TPU_EXTREME = TPU + "::test_extreme_decay_c64_every_head"
 VLA = _T + "test_vla.py"
 IA = _T + "test_interdomain.py"
 DELTA_LAYERS = "tests/mixers/test_delta_layers.py"
+SHORT_CONV = "tests/mixers/test_short_conv.py"
 DECODER_ISOLATION = "tests/models/test_decoder.py::test_documents_in_one_row_do_not_see_each_other"
 DATA = "tests/training/test_data.py"
 OPTIM = "tests/training/test_optim.py"
@@ -200,7 +201,7 @@ MUTANTS = [
     M("vla_reference_no_reset", "pallas_kernels/vla/reference.py",
       "eye / lambda0, A)", "A, A)",
       "reference scan does not reset A at a document boundary",
-      (VLA + "::test_decode_loop_equals_parallel_with_document_resets", VLA + "::test_packed_segments_equal_separate_documents")),
+      (CB_VLA, VLA + "::test_xla_matches_reference_float64")),
     # ---- interdomain / s4d ---------------------------------------------------------------------------------------
     M("ia_xla_carry_doc_off_by_one", _IX,
       "doc[:, :-1, -1]], axis=1)", "doc[:, 1:, 0]], axis=1)",
@@ -230,15 +231,15 @@ MUTANTS = [
     M("short_conv_segment_shift_off_by_one", "mixers/short_conv.py",
       "jnp.pad(segment_ids_BT, ((0, 0), (i, 0))", "jnp.pad(segment_ids_BT, ((0, 0), (i + 1, 0))",
       "segment mask of tap i compares with token t−i−1",
-      (DELTA_LAYERS + "::test_packed_equals_separate",)),
+      (SHORT_CONV, DELTA_LAYERS + "::test_decode_matches_parallel_over_packed_documents")),
     M("short_conv_cache_first_segment", "mixers/short_conv.py",
       "seg == segment_ids_BT[:, -1:]", "seg == segment_ids_BT[:, :1]",
       "prefill cache keeps the first document's inputs instead of the last one's",
-      (DELTA_LAYERS + "::test_prefill_then_decode", DELTA_LAYERS + "::test_decode_matches_parallel_over_packed_documents")),
+      (SHORT_CONV,)),
     M("short_conv_step_cache_stale", "mixers/short_conv.py",
       "new_cache = window[:, 1:]", "new_cache = window[:, :-1]",
       "decode cache drops the new token instead of the oldest",
-      (DELTA_LAYERS + "::test_decode_matches_parallel_over_packed_documents",)),
+      (SHORT_CONV, DELTA_LAYERS + "::test_decode_matches_parallel_over_packed_documents")),
     M("delta_common_decode_no_reset", "mixers/delta_common.py",
       "reset = positions_B == 0", "reset = positions_B < 0",
       "decode never resets the cache at a new document",
@@ -259,7 +260,7 @@ MUTANTS = [
     M("data_loss_mask_on_padding", "training/data.py",
       "valid = (seg[:-1] == seg[1:]) & (seg[:-1] != 0)", "valid = seg[:-1] == seg[1:]",
       "loss on padding tokens (segment 0)",
-      (DATA + "::test_packing_invariants", DATA + "::test_eval_batches")),
+      (LOSS, DATA + "::test_packing_invariants", DATA + "::test_eval_batches")),
     M("data_targets_not_shifted", "training/data.py",
       '"targets": tokens[1:]', '"targets": tokens[:-1]',
       "targets equal the inputs (no next-token shift)",
