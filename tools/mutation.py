@@ -106,7 +106,7 @@ _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
 
 
 def run_tests(copy_dir, tests, timeout_s):
-    """(status, first failing test, seconds, output tail); status is passed/failed/timeout/error/no-tests."""
+    """(status, first failing test, seconds, output tail); status is passed/failed/timeout/error/no-tests/broken."""
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE", *tests]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=copy_dir, env=_env(copy_dir), stdout=subprocess.PIPE,
@@ -122,8 +122,10 @@ def run_tests(copy_dir, tests, timeout_s):
         return "passed", "", seconds, output[-3000:]
     if proc.returncode == 5:
         return "no-tests", "", seconds, output[-3000:]
+    if proc.returncode in (3, 4):  # pytest internal or usage error (e.g. a declared node id does not exist)
+        return "broken", "", seconds, output[-3000:]
     failed = _FAILED.findall(output)
-    status = "failed" if proc.returncode == 1 else "error"  # 2-4: collection/import errors, usage
+    status = "failed" if proc.returncode == 1 else "error"  # 2: interrupted by a collection/import error
     return status, failed[0] if failed else "(collection)", seconds, output[-3000:]
 
 
@@ -145,7 +147,7 @@ def run_mutant(m: Mutant, copy_dir, timeout_s, *, baseline=False) -> dict:
         result = "ok" if status == "passed" else "BASELINE-" + status.upper()
     else:
         result = {"failed": "killed", "error": "killed", "passed": "SURVIVED", "timeout": "TIMEOUT",
-                  "no-tests": "NO-TESTS"}[status]
+                  "no-tests": "NO-TESTS", "broken": "BROKEN"}[status]
     return dict(name=m.name, result=result, test=test, seconds=seconds, tail=tail)
 
 
