@@ -102,7 +102,7 @@ def assert_copy_is_imported(copy_dir):
             raise SystemExit(f"mutation: the tests would import {path}, not the copy in {copy_dir}")
 
 
-_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
+_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
 
 
 def run_tests(copy_dir, tests, timeout_s):
