@@ -127,3 +127,21 @@ def test_flags_change_the_output_and_bad_combinations_fail():
         _build("interdomain", s4d_inv_n="3M")
     with pytest.raises(ValueError, match="value_head_dim"):
         _build("s4d", spec)
+
+
+def test_decode_of_a_packed_row_resets_at_each_document():
+    """Decoding a row of two documents with positions restarting at 0 equals the packed parallel forward
+    (the decode cache, conv caches included, is reset at position 0). Shapes as the test above, so the jitted
+    calls compile once per process."""
+    layer = _build("interdomain", **ALL_FLAGS)
+    _perturb_params(layer)
+    x, _, _ = _inputs(11)
+    seg = jnp.asarray(np.repeat([[1] * 5 + [2] * 6], 2, 0), jnp.int32)
+    pos = jnp.asarray(np.repeat([list(range(5)) + list(range(6))], 2, 0), jnp.int32)
+    y = _fwd(layer, x, seg, pos)
+    cache = layer.init_cache(2, 11)
+    steps = []
+    for i in range(11):
+        out, cache = _dec(layer, x[:, i:i + 1], cache, pos[:, i])
+        steps.append(out[:, 0])
+    np.testing.assert_allclose(np.asarray(jnp.stack(steps, 1)), np.asarray(y), rtol=2e-5, atol=2e-5)  # as above
