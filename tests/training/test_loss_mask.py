@@ -17,7 +17,8 @@ def test_masked_positions_do_not_count():
     targets = jnp.asarray(rng.integers(0, 5, size=(2, 6)), jnp.int32)
     mask = jnp.asarray([[1, 1, 0, 1, 0, 0], [0, 1, 1, 1, 1, 0]], jnp.float32)
     loss, count = cross_entropy(logits, targets, mask)
-    nll = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits, axis=-1)), np.asarray(targets)[..., None], -1)[..., 0]
+    log_p = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    nll = -np.take_along_axis(log_p, np.asarray(targets)[..., None], -1)[..., 0]
     assert float(count) == 7.0
     np.testing.assert_allclose(float(loss), nll[np.asarray(mask) == 1].mean(), rtol=1e-6)  # float32 sums of 7 terms
     # anything at a masked position (e.g. a document's last token predicting the next document) is ignored
