@@ -17,15 +17,14 @@ from models.sharding import constrain_batch
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg, layer_index: int, *, rngs: nnx.Rngs):
-        m = cfg.model
+    def __init__(self, m, mixer_options, layer_index: int, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(m.dtype)
-        self.mixer_name = cfg.layer_mixers[layer_index]
-        spec = MixerSpec(d_model=m.d_model, num_heads=m.num_heads, head_dim=cfg.head_dim,
-                         value_head_dim=cfg.value_head_dim, layer_index=layer_index, num_layers=m.num_layers,
+        self.mixer_name = m.layer_mixers[layer_index]
+        spec = MixerSpec(d_model=m.d_model, num_heads=m.num_heads, head_dim=m.key_head_dim,
+                         value_head_dim=m.value_width, layer_index=layer_index, num_layers=m.num_layers,
                          dtype=dtype, init_std=m.init_std)
         self.mixer_norm = RMSNorm(m.d_model, eps=m.norm_eps)
-        self.mixer = registry.build(self.mixer_name, spec, cfg.mixer_options(self.mixer_name), rngs=rngs)
+        self.mixer = registry.build(self.mixer_name, spec, mixer_options.get(self.mixer_name), rngs=rngs)
         self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
         if m.ffn_kind == "swiglu":
             self.ffn = SwiGLU(m.d_model, m.ffn_dim, init_std=m.init_std, out_init_std=spec.out_init_std,
@@ -48,13 +47,16 @@ class Block(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    def __init__(self, cfg, vocab_size: int, *, rngs: nnx.Rngs):
-        m = cfg.model
+    """``model``: the model section of a config (``training.config.ModelConfig`` or anything with its fields);
+    ``mixer_options``: {mixer name: its options dataclass}; a mixer not in it gets its defaults."""
+
+    def __init__(self, model, vocab_size: int, *, mixer_options=None, rngs: nnx.Rngs):
+        m, mixer_options = model, dict(mixer_options or {})
         self.dtype = jnp.dtype(m.dtype)
         self.tie_embeddings = m.tie_embeddings
         self.remat = m.remat
         self.embed = nnx.Embed(vocab_size, m.d_model, embedding_init=normal(m.init_std), rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(m.num_layers)])
+        self.blocks = nnx.List([Block(m, mixer_options, i, rngs=rngs) for i in range(m.num_layers)])
         self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps)
         if not m.tie_embeddings:
             self.lm_head = nnx.Linear(m.d_model, vocab_size, use_bias=False, dtype=self.dtype,
@@ -118,14 +120,14 @@ class Decoder(nnx.Module):
         return self._logits(x), new_cache
 
 
-def build_model(cfg, vocab_size: int, *, seed: int | None = None) -> Decoder:
-    """A concrete model with parameters drawn from ``seed`` (default: train.seed)."""
-    return Decoder(cfg, vocab_size, rngs=nnx.Rngs(cfg.train.seed if seed is None else seed))
+def build_model(cfg, vocab_size: int, *, seed: int = 0) -> Decoder:
+    """A concrete model of a config's ``model`` and ``mixers`` sections, parameters drawn from ``seed``."""
+    return Decoder(cfg.model, vocab_size, mixer_options=cfg.mixers, rngs=nnx.Rngs(seed))
 
 
 def abstract_model(cfg, vocab_size: int) -> Decoder:
     """The model's structure with ShapeDtypeStruct leaves: no memory, for parameter counts and AOT compiles."""
-    return nnx.eval_shape(lambda: Decoder(cfg, vocab_size, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: build_model(cfg, vocab_size))
 
 
 def token_nll(logits_BTV, targets_BT):

@@ -62,6 +62,22 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"  # activation/compute dtype; parameters stay float32
     remat: Literal["none", "block", "mixer"] = "none"  # activation checkpointing: per block or mixer only
 
+    @property
+    def key_head_dim(self) -> int:
+        """Query/key width per head: head_dim, or d_model // num_heads when unset."""
+        return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def value_width(self) -> int:
+        """Value width per head: value_head_dim, or the key width when unset."""
+        return self.value_head_dim or self.key_head_dim
+
+    @property
+    def layer_mixers(self) -> tuple[str, ...]:
+        """The mixer name of every layer (layer_pattern tiled, or mixer everywhere)."""
+        pattern = self.layer_pattern or (self.mixer,)
+        return tuple(pattern[i % len(pattern)] for i in range(self.num_layers))
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
@@ -139,17 +155,15 @@ class Config:
     # -- derived values used across the code base
     @property
     def head_dim(self) -> int:
-        return self.model.head_dim or self.model.d_model // self.model.num_heads
+        return self.model.key_head_dim
 
     @property
     def value_head_dim(self) -> int:
-        return self.model.value_head_dim or self.head_dim
+        return self.model.value_width
 
     @property
     def layer_mixers(self) -> tuple[str, ...]:
-        """The mixer name of every layer (layer_pattern tiled, or model.mixer everywhere)."""
-        pattern = self.model.layer_pattern or (self.model.mixer,)
-        return tuple(pattern[i % len(pattern)] for i in range(self.model.num_layers))
+        return self.model.layer_mixers
 
     def mixer_options(self, name: str):
         from mixers import registry

@@ -57,7 +57,8 @@ class Trainer:
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(cfg)
         seed = cfg.train.seed
-        abstract = nnx.eval_shape(lambda: Decoder(cfg, vocab_size, rngs=nnx.Rngs(seed)))
+        abstract = nnx.eval_shape(lambda: Decoder(cfg.model, vocab_size, mixer_options=cfg.mixers,
+                                                  rngs=nnx.Rngs(seed)))
         self.graphdef, abstract_params, abstract_rest = nnx.split(abstract, nnx.Param, ...)
         self.abstract_params = nnx.to_pure_dict(abstract_params)  # ShapeDtypeStructs
         self.tx = make_optimizer(cfg, abstract_params)  # groups from the Variable types
@@ -72,7 +73,8 @@ class Trainer:
         self.batch_sharding = mesh_lib.batch_sharding(self.mesh)
         # The key is an argument, not a constant: with a constant key XLA constant-folds the random draws of
         # every weight at compile time (minutes for a 1.34B model on GPU).
-        self._init_fn = lambda key: self._split(Decoder(cfg, vocab_size, rngs=nnx.Rngs(key)))
+        self._init_fn = lambda key: self._split(Decoder(cfg.model, vocab_size, mixer_options=cfg.mixers,
+                                                        rngs=nnx.Rngs(key)))
         self._seed = seed
         metric_sh = replicated
         self.train_step = jax.jit(self._train_step, donate_argnums=(0, 1),

@@ -35,7 +35,11 @@ class DevicePrefetcher:
 
     def _produce(self):
         try:
-            for batch in self._batches:
+            while True:
+                try:
+                    batch = next(self._batches)  # next(), not a for loop: any iterator, __iter__ or not
+                except StopIteration:
+                    break
                 item = (self._put(batch), self._state() if self._state is not None else None)
                 while not self._stop.is_set():
                     try:

@@ -46,7 +46,7 @@ def test_decoder_norms_and_dynamics_are_never_decayed():
     """On a real (abstract) tiny decoder with a gated-delta mixer: every vector and DynamicsParam is out of
     the decay group, every plain matrix (embeddings, projections) is in it, and both groups are non-empty."""
     cfg = load_config("configs/tiny.yaml", ["model.mixer=gdn2"])
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, 64, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Decoder(cfg.model, 64, mixer_options=cfg.mixers, rngs=nnx.Rngs(0)))
     _, params, _ = nnx.split(abstract, nnx.Param, ...)
     labels = param_groups(params)
     kinds = {}

@@ -221,7 +221,9 @@ def test_sigterm_message_is_true_and_rows_of_an_attempt_without_a_checkpoint_are
             self.inner.set_state(state)
 
     run = tmp_path / "term"
-    common = ("train.steps=3", "train.log_every=1")
+    # prefetch=0: the data iterator raises SIGTERM when batch 2 is drawn, which must be during step 2 (a
+    # prefetch thread would draw it during step 1)
+    common = ("train.steps=3", "train.log_every=1", "train.prefetch=0")
     with monkeypatch.context() as patch:
         patch.setattr(loop.data_lib, "train_iterator", lambda *a, **k: _TermAtStep2(real(*a, **k)))
         patch.setattr(loop.Checkpointer, "save", lambda self, step, **kw: False)  # e.g. non-finite parameters
