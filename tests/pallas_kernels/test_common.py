@@ -55,11 +55,14 @@ def test_vla_rejects_an_initial_penalty_that_is_not_positive_definite():
     q, k, v = _qkv()
     s0 = jnp.zeros((1, 1, 4, 4))
     eye = jnp.eye(4)[None, None]
-    vla(q, k, v, initial_state=(s0, 2.0 * eye))  # positive definite: accepted
+    # Closed-over arrays stay concrete under jit, so the check runs at trace time and the op compiles once
+    # instead of running eagerly op by op.
+    run = lambda a0: jax.jit(lambda: vla(q, k, v, initial_state=(s0, a0))[0])()  # noqa: E731
+    assert np.isfinite(np.asarray(run(2.0 * eye))).all()  # positive definite: accepted
     with pytest.raises(ValueError, match=r"vla: argument 'initial_state\[1\] \(A\)' is outside its domain"):
-        vla(q, k, v, initial_state=(s0, eye.at[..., 2, 2].set(-1.0)))
+        run(eye.at[..., 2, 2].set(-1.0))
     with pytest.raises(ValueError, match="symmetric positive-definite"):
-        vla(q, k, v, initial_state=(s0, eye.at[..., 0, 1].set(0.5)))  # not symmetric
+        run(eye.at[..., 0, 1].set(0.5))  # not symmetric
 
 
 def test_interdomain_rejects_a_positive_log_modulus():
