@@ -43,8 +43,9 @@ def test_layers_import_one_way(package):
 
 
 # Pointers users cannot follow: internal notes, their section numbers, internal work items.
-OUTSIDE = re.compile(r"shared/|guide/(architecture|verification)|\bspec (§|[AB]\d)|\bspec §|papers/[a-z-]+\.md"
-                     r"|\b(issue|session) #?\d+\b", re.IGNORECASE)
+# (Pieces joined so that this line does not match itself in a plain text search.)
+OUTSIDE = re.compile("|".join([r"share" r"d/", r"guid" r"e/(architecture|verification)", r"\bspe" r"c (§|[AB]\d)",
+                               r"pape" r"rs/[a-z-]+\.md", r"\b(issue|session) #?\d+\b"]), re.IGNORECASE)
 
 
 def test_nothing_points_outside_the_repository():
