@@ -35,15 +35,6 @@ def patched(obj, name, value):
         setattr(obj, name, old)
 
 
-@contextlib.contextmanager
-def _no_edges():
-    """π and E as ones (no start/end decay sums): what the chunk-edge decays cost."""
-    ones = lambda cfg: jnp.ones((cfg.chunk, cfg.block_k), jnp.float32)  # noqa: E731
-    with patched(ptr, "_start_decay", lambda split, masks, cfg: ones(cfg)), \
-            patched(ptr, "_end_decays", lambda lam, split, masks, cfg: (ones(cfg), jnp.ones((cfg.block_k,)))):
-        yield
-
-
 VARIANTS = {  # name: (context-manager factory, Config overrides)
     "base": (contextlib.nullcontext, {}),
     "no_levels": (lambda: patched(ptr.Config, "levels", property(lambda self: 0)), {}),
@@ -55,11 +46,6 @@ VARIANTS = {  # name: (context-manager factory, Config overrides)
     "block_k128": (contextlib.nullcontext, {"block_k": 128}),
     "intra_warps8": (contextlib.nullcontext, {"warps_intra": 8}),
     "key_grads_warps4": (contextlib.nullcontext, {"warps_key_grads": 4}),
-    "unroll": (contextlib.nullcontext, {"unroll_levels": True}),
-    "levels_outer": (contextlib.nullcontext, {"levels_outer": True}),
-    "levels_outer_warps8": (contextlib.nullcontext, {"levels_outer": True, "warps_intra": 8}),
-    "unroll_warps8": (contextlib.nullcontext, {"unroll_levels": True, "warps_key_grads": 8, "warps_intra": 8}),
-    "no_edges": (lambda: _no_edges(), {}),
     "cotangents_warps4": (contextlib.nullcontext, {"warps_cotangents": 4}),
 }
 

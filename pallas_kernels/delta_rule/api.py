@@ -12,7 +12,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from pallas_kernels import common, dispatch
-from pallas_kernels.delta_rule import decode, pallas_tpu, pallas_triton, reference, vjp, xla
+from pallas_kernels.delta_rule import decode, decode_pallas_triton, pallas_tpu, pallas_triton, reference, vjp, xla
 
 DEFAULT_CHUNK_SIZE = {"tpu": 256}  # every other backend: 64
 DEFAULT_CHUNK_SIZE_OTHER = 64
@@ -190,10 +190,39 @@ def delta_rule(q, k, v, *, erase_key=None, log_decay=None, initial_state=None, s
     return common.poison(violation, out.astype(v.dtype), final)
 
 
-def delta_rule_step(q, k, v, *, erase_key=None, log_decay=None, state):
+@dataclasses.dataclass(frozen=True)
+class StepCall:
+    """What the decode-step implementations are chosen on."""
+    backend: str
+    key_dim: int
+    value_dim: int
+    dtype: jnp.dtype
+    state_dtype: jnp.dtype
+
+
+def _step_xla(q, k, erase, v, log_decay, state):
+    dtype = compute_dtype(q.dtype)
+    return decode.fused_step(*_upcast(dtype, q, k, erase, v), log_decay, state.astype(dtype))
+
+
+def _step_triton(q, k, erase, v, log_decay, state):
+    return decode_pallas_triton.step(q, k, erase, v, log_decay, state.astype(jnp.float32))
+
+
+def _step_triton_supports(call: StepCall):
+    return decode_pallas_triton.supports(call.backend, call.key_dim, call.value_dim, call.dtype, call.state_dtype)
+
+
+STEP_TABLE = dispatch.OpTable(STEP, fallback="xla")
+STEP_TABLE.register(dispatch.Implementation("xla", _step_xla))
+STEP_TABLE.register(dispatch.Implementation("pallas_triton", _step_triton, _step_triton_supports, fast=True))
+
+
+def delta_rule_step(q, k, v, *, erase_key=None, log_decay=None, state, implementation: str = "auto"):
     """One decode token: q, k, erase_key [B, H, Dk]; v [B, H, Dv]; log_decay [B, H, Dk] or [B, H] or None;
     state [B, H, Dk, Dv]. Returns (o [B, H, Dv] in v's dtype, new_state float32 / float64).
-    Packed-document resets are the caller's job (pass a zero state)."""
+    Packed-document resets are the caller's job (pass a zero state).
+    ``implementation``: "auto" (the Pallas-Triton kernel on GPU, else "xla"), "xla" or "pallas_triton"."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         common.check_float(STEP, name, x)
         if x.ndim != 3:
@@ -222,9 +251,9 @@ def delta_rule_step(q, k, v, *, erase_key=None, log_decay=None, state):
         else:
             raise _fail("log_decay", log_decay, f"[B={b}, H={h}, Dk={dk}] or [B={b}, H={h}]", STEP)
         violation = common.check_nonpositive(STEP, "log_decay", log_decay, under_jit=False)
-    erase = jnp.zeros((b, h, dk), dtype) if erase_key is None else erase_key.astype(dtype)
-    out, new_state = decode.fused_step(q.astype(dtype), k.astype(dtype), erase, v.astype(dtype), lam,
-                                       state.astype(dtype))
+    erase = jnp.zeros((b, h, dk), q.dtype) if erase_key is None else erase_key
+    call = StepCall(dispatch.target_backend(), dk, dv, jnp.dtype(q.dtype), jnp.dtype(dtype))
+    out, new_state = STEP_TABLE.choose(implementation, call).run(q, k, erase, v, lam, state)
     return common.poison(violation if log_decay is not None else None, out.astype(v.dtype), new_state)
 
 

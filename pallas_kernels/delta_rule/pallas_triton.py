@@ -94,8 +94,6 @@ class Config:
     decay_sums: str = "auto"  # log-decay sums on the tensor cores: "tf32x2" | "tf32" | "auto" (see _split)
     pair_grads_f32: bool = False  # B2b's pivot-level matmuls with f32 operands (TF32 on the GPU): bf16 dλ error
     #                               6.3e-3 -> 2.5e-3 in interpret mode, +3.1 ms in B2b on the H200 (of 5.1)
-    unroll_levels: bool = False  # pivot-tree levels as a Python loop (static level: masks fold to constants)
-    levels_outer: bool = False  # K1: levels (unrolled) outside the key-block loop, one masked add per level
     save_matrices: bool = True  # keep M and P (C×C per chunk, operand dtype) for the backward instead of
     #                             running K1 again (≈ 17 % more residual bytes at C 64, D 128, bf16, f32 λ)
     interpret: bool = False
@@ -255,16 +253,6 @@ def _decay(weights, log_decay_parts, cfg):
     return jnp.exp(sums)
 
 
-def _loop(unroll, n, body, init):
-    """fori_loop over range(n), or the same body unrolled in Python (the index is then a static int)."""
-    if not unroll:
-        return jax.lax.fori_loop(0, n, body, init)
-    carry = init
-    for i in range(n):
-        carry = body(i, carry)
-    return carry
-
-
 def _key_block(b, cfg):
     return pl.ds(pl.multiple_of(b * cfg.block_k, cfg.block_k), cfg.block_k)
 
@@ -349,50 +337,11 @@ def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_st
             return (acc[0] + jnp.where(pairs, _dot(e * f, kf, cfg, trans_b=True), 0.0),
                     acc[1] + jnp.where(pairs, _dot(q * f, kf, cfg, trans_b=True), 0.0))
 
-        a, m = _loop(cfg.unroll_levels, cfg.levels, level, (a, m))
+        a, m = jax.lax.fori_loop(0, cfg.levels, level, (a, m))
         return a, m, diag + jnp.sum(q.astype(F32) * k.astype(F32), axis=1)
 
     zeros = jnp.zeros((c, c), F32)
     a, m, diag = jax.lax.fori_loop(0, cfg.key_dim // cfg.block_k, key_block, (zeros, zeros, jnp.zeros((c,), F32)))
-    a = jnp.where(masks.strict & masks.same_doc, a, 0.0)
-    m = jnp.where(masks.strict & masks.same_doc, m, 0.0) + jnp.where(masks.eye, diag[:, None], 0.0)
-    return m, _inverse(a, masks, cfg)
-
-
-def _chunk_matrices_levels_outer(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out, key_eff_out,
-                                 chunk_decay_out):
-    """As :func:`_chunk_matrices`, with the levels (static) outside the key-block loop: each level's masks and
-    0/1 sums are built once, its key blocks accumulate unmasked, and one masked add places the level."""
-    c, nkb = cfg.chunk, cfg.key_dim // cfg.block_k
-
-    def edge_block(b, diag):
-        cols = _key_block(b, cfg)
-        log_decay = log_decay_ref[:, cols].astype(F32)
-        log_decay_split = _split(log_decay, cfg)
-        q, k = q_ref[:, cols], k_ref[:, cols]
-        start = _start_decay(log_decay_split, masks, cfg)
-        end, chunk_decay = _end_decays(log_decay, log_decay_split, masks, cfg)
-        query_start_out[:, cols] = (q * start).astype(query_start_out.dtype)
-        key_eff_out[:, cols] = (k * end).astype(key_eff_out.dtype)
-        chunk_decay_out[cols] = chunk_decay
-        return diag + jnp.sum(q.astype(F32) * k.astype(F32), axis=1)
-
-    diag = jax.lax.fori_loop(0, nkb, edge_block, jnp.zeros((c,), F32))
-    zeros = jnp.zeros((c, c), F32)
-    a, m = zeros, zeros
-    for level in range(cfg.levels):
-        pairs, sums = _level(cfg, level)
-
-        def key_block(b, acc, sums=sums):
-            cols = _key_block(b, cfg)
-            f = _decay(sums, _split(log_decay_ref[:, cols].astype(F32), cfg), cfg)
-            kf = k_ref[:, cols] * f
-            return (acc[0] + _dot(erase_ref[:, cols] * f, kf, cfg, trans_b=True),
-                    acc[1] + _dot(q_ref[:, cols] * f, kf, cfg, trans_b=True))
-
-        level_a, level_m = jax.lax.fori_loop(0, nkb, key_block, (zeros, zeros))
-        a = jnp.where(pairs, level_a, a)
-        m = jnp.where(pairs, level_m, m)
     a = jnp.where(masks.strict & masks.same_doc, a, 0.0)
     m = jnp.where(masks.strict & masks.same_doc, m, 0.0) + jnp.where(masks.eye, diag[:, None], 0.0)
     return m, _inverse(a, masks, cfg)
@@ -423,9 +372,8 @@ def _intra_kernel(cfg, with_inverse):
                readout_out, pseudo_values_out, state_reads_out, query_start_out, key_eff_out, chunk_decay_out,
                *maybe_inverse_out):
         masks = _chunk_masks(document_ref, carried_document_ref, cfg)
-        chunk_matrices = _chunk_matrices_levels_outer if cfg.levels_outer else _chunk_matrices
-        m, p = chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out, key_eff_out,
-                              chunk_decay_out)
+        m, p = _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out, key_eff_out,
+                               chunk_decay_out)
         od = cfg.operand_dtype
         readout_out[...] = m.astype(readout_out.dtype)
         pseudo_values_out[...] = _dot(p, v_ref[...], cfg).astype(od)
@@ -577,7 +525,7 @@ def _key_grads_kernel(cfg):
                               + _dot(dm_l, q * f, cfg, trans_a=True, f32=wide)) * f)
 
         zeros = jnp.zeros((c, cfg.block_k), F32)
-        d_e_pair, d_q_pair, d_k_pair = _loop(cfg.unroll_levels, cfg.levels, level, (zeros, zeros, zeros))
+        d_e_pair, d_q_pair, d_k_pair = jax.lax.fori_loop(0, cfg.levels, level, (zeros, zeros, zeros))
         d_m_diag = jnp.sum(jnp.where(masks.eye, d_readout_ref[...].astype(F32), 0.0), axis=1)[:, None]
         start = _start_decay(log_decay_split, masks, cfg)
         end, chunk_decay = _end_decays(log_decay, log_decay_split, masks, cfg)

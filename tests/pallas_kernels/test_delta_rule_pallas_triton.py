@@ -73,7 +73,6 @@ def _check(got, want, tol, grad_tol):
     (64, 8, [5, 40, 64, 100], {}),  # T = 110: padded, segments inside and on a chunk edge
     (32, 16, [], {}),
     (64, 16, [30, 64], {"save_matrices": False, "block_k": 16}),  # backward recomputes K1; 2 key blocks
-    (64, 8, [5, 40, 64, 100], {"levels_outer": True, "unroll_levels": True, "block_k": 16}),  # loop orders
 ])
 def test_interpret_matches_reference_f32(chunk_size, leaf_size, boundaries, options):
     b, t, h, dk, dv = 1, 110, 2, 32, 16
