@@ -46,6 +46,7 @@ VARIANTS = {  # name: (context-manager factory, Config overrides)
     "block_k128": (contextlib.nullcontext, {"block_k": 128}),
     "intra_warps8": (contextlib.nullcontext, {"warps_intra": 8}),
     "key_grads_warps4": (contextlib.nullcontext, {"warps_key_grads": 4}),
+    "key_grads_warps8": (contextlib.nullcontext, {"warps_key_grads": 8}),
     "cotangents_warps4": (contextlib.nullcontext, {"warps_cotangents": 4}),
 }
 

@@ -502,12 +502,6 @@ def _key_grads_kernel(cfg):
         log_decay = log_decay_ref[...].astype(F32)
         log_decay_split = _split(log_decay, cfg)
         q, k, e = q_ref[...], k_ref[...], erase_ref[...]  # operand dtype; products promote to f32
-        s0 = starts_ref[...]
-        d_ends = d_ends_ref[...]
-        d_qpi = _dot(do_ref[...], s0, cfg, trans_b=True)
-        d_keff = _dot(true_pseudo_ref[...], d_ends, cfg, trans_b=True)
-        d_pic = jnp.sum(s0.astype(F32) * d_ends.astype(F32), axis=1)
-        d_r = _dot(inverse_ref[...], -_dot(d_true_pseudo_ref[...], s0, cfg, trans_b=True), cfg, trans_a=True)
 
         # pair gradients through the pivot tree (same factors as the forward; F is ρ on right-half rows and
         # κ on left-half rows)
@@ -526,6 +520,13 @@ def _key_grads_kernel(cfg):
 
         zeros = jnp.zeros((c, cfg.block_k), F32)
         d_e_pair, d_q_pair, d_k_pair = jax.lax.fori_loop(0, cfg.levels, level, (zeros, zeros, zeros))
+        # the state terms after the level loop: nothing [C, BK] extra stays live across it
+        s0 = starts_ref[...]
+        d_ends = d_ends_ref[...]
+        d_qpi = _dot(do_ref[...], s0, cfg, trans_b=True)
+        d_keff = _dot(true_pseudo_ref[...], d_ends, cfg, trans_b=True)
+        d_pic = jnp.sum(s0.astype(F32) * d_ends.astype(F32), axis=1)
+        d_r = _dot(inverse_ref[...], -_dot(d_true_pseudo_ref[...], s0, cfg, trans_b=True), cfg, trans_a=True)
         d_m_diag = jnp.sum(jnp.where(masks.eye, d_readout_ref[...].astype(F32), 0.0), axis=1)[:, None]
         start = _start_decay(log_decay_split, masks, cfg)
         end, chunk_decay = _end_decays(log_decay, log_decay_split, masks, cfg)
