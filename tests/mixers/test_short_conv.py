@@ -3,8 +3,10 @@ y_t = act(Σ_i W[K−1−i] x_{t−i} [seg_{t−i} == seg_t]), the prefill cache
 inputs of the LAST document, zeros before its start), and token-by-token decode == the parallel form."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from mixers.short_conv import ShortConv
@@ -50,3 +52,30 @@ def test_prefill_cache_and_decode_continue_the_last_document():
     for t in range(t0, SEG.shape[1]):
         y_t, cache = conv.step(jnp.asarray(x[:, t]), cache)
         np.testing.assert_allclose(np.asarray(y_t), y_par[:, t], atol=TOL)
+
+
+@pytest.mark.parametrize("activation", [True, False])
+@pytest.mark.parametrize("segments, length", [(True, 12), (False, 12), (True, 2)])  # T = 2 < K: taps cut off
+def test_custom_vjp_matches_autodiff_of_the_formula(activation, segments, length):
+    """The conv's hand-written backward (recomputes the pre-activation, stores nothing in float32) against
+    autodiff of the plain forward, in float64: dx, dW."""
+    from mixers import short_conv
+
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(3)
+        x = jnp.asarray(rng.normal(size=(2, length, 5)))
+        w = jnp.asarray(rng.normal(size=(K, 5)))
+        r = jnp.asarray(rng.normal(size=(2, length, 5)))
+        seg = jnp.asarray(SEG[:, :length]) if segments else None
+
+        def plain(x, w):
+            acc = short_conv._pre_activation(x, w, seg).astype(jnp.float64)
+            return jnp.sum((jax.nn.silu(acc) if activation else acc) * r)
+
+        def custom(x, w):
+            return jnp.sum(short_conv.causal_conv(x, w, seg, activation, jnp.dtype(jnp.float64)) * r)
+
+        want = jax.grad(plain, argnums=(0, 1))(x, w)
+        got = jax.jit(jax.grad(custom, argnums=(0, 1)))(x, w)
+        for g, e in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-12, atol=1e-12)
