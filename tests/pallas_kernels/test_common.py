@@ -77,3 +77,17 @@ def test_interdomain_rejects_a_positive_log_modulus():
         interdomain(q, k, v, log_modulus=bad, **args)
     out, _ = jax.jit(lambda r: interdomain(q, k, v, log_modulus=r, **args))(bad)
     assert np.isnan(np.asarray(out)).all()
+
+
+def test_xla_cpu_workaround_adds_the_flag_once_and_keeps_a_users_value():
+    from pallas_kernels import xla_cpu_workaround as w
+
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    import jaxlib
+    added = w.apply(env)
+    assert added == jaxlib.__version__.startswith("0.10.")
+    if added:
+        assert env["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=2 {w.FLAG}="
+        assert not w.apply(env)  # idempotent
+    mine = {"XLA_FLAGS": f"{w.FLAG}=LIBRARY_FUSION_TYPE_DOT"}
+    assert not w.apply(mine) and mine["XLA_FLAGS"] == f"{w.FLAG}=LIBRARY_FUSION_TYPE_DOT"
