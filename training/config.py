@@ -41,6 +41,7 @@ class DataConfig:
     shuffle: bool = True
     num_workers: int = 0
     tokenizer: TokenizerConfig = TokenizerConfig()
+    format: Literal["text", "pretokenized"] = "text"  # pretokenized: *_path name token-shard directories
 
 
 @dataclasses.dataclass(frozen=True)

@@ -212,6 +212,13 @@ def _check_run_dir(cfg) -> tuple[str, str, list[str]]:
 
 def _check_data(cfg) -> list[str]:
     """Start-up check of the training and validation text (file and column in every message)."""
+    if cfg.data.format == "pretokenized":  # the tokenizer match is checked when the iterators are built
+        from training import pretokenized
+
+        notes = pretokenized.check_token_data(cfg.data.train_path, "data.train_path")
+        if cfg.train.eval_every and cfg.data.val_path:
+            notes += pretokenized.check_token_data(cfg.data.val_path, "data.val_path")
+        return notes
     notes = data_lib.check_text_data(cfg.data.train_path, "data.train_path", cfg.data.text_column)
     if cfg.train.eval_every and cfg.data.val_path:
         notes += data_lib.check_text_data(cfg.data.val_path, "data.val_path", cfg.data.text_column)

@@ -1,0 +1,89 @@
+"""data.format=pretokenized: token shards written by training.prepare_data give the same batches as the text
+pipeline over the Parquet shards of the same prepared corpus, resume from a saved state, and refuse shards of
+another tokenizer."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from training import data as data_lib
+from training import prepare_data, pretokenized
+from training.config import load_config
+from training.tokenizer import ByteTokenizer, load_tokenizer
+
+TOKENIZER = "data/embedded/tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """The embedded train split re-sharded (2 shards, row groups of 32 documents) and pretokenised."""
+    out = tmp_path_factory.mktemp("prepared") / "corpus"
+    assert prepare_data.main(["--source", "data/embedded/train", "--out", str(out), "--val_fraction", "0.1",
+                              "--shard_docs", "250", "--row_group_docs", "32", "--tokenizer", TOKENIZER,
+                              "--pretokenize", "--no_progress"]) == 0
+    return out
+
+
+def _cfg(prepared, fmt, **data):
+    split = "tokens/train" if fmt == "pretokenized" else "train"
+    val = "tokens/val" if fmt == "pretokenized" else "val"
+    cfg = load_config("configs/tiny.yaml", [f"data.format={fmt}", f"data.train_path={prepared / split}",
+                                            f"data.val_path={prepared / val}", "data.seq_len=48"])
+    return dataclasses.replace(cfg.data, **data)
+
+
+def _batches(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert sorted(x) == sorted(y) == sorted(data_lib.BATCH_KEYS)
+        for k in data_lib.BATCH_KEYS:
+            assert x[k].dtype == y[k].dtype, k
+            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_same_batches_as_the_text_pipeline(prepared, shuffle):
+    tok = load_tokenizer("hf", TOKENIZER)
+    kw = dict(global_batch_size=4, seed=3)
+    text = _batches(data_lib.train_iterator(_cfg(prepared, "text", shuffle=shuffle), tok, **kw), 6)
+    toks = _batches(data_lib.train_iterator(_cfg(prepared, "pretokenized", shuffle=shuffle), tok, **kw), 6)
+    _assert_same(text, toks)
+    assert text[0]["loss_mask"].sum() > 0
+
+
+def test_eval_batches_match(prepared):
+    tok = load_tokenizer("hf", TOKENIZER)
+    text = data_lib.eval_batches(_cfg(prepared, "text"), tok, batch_size=3, max_batches=3)
+    toks = data_lib.eval_batches(_cfg(prepared, "pretokenized"), tok, batch_size=3, max_batches=3)
+    assert len(text) == 3
+    _assert_same(text, toks)
+
+
+def test_resume_from_state(prepared):
+    tok = load_tokenizer("hf", TOKENIZER)
+    cfg = _cfg(prepared, "pretokenized", shuffle=True)
+    it = data_lib.train_iterator(cfg, tok, global_batch_size=2, seed=1)
+    _batches(it, 3)
+    state = it.get_state()
+    assert state["pipeline"]["format"] == "pretokenized"
+    expected = _batches(it, 3)
+    again = data_lib.train_iterator(cfg, tok, global_batch_size=2, seed=1)
+    again.set_state(state)
+    _assert_same(_batches(again, 3), expected)
+
+
+def test_other_tokenizer_is_refused(prepared):
+    with pytest.raises(ValueError, match="another tokenizer"):
+        data_lib.train_iterator(_cfg(prepared, "pretokenized"), ByteTokenizer(), global_batch_size=2, seed=0)
+
+
+def test_text_directory_with_pretokenized_format_is_named(prepared):
+    cfg = dataclasses.replace(_cfg(prepared, "pretokenized"), train_path=str(prepared / "train"))
+    with pytest.raises(FileNotFoundError, match="data.train_path.*index.json"):
+        data_lib.train_iterator(cfg, load_tokenizer("hf", TOKENIZER), global_batch_size=2, seed=0)
+    with pytest.raises(FileNotFoundError, match="index.json"):
+        pretokenized.check_token_data(str(prepared / "train"), "data.train_path")
