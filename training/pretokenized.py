@@ -12,6 +12,7 @@ the batches equal those of the text pipeline over its Parquet shards with the sa
 """
 from __future__ import annotations
 
+import glob as _glob
 import json
 import os
 import threading
@@ -28,11 +29,30 @@ FORMAT = "mixerlab pretokenized"
 
 
 def read_index(path: str, key: str) -> tuple[dict, list[str]]:
-    """(index.json of a token-shard directory, the shard paths), checked; errors name the config ``key``."""
+    """(index of a token-shard directory, the shard paths), checked; errors name the config ``key``. A glob
+    (``/data/fw-*/tokens/train``) names several such directories, read in sorted order as one corpus (the
+    order of the text glob ``/data/fw-*/train/*.parquet``); they must share one tokenizer."""
     if not path:
         raise ValueError(f"{key}: no path given (got {path!r}); with data.format=pretokenized it names a directory "
                          f"of .array_record shards written by training.prepare_data --pretokenize")
-    root = resolve_path(path, key)
+    if any(ch in path for ch in "*?["):
+        roots = sorted(d for d in _glob.glob(os.path.expanduser(path)) if os.path.isfile(os.path.join(d, INDEX)))
+        if not roots:
+            raise FileNotFoundError(f"{key}: no directory with an {INDEX} matched the glob {path!r}")
+        parts = [_read_one(root, root, key) for root in roots]
+        index = dict(parts[0][0], docs=0, tokens=0, shards=[])
+        for (one, files), root in zip(parts, roots):
+            if one.get("tokenizer") != index.get("tokenizer"):
+                raise ValueError(f"{key}: {root!r} was tokenised with {one.get('tokenizer')}, {roots[0]!r} with "
+                                 f"{index.get('tokenizer')}; the directories of one glob need one tokenizer")
+            index["docs"] += one.get("docs", 0)
+            index["tokens"] += one.get("tokens", 0)
+            index["shards"] += [dict(s, path=f) for s, f in zip(one["shards"], files)]
+        return index, [s["path"] for s in index["shards"]]
+    return _read_one(resolve_path(path, key), path, key)
+
+
+def _read_one(root: str, path: str, key: str) -> tuple[dict, list[str]]:
     index_path = os.path.join(root, INDEX)
     if not os.path.isdir(root) or not os.path.isfile(index_path):
         raise FileNotFoundError(

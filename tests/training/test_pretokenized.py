@@ -87,3 +87,22 @@ def test_text_directory_with_pretokenized_format_is_named(prepared):
         data_lib.train_iterator(cfg, load_tokenizer("hf", TOKENIZER), global_batch_size=2, seed=0)
     with pytest.raises(FileNotFoundError, match="index.json"):
         pretokenized.check_token_data(str(prepared / "train"), "data.train_path")
+
+
+def test_a_glob_of_token_directories_reads_like_the_text_glob(prepared, tmp_path):
+    """Two prepared corpora read as one: the token glob gives the batches of the Parquet glob."""
+    second = tmp_path / "corpus-b"
+    assert prepare_data.main(["--source", "data/embedded/val", "--out", str(second), "--val_fraction", "0",
+                              "--row_group_docs", "16", "--tokenizer", TOKENIZER, "--pretokenize",
+                              "--no_progress"]) == 0
+    first = tmp_path / "corpus-a"
+    first.symlink_to(prepared)
+    tok = load_tokenizer("hf", TOKENIZER)
+    base = _cfg(prepared, "text", shuffle=True)
+    text = dataclasses.replace(base, train_path=str(tmp_path / "corpus-*" / "train" / "*.parquet"))
+    toks = dataclasses.replace(base, format="pretokenized", train_path=str(tmp_path / "corpus-*" / "tokens" / "train"))
+    index, _ = pretokenized.read_index(toks.train_path, "data.train_path")
+    assert index["docs"] == data_lib._RowGroups(data_lib.resolve_parquet_files(text.train_path, "k")).num_docs
+    kw = dict(global_batch_size=4, seed=5)
+    _assert_same(_batches(data_lib.train_iterator(text, tok, **kw), 4),
+                 _batches(data_lib.train_iterator(toks, tok, **kw), 4))
