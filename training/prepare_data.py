@@ -3,6 +3,7 @@ pre-tokenised ArrayRecord shards.
 
     python -m training.prepare_data --source SRC --out DIR [--text_column text] [--val_fraction 0.01]
         [--shard_docs 100000] [--row_group_docs 1000] [--max_docs N] [--tokenizer tokenizer.json --pretokenize]
+    python -m training.prepare_data --out DIR --tokenize_only --tokenizer tokenizer.json   # add tokens/ later
 
 ``SRC`` is a Parquet or JSONL file (``.jsonl``/``.jsonl.gz``), a directory of them, a glob, or a HuggingFace
 dataset ``hf://OWNER/NAME?name=CONFIG&split=train`` (streamed through ``datasets``; needs the network). Files
@@ -291,7 +292,7 @@ def tokenizer_fingerprint(tokenizer, path: str | None) -> dict:
 # ----------------------------------------------------------------------------------------------- main
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m training.prepare_data", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--source", required=True, help="Parquet/JSONL file, directory, glob, or hf://OWNER/NAME?name=X")
+    ap.add_argument("--source", help="Parquet/JSONL file, directory, glob, or hf://OWNER/NAME?name=X")
     ap.add_argument("--out", required=True, help="output directory (local path or bucket URL)")
     ap.add_argument("--text_column", default="text")
     ap.add_argument("--val_fraction", type=float, default=0.01, help="share of documents for val/ (hash split)")
@@ -301,6 +302,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer", default=None, help="tokenizer.json (HF) used by --pretokenize")
     ap.add_argument("--tokenizer_kind", default="hf", help="hf | sentencepiece | byte (default hf)")
     ap.add_argument("--pretokenize", action="store_true", help="also write ArrayRecord token shards (tokens/)")
+    ap.add_argument("--tokenize_only", action="store_true",
+                    help="add token shards to the corpus already prepared in --out (no --source; its manifest's "
+                         "shards are tokenised as they are, so a tokenizer trained on them can be used)")
     ap.add_argument("--seq_len", type=int, default=None, help="report packed rows of this length in the manifest")
     ap.add_argument("--overwrite", action="store_true", help="write into an --out that already holds a manifest")
     ap.add_argument("--no_progress", action="store_true")
@@ -308,6 +312,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(args, ap) -> None:
+    if args.tokenize_only:
+        if args.source is not None:
+            ap.error("--tokenize_only reads the corpus in --out; leave out --source")
+        args.pretokenize = True
+    elif args.source is None:
+        ap.error("--source is required (or --tokenize_only to add token shards to a prepared --out)")
     if not 0 <= args.val_fraction < 1:
         ap.error(f"--val_fraction: must be in [0, 1), got {args.val_fraction}")
     for flag in ("shard_docs", "row_group_docs"):
@@ -328,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     _check(args, ap)
     try:
-        manifest = prepare(args)
+        manifest = tokenize_prepared(args) if args.tokenize_only else prepare(args)
     except PrepareError as e:
         print(f"training.prepare_data: {e}", file=sys.stderr)
         return 2
@@ -339,6 +349,64 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _load_tokenizer(args):
+    from training.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(args.tokenizer_kind, args.tokenizer)
+    except (ValueError, FileNotFoundError) as e:
+        raise PrepareError(f"--tokenizer: {e}") from None
+
+
+def _write_token_index(out, manifest: dict, writers: dict, seq_len: int | None) -> None:
+    manifest["tokens"] = {}
+    for s, w in writers.items():
+        index = {"format": "mixerlab pretokenized", "version": TOOL_VERSION, "record": "int32 little-endian "
+                 "token ids of one document followed by eos_id", "tokenizer": manifest["tokenizer"],
+                 "docs": w.docs, "tokens": w.tokens, "shards": w.token_shards}
+        if w.token_shards:
+            (out / "tokens" / s).mkdir(parents=True, exist_ok=True)
+            (out / "tokens" / s / TOKEN_INDEX).write_text(json.dumps(index, indent=1))
+        manifest["tokens"][s] = {"dir": f"tokens/{s}", "docs": w.docs, "tokens": w.tokens}
+        if seq_len:
+            manifest["tokens"][s]["rows_at_seq_len"] = {"seq_len": seq_len, "rows": w.tokens // (seq_len + 1)}
+
+
+def tokenize_prepared(args) -> dict:
+    """--tokenize_only: token shards for every Parquet shard listed in ``--out``'s manifest (same order and
+    row groups); the manifest gains the token counts and the tokenizer."""
+    from tqdm import tqdm
+
+    out = epath(args.out)
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise PrepareError(f"--out: {args.out!r} has no {MANIFEST}; prepare it first (--source ...)") from None
+    tokenizer = _load_tokenizer(args)
+    writers = {}
+    total = sum(manifest["splits"][s]["docs"] for s in SPLITS)
+    bar = tqdm(total=total, unit="doc", desc="tokenize", disable=args.no_progress, file=sys.stderr)
+    for split in SPLITS:
+        w = writers[split] = _SplitWriter(out, split, shard_docs=1, row_group_docs=1, tokenizer=tokenizer)
+        for shard in manifest["splits"][split]["shards"]:
+            path = out / shard["path"]
+            if sha256_of(path) != shard["sha256"]:
+                raise PrepareError(f"--out: {str(path)!r} does not match the sha256 in {MANIFEST} (changed since it "
+                                   f"was written); prepare the corpus again")
+            with path.open("rb") as f:
+                w.texts = [t or "" for t in pq.read_table(f, columns=["text"]).column(0).to_pylist()]
+            shard["tokens"] = w._write_tokens(path.name[:-len(".parquet")], shard["row_groups"])
+            w.docs += len(w.texts)
+            bar.update(len(w.texts))
+            w.texts = []
+        manifest["splits"][split]["tokens"] = w.tokens
+    bar.close()
+    manifest["tokenizer"] = tokenizer_fingerprint(tokenizer, args.tokenizer)
+    _write_token_index(out, manifest, writers, args.seq_len)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
 def prepare(args) -> dict:
     from tqdm import tqdm
 
@@ -346,14 +414,7 @@ def prepare(args) -> dict:
     if (out / MANIFEST).exists() and not args.overwrite:
         raise PrepareError(f"--out: {args.out!r} already holds {MANIFEST} (a prepared corpus); pass --overwrite or "
                            f"choose another directory")
-    tokenizer = None
-    if args.pretokenize:
-        from training.tokenizer import load_tokenizer
-
-        try:
-            tokenizer = load_tokenizer(args.tokenizer_kind, args.tokenizer)
-        except (ValueError, FileNotFoundError) as e:
-            raise PrepareError(f"--tokenizer: {e}") from None
+    tokenizer = _load_tokenizer(args) if args.pretokenize else None
     docs, total = iter_documents(args.source, args.text_column)
     if args.max_docs is not None:
         total = min(total, args.max_docs) if total is not None else args.max_docs
@@ -382,18 +443,7 @@ def prepare(args) -> dict:
         "tokenizer": tokenizer_fingerprint(tokenizer, args.tokenizer) if tokenizer else None,
     }
     if tokenizer is not None:
-        manifest["tokens"] = {}
-        for s, w in writers.items():
-            index = {"format": "mixerlab pretokenized", "version": TOOL_VERSION, "record": "int32 little-endian "
-                     "token ids of one document followed by eos_id", "tokenizer": manifest["tokenizer"],
-                     "docs": w.docs, "tokens": w.tokens, "shards": w.token_shards}
-            if w.token_shards:
-                (out / "tokens" / s).mkdir(parents=True, exist_ok=True)
-                (out / "tokens" / s / TOKEN_INDEX).write_text(json.dumps(index, indent=1))
-            manifest["tokens"][s] = {"dir": f"tokens/{s}", "docs": w.docs, "tokens": w.tokens}
-            if args.seq_len:
-                manifest["tokens"][s]["rows_at_seq_len"] = {"seq_len": args.seq_len,
-                                                            "rows": w.tokens // (args.seq_len + 1)}
+        _write_token_index(out, manifest, writers, args.seq_len)
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest

@@ -2,6 +2,7 @@
 pipeline over the Parquet shards of the same prepared corpus, resume from a saved state, and refuse shards of
 another tokenizer."""
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -106,3 +107,18 @@ def test_a_glob_of_token_directories_reads_like_the_text_glob(prepared, tmp_path
     kw = dict(global_batch_size=4, seed=5)
     _assert_same(_batches(data_lib.train_iterator(text, tok, **kw), 4),
                  _batches(data_lib.train_iterator(toks, tok, **kw), 4))
+
+
+def test_tokenize_only_equals_pretokenize_in_one_pass(prepared, tmp_path):
+    """Prepare text first (to train a tokenizer on it), add the token shards later: the same shards."""
+    out = tmp_path / "two-pass"
+    assert prepare_data.main(["--source", "data/embedded/train", "--out", str(out), "--val_fraction", "0.1",
+                              "--shard_docs", "250", "--row_group_docs", "32", "--no_progress"]) == 0
+    assert prepare_data.main(["--out", str(out), "--tokenize_only", "--tokenizer", TOKENIZER, "--no_progress"]) == 0
+    for split in ("train", "val"):
+        one = json.loads((prepared / "tokens" / split / "index.json").read_text())
+        two = json.loads((out / "tokens" / split / "index.json").read_text())
+        assert [s["sha256"] for s in one["shards"]] == [s["sha256"] for s in two["shards"]]
+        assert one["tokens"] == two["tokens"] > 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["tokens"] == manifest["tokens"]["train"]["tokens"]
