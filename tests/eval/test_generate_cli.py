@@ -56,6 +56,7 @@ def _continuations(text: str) -> list[str]:
     return [b.split("\n", 2)[1] for b in blocks]
 
 
+@pytest.mark.slow  # ~25 s: an 11-layer model with every mixer, built, saved, loaded and compiled for decode
 @pytest.mark.xdist_group("eval_tiny_run")
 def test_every_mixer_generates_through_the_command_line(hybrid_run, capsys):
     assert main(["--run", hybrid_run, "--prompt", "The Python", "--prompt", "import", "--max_new_tokens", "12",

@@ -57,6 +57,7 @@ def _history(path) -> dict:
     return rows
 
 
+@pytest.mark.slow  # ~25 s: a 2-step training run (compile) and the W&B service start-up
 def test_offline_run_holds_the_logged_history(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb); W&B logging is optional")
     from training.loop import train
