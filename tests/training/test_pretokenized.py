@@ -122,3 +122,38 @@ def test_tokenize_only_equals_pretokenize_in_one_pass(prepared, tmp_path):
         assert one["tokens"] == two["tokens"] > 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["splits"]["train"]["tokens"] == manifest["tokens"]["train"]["tokens"]
+
+
+@pytest.mark.slow  # ~25 s: one tiny training run (its compile)
+def test_training_runs_on_token_shards_and_checkpoints_the_data_position(prepared, tmp_path):
+    """train() end to end with data.format=pretokenized: start-up check, validation batches, and the data state
+    stored with checkpoint 1 resumes a fresh iterator at the batch after the first one."""
+    import orbax.checkpoint as ocp
+
+    from training.loop import _check_data, train
+
+    out = tmp_path / "run"
+    cfg = load_config("configs/tiny.yaml", [
+        "data.format=pretokenized", f"data.train_path={prepared / 'tokens' / 'train'}",
+        f"data.val_path={prepared / 'tokens' / 'val'}", "data.seq_len=32", "train.batch_size=2", "train.steps=2",
+        "train.log_every=1", "train.eval_every=2", "train.eval_batches=1", "optim.warmup_steps=1",
+        "checkpoint.every=1", "train.prefetch=0", f"train.output_dir={out}", "model.d_model=32", "model.ffn_dim=32",
+        "model.num_layers=1"])
+    assert _check_data(cfg) == []
+    result = train(cfg, progress=False)
+    assert sorted(result.train_losses) == [1, 2] and np.isfinite(result.val_loss)
+
+    manager = ocp.CheckpointManager(str(out / "checkpoints"))
+    saved = manager.restore(1, args=ocp.args.Composite(data=ocp.args.JsonRestore())).data["per_process"][0]
+    manager.close()
+    assert saved["pipeline"]["format"] == "pretokenized"
+    tok = load_tokenizer(cfg.data.tokenizer.kind, cfg.data.tokenizer.path)
+    fresh = data_lib.train_iterator(cfg.data, tok, global_batch_size=2, seed=cfg.train.seed)
+    next(fresh)
+    resumed = data_lib.train_iterator(cfg.data, tok, global_batch_size=2, seed=cfg.train.seed)
+    resumed.set_state(saved)
+    _assert_same([next(resumed)], [next(fresh)])
+
+    bad = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_path=str(prepared / "train")))
+    with pytest.raises(FileNotFoundError, match="data.train_path"):
+        _check_data(bad)
