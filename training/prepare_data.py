@@ -422,15 +422,17 @@ def prepare(args) -> dict:
                                tokenizer=tokenizer) for s in SPLITS}
     bar = tqdm(total=total, unit="doc", desc="prepare_data", disable=args.no_progress, file=sys.stderr)
     seen = 0
-    for text, doc_id in docs:
-        writers["val" if is_val(doc_id, text, args.val_fraction) else "train"].add(text, doc_id)
-        seen += 1
-        bar.update(1)
-        if args.max_docs is not None and seen >= args.max_docs:
-            break
-    for w in writers.values():
-        w.flush()
-    bar.close()
+    try:
+        for text, doc_id in docs:
+            writers["val" if is_val(doc_id, text, args.val_fraction) else "train"].add(text, doc_id)
+            seen += 1
+            bar.update(1)
+            if args.max_docs is not None and seen >= args.max_docs:
+                break
+        for w in writers.values():
+            w.flush()
+    finally:
+        bar.close()  # before an error message, not after it
     if seen == 0:
         raise PrepareError(f"--source: {args.source!r} holds no documents")
     manifest = {
