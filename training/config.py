@@ -41,6 +41,7 @@ class DataConfig:
     shuffle: bool = True
     num_workers: int = 0
     tokenizer: TokenizerConfig = TokenizerConfig()
+    format: Literal["text", "pretokenized"] = "text"  # pretokenized: *_path name token-shard directories
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +143,14 @@ class ProfileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    wandb: bool = False  # also log the metrics to Weights & Biases (training/tracking.py)
+    wandb_project: str = "mixerlab"
+    wandb_run_name: str | None = None  # None: the name of train.output_dir
+    wandb_mode: Literal["online", "offline"] = "online"  # offline: files only, `wandb sync` uploads them
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -150,6 +159,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
     profile: ProfileConfig = ProfileConfig()
+    logging: LoggingConfig = LoggingConfig()
     mixers: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
 
     # -- derived values used across the code base
@@ -422,6 +432,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"mesh.{key}: got {value}; must be a positive device count or -1 (fill)")
     if [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) > 1:
         raise ConfigError("mesh: at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+    if cfg.logging.wandb and not cfg.logging.wandb_project.strip():
+        raise ConfigError("logging.wandb_project: got an empty name; give a W&B project name")
+    if cfg.logging.wandb_run_name is not None and not cfg.logging.wandb_run_name.strip():
+        raise ConfigError("logging.wandb_run_name: got an empty name; give a name or null (train.output_dir's name)")
     for key in ("dcn_data", "dcn_fsdp"):
         if getattr(cfg.mesh, key) < 1:
             raise ConfigError(f"mesh.{key}: got {getattr(cfg.mesh, key)}; must be >= 1")

@@ -455,6 +455,11 @@ def train_iterator(cfg, tokenizer: Tokenizer, *, global_batch_size: int, seed: i
                          f"{process_count} (each process loads batch_size // process_count sequences)")
     if cfg.seq_len < 1:
         raise ValueError(f"data.seq_len: must be >= 1, got {cfg.seq_len}")
+    if getattr(cfg, "format", "text") == "pretokenized":  # token shards instead of Parquet text
+        from training import pretokenized
+
+        return pretokenized.train_iterator(cfg, tokenizer, global_batch_size=global_batch_size, seed=seed,
+                                           process_index=process_index, process_count=process_count)
     local_batch = global_batch_size // process_count
     files = resolve_parquet_files(cfg.train_path, "data.train_path", cfg.text_column)
     groups = _RowGroups(files)
@@ -498,6 +503,11 @@ def eval_batches(cfg, tokenizer: Tokenizer, *, batch_size: int, max_batches: int
         raise ValueError("data.val_path: is null; set it to a directory, .parquet file or glob to evaluate")
     if batch_size < 1:
         raise ValueError(f"eval batch_size must be >= 1, got {batch_size}")
+    if getattr(cfg, "format", "text") == "pretokenized":
+        from training import pretokenized
+
+        return pretokenized.eval_batches(cfg, tokenizer, batch_size=batch_size, max_batches=max_batches, path=path,
+                                         key=key)
     files = resolve_parquet_files(path, key, cfg.text_column)
     groups = _RowGroups(files)
     if groups.num_docs == 0 or max_batches <= 0:

@@ -24,6 +24,7 @@ from training import run_dir as run_dir_lib
 from training.checkpoint import Checkpointer
 from training import flop_model, mesh as mesh_lib
 from training.prefetch import DevicePrefetcher
+from training import tracking
 from training.metrics import MetricsWriter, plot_loss_curve
 from training.optim import make_optimizer, schedule
 from training.tokenizer import load_tokenizer
@@ -212,6 +213,13 @@ def _check_run_dir(cfg) -> tuple[str, str, list[str]]:
 
 def _check_data(cfg) -> list[str]:
     """Start-up check of the training and validation text (file and column in every message)."""
+    if cfg.data.format == "pretokenized":  # the tokenizer match is checked when the iterators are built
+        from training import pretokenized
+
+        notes = pretokenized.check_token_data(cfg.data.train_path, "data.train_path")
+        if cfg.train.eval_every and cfg.data.val_path:
+            notes += pretokenized.check_token_data(cfg.data.val_path, "data.val_path")
+        return notes
     notes = data_lib.check_text_data(cfg.data.train_path, "data.train_path", cfg.data.text_column)
     if cfg.train.eval_every and cfg.data.val_path:
         notes += data_lib.check_text_data(cfg.data.val_path, "data.val_path", cfg.data.text_column)
@@ -272,6 +280,7 @@ class _Loop:
     def __init__(self, cfg, run_dir: str, ckpt_dir: str):
         self.cfg, self.run_dir, self.ckpt_dir = cfg, run_dir, ckpt_dir
         self.data_iter = self.metrics = self.checkpointer = self.profiler = self.preemption = self.bar = None
+        self.tracker = None
         self.batches = None
         self.pending: list = []  # (step, device metrics) not yet fetched to the host
 
@@ -299,6 +308,7 @@ class _Loop:
             if t_cfg.prefetch else None
         self.metrics = MetricsWriter(run_dir)  # after the restore: a refused checkpoint leaves the metrics alone
         self._resume_metrics()
+        self.tracker = tracking.open_tracker(cfg, run_dir)  # W&B when logging.wandb; else a no-op
         if jax.process_index() == 0:
             with open(os.path.join(run_dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
@@ -440,6 +450,7 @@ class _Loop:
         if self.chip is not None:
             row["mfu"] = tok_s * self.flops.per_token / (jax.device_count() * self.chip[1])
         self.metrics.write(step, "train", row)
+        self.tracker.write(step, "train", row)
         if self.bar is not None:
             extra = {"mfu": f"{row['mfu']:.1%}"} if "mfu" in row else {}
             self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tok_s:,.0f}", **extra)
@@ -452,6 +463,7 @@ class _Loop:
             ev = evaluate(self.trainer, self.val_batches)
             self.val_loss = ev["loss"]
             self.metrics.write(step, "val", ev)
+            self.tracker.write(step, "val", ev)
             _print(f"step {step}: validation loss {ev['loss']:.4f}, perplexity {ev['perplexity']:.2f}", self.bar)
             self.window_start = time.perf_counter()  # evaluation time is not training throughput
 
@@ -493,6 +505,8 @@ class _Loop:
         finally:
             if self.metrics is not None:
                 self.metrics.close()
+            if self.tracker is not None:
+                self.tracker.close()
             if self.batches is not None:
                 self.batches.close()
             if hasattr(self.data_iter, "close"):  # stops grain's prefetch threads/processes now, not at exit

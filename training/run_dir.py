@@ -22,7 +22,7 @@ class RunDirError(ValueError):
 # Keys a resumed run may change: they do not alter the model, the optimizer state or the data order.
 SAFE_KEYS = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "train.output_dir",
              "train.resume", "train.max_consecutive_skips", "train.microbatches", "train.loss_chunk", "train.prefetch",
-             "checkpoint.", "profile.", "mesh.", "data.val_path", "model.remat")
+             "checkpoint.", "profile.", "logging.", "mesh.", "data.val_path", "model.remat")
 # Changes that alter which batches follow the saved data position. The position is grain's iterator state per
 # batch row (each row reads its own slice of the documents) and per packed sequence, so it has no meaning for
 # another batch size, sequence length, file set, tokenizer, shuffle seed or worker layout: refused, not remapped.
