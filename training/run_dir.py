@@ -41,8 +41,9 @@ def check_writable(path: str, key: str) -> None:
         try:
             storage.write_text(probe, "", key)
             storage.remove(probe, key)
-        except storage.StorageError as e:  # names the key, the URL and the cause (credentials, bucket, ...)
-            raise RunDirError(f"{e} (writing a test object failed)") from None
+        except storage.StorageError as e:  # named by the folder, not the probe: credentials, bucket, ...
+            raise RunDirError(f"{storage.describe(e.__cause__ or e, path, key)} (a test object could not be "
+                              f"written)") from None
         return
     try:
         os.makedirs(path, exist_ok=True)

@@ -189,21 +189,21 @@ def filesystem(path: str, key: str = ""):
                            f"s3://") from None
 
 
-def _fs_path(path: str):
-    fs = filesystem(path)
+def _fs_path(path: str, key: str = ""):
+    fs = filesystem(path, key)
     return fs, (fs._strip_protocol(path) if is_url(path) else _local(path))
 
 
 def _url(path: str, fs_path: str) -> str:
     """A path returned by fsspec (no protocol) as a URL of the same protocol as ``path``."""
-    return f"{protocol(path)}://{fs_path}" if is_url(path) else fs_path
+    return f"{protocol(path)}://{fs_path.lstrip('/')}" if is_url(path) else fs_path
 
 
 def exists(path: str, key: str = "") -> bool:
     if not is_url(path):
         return os.path.exists(_local(path))
     with errors(path, key):
-        fs, p = _fs_path(path)
+        fs, p = _fs_path(path, key)
         return bool(fs.exists(p))
 
 
@@ -211,7 +211,7 @@ def isdir(path: str, key: str = "") -> bool:
     if not is_url(path):
         return os.path.isdir(_local(path))
     with errors(path, key):
-        fs, p = _fs_path(path)
+        fs, p = _fs_path(path, key)
         return bool(fs.isdir(p))
 
 
@@ -219,7 +219,7 @@ def isfile(path: str, key: str = "") -> bool:
     if not is_url(path):
         return os.path.isfile(_local(path))
     with errors(path, key):
-        fs, p = _fs_path(path)
+        fs, p = _fs_path(path, key)
         return bool(fs.isfile(p))
 
 
@@ -228,7 +228,7 @@ def listdir(path: str, key: str = "") -> list[str]:
     if not is_url(path):
         return os.listdir(_local(path))
     with errors(path, key):
-        fs, p = _fs_path(path)
+        fs, p = _fs_path(path, key)
         fs.invalidate_cache(p)
         return [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(p, detail=False) if e.rstrip("/") != p.rstrip("/")]
 
@@ -240,7 +240,7 @@ def glob(pattern: str, key: str = "") -> list[str]:
 
         return sorted(_glob.glob(os.path.expanduser(_local(pattern)), recursive=True))
     with errors(pattern, key):
-        fs, p = _fs_path(pattern)
+        fs, p = _fs_path(pattern, key)
         return sorted(_url(pattern, m) for m in fs.glob(p))
 
 
@@ -257,7 +257,7 @@ def open_file(path: str, mode: str = "rb", key: str = "", **kwargs):
     if not is_url(path):
         return open(_local(path), mode, **kwargs)
     with errors(path, key):
-        fs, p = _fs_path(path)
+        fs, p = _fs_path(path, key)
         return fs.open(p, mode, **kwargs)
 
 
@@ -277,7 +277,7 @@ def write_text(path: str, text: str, key: str = "") -> None:
         os.replace(tmp, _local(path))
         return
     with errors(path, key):
-        fs, p = _fs_path(path)
+        fs, p = _fs_path(path, key)
         fs.pipe_file(p, text.encode("utf-8"))
 
 
@@ -291,7 +291,7 @@ def remove(path: str, key: str = "") -> None:
             os.remove(p)
         return
     with errors(path, key):
-        fs, p = _fs_path(path)
+        fs, p = _fs_path(path, key)
         if fs.exists(p):
             fs.rm(p, recursive=True)
 
@@ -302,7 +302,7 @@ def move(src: str, dst: str, key: str = "") -> None:
         os.rename(_local(src), _local(dst))
         return
     with errors(src, key):
-        fs, p = _fs_path(src)
+        fs, p = _fs_path(src, key)
         fs.mv(p, fs._strip_protocol(dst), recursive=True)
 
 
@@ -310,7 +310,7 @@ def sizes(directory: str, key: str = "") -> dict[str, dict]:
     """``{relative path: {"size": bytes, "checksum": the store's own checksum or None}}`` of every file under
     ``directory``, from one listing (nothing is downloaded). The checksum is GCS's crc32c or S3's ETag."""
     with errors(directory, key):
-        fs, p = _fs_path(directory)
+        fs, p = _fs_path(directory, key)
         if is_url(directory):
             fs.invalidate_cache(p)
         out = {}
@@ -326,7 +326,7 @@ def sizes(directory: str, key: str = "") -> dict[str, dict]:
 def upload(local: str, url: str, key: str = "") -> None:
     """Copies a local file or directory tree to ``url`` (file by file, the tree's own layout)."""
     with errors(url, key):
-        fs, p = _fs_path(url)
+        fs, p = _fs_path(url, key)
         if os.path.isdir(local):
             files = sorted(os.path.join(r, n) for r, _, names in os.walk(local) for n in names)
             for f in files:
@@ -338,7 +338,7 @@ def upload(local: str, url: str, key: str = "") -> None:
 def download(url: str, local: str, key: str = "") -> None:
     """Copies ``url`` (a file or a directory tree) to the local path ``local``."""
     with errors(url, key):
-        fs, p = _fs_path(url)
+        fs, p = _fs_path(url, key)
         if fs.isdir(p):
             os.makedirs(local, exist_ok=True)
             for name in fs.find(p):
@@ -362,7 +362,7 @@ def local_copy(path: str, key: str = "") -> str:
     if not is_url(path):
         return _local(path)
     with errors(path, key):
-        fs, p = _fs_path(path)
+        fs, p = _fs_path(path, key)
         info = fs.info(p)
         tag = hashlib.sha256(f"{path}\0{info.get('size')}\0{info.get('ETag') or info.get('crc32c')}".encode())
         target = os.path.join(cache_dir(), tag.hexdigest()[:16], basename(path))
