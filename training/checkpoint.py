@@ -136,6 +136,7 @@ class Checkpointer:
         else:
             self.stage = None
             self.local_directory = self.directory
+        self._upload_failed = False
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=True)
         with storage.errors(self.directory, "train.output_dir"):
@@ -248,6 +249,7 @@ class Checkpointer:
                         storage.upload(os.path.join(local, rel), storage.join(remote, rel), "train.output_dir")
             storage.upload(os.path.join(local, MANIFEST), storage.join(remote, MANIFEST), "train.output_dir")
         except storage.StorageError as e:
+            self._upload_failed = True  # the staged copy is then the only one: close() keeps it
             raise CheckpointError(f"checkpoint step {step} could not be uploaded to {remote}: {e}; the local copy "
                                   f"is kept at {local}") from e
 
@@ -397,5 +399,5 @@ class Checkpointer:
             self.finish()
         finally:
             self.manager.close()
-            if self.stage is not None and not self._pending:  # every finished step is in the bucket
-                shutil.rmtree(self.stage, ignore_errors=True)
+            if self.stage is not None and not self._pending and not self._upload_failed:
+                shutil.rmtree(self.stage, ignore_errors=True)  # every finished step is in the bucket

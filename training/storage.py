@@ -420,3 +420,23 @@ class Staging:
         """Deletes the local copies, unless an upload failed (then they are the only copy)."""
         if self.remote and not self.failed:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+@contextmanager
+def local_output(path: str, key: str = "") -> Iterator[str]:
+    """A local path to write ``path`` through (for libraries that only write local files: matplotlib, ...):
+    ``path`` itself when local; else a temporary file uploaded when the block ends without an error. A failed
+    upload raises StorageError naming the temporary file, which is then kept."""
+    if not is_url(path):
+        parent = os.path.dirname(os.path.abspath(_local(path)))
+        os.makedirs(parent, exist_ok=True)
+        yield _local(path)
+        return
+    tmp_dir = tempfile.mkdtemp(prefix="mixerlab-output-")
+    local = os.path.join(tmp_dir, basename(path))
+    yield local
+    try:
+        upload(local, path, key)
+    except StorageError as e:
+        raise StorageError(f"{e}; the file is kept at {local}") from e
+    shutil.rmtree(tmp_dir, ignore_errors=True)

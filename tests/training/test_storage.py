@@ -243,3 +243,49 @@ def test_manifest_of_a_gs_checkpoint_comes_from_the_listing_and_catches_a_short_
     where = ckpt.quarantine(4, "short file")
     assert where == "gs://bkt/run/checkpoints.quarantine/4"
     assert not gs.exists("/bkt/run/checkpoints/4") and gs.cat_file("/bkt/run/checkpoints.quarantine/4.reason.txt")
+
+
+def _small_state(value: float):
+    import jax.numpy as jnp
+
+    return {"w": jnp.full((4, 3), value, jnp.float32)}, {"m": jnp.zeros((4, 3), jnp.float32)}
+
+
+def test_staged_checkpoints_upload_manifest_last_and_an_unfinished_upload_is_never_restored(tmp_path, monkeypatch):
+    """Any URL orbax does not write itself (s3://; here memory://, no server needed) is staged locally and
+    uploaded; the bucket keeps checkpoint.keep steps; a step without its manifest is skipped on restore."""
+    url = f"memory://staged-{tmp_path.name}/run/checkpoints"
+    mem = fsspec.filesystem("memory")
+    ckpt = checkpoint_lib.Checkpointer(url, keep=2, async_save=False)
+    assert ckpt.staged
+    for step in (1, 2, 3):
+        params, opt = _small_state(float(step))
+        assert ckpt.save(step, params=params, opt_state=opt, data_state={"s": step}, meta={"step": step})
+    ckpt.close()
+    assert not os.path.exists(ckpt.stage), "the staging folder outlived a clean close"
+    root = mem._strip_protocol(url)
+    assert sorted(mem.ls(root, detail=False)) == [f"{root}/2", f"{root}/3"]
+    manifest = json.loads(mem.cat_file(f"{root}/3/{checkpoint_lib.MANIFEST}"))
+    assert all(mem.size(f"{root}/3/{rel}") == d["size"] for rel, d in manifest["files"].items())
+
+    mem.rm(f"{root}/3/{checkpoint_lib.MANIFEST}")  # as if the upload of step 3 was cut off before its manifest
+    fresh = checkpoint_lib.Checkpointer(url, keep=2, async_save=False)
+    assert fresh.steps() == [2]
+    template = _small_state(0.0)
+    messages = []
+    step, params, _opt, data, meta = fresh.restore_newest(params=template[0], opt_state=template[1],
+                                                          report=messages.append)
+    assert step == 2 and float(params["w"][0, 0]) == 2.0 and data == {"s": 2} and meta == {"step": 2}
+    assert "its upload did not finish" in messages[0] and not mem.exists(f"{root}/3")
+
+    def failing_upload(local, target, key=""):
+        raise storage.StorageError(f"{key}: {target}: connection reset")
+
+    monkeypatch.setattr(storage, "upload", failing_upload)
+    params, opt = _small_state(4.0)
+    with pytest.raises(checkpoint_lib.CheckpointError, match=r"step 4 could not be uploaded .*connection reset; "
+                                                               r"the local copy is kept at "):
+        fresh.save(4, params=params, opt_state=opt, data_state={}, meta={})
+    fresh.close()
+    assert os.path.isdir(os.path.join(fresh.local_directory, "4")), "the only copy of step 4 was deleted"
+    mem.rm(mem._strip_protocol(f"memory://staged-{tmp_path.name}"), recursive=True)

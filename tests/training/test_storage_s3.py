@@ -151,3 +151,19 @@ def _local_cfg(output_dir):
         f"train.output_dir={output_dir}", f"data.train_path={EMBEDDED}/train", f"data.val_path={EMBEDDED}/val",
         f"data.tokenizer.path={EMBEDDED}/tokenizer.json", "train.steps=6", "train.log_every=1", "train.eval_every=3",
         "train.eval_batches=1", "checkpoint.every=2", "train.prefetch=0", "optim.warmup_steps=1"])
+
+
+def test_a_missing_bucket_is_named_with_the_config_key(s3):
+    from training import data as data_lib
+    from training.run_dir import RunDirError, check_writable
+    from training.storage import StorageError
+
+    with pytest.raises(StorageError, match=r"data\.train_path: s3://no-such-bucket/corpus: the bucket "
+                                           r"s3://no-such-bucket does not exist"):
+        data_lib.resolve_parquet_files("s3://no-such-bucket/corpus", "data.train_path")
+    with pytest.raises(StorageError, match=rf"data\.train_path: no \.parquet file matched the glob "
+                                           rf"s3://{BUCKET}/corpus/\*\.txt"):
+        data_lib.resolve_parquet_files(f"s3://{BUCKET}/corpus/*.txt", "data.train_path")
+    with pytest.raises(RunDirError, match=r"train\.output_dir: s3://no-such-bucket/run: the bucket "
+                                          r"s3://no-such-bucket does not exist"):
+        check_writable("s3://no-such-bucket/run", "train.output_dir")
