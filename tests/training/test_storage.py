@@ -289,3 +289,17 @@ def test_staged_checkpoints_upload_manifest_last_and_an_unfinished_upload_is_nev
     fresh.close()
     assert os.path.isdir(os.path.join(fresh.local_directory, "4")), "the only copy of step 4 was deleted"
     mem.rm(mem._strip_protocol(f"memory://staged-{tmp_path.name}"), recursive=True)
+
+
+def test_eval_finds_a_run_in_a_bucket_and_writes_its_outputs_there(gs):
+    from eval.checkpoint import resolve_run_dirs
+    from eval.report import write_json
+
+    gs.pipe_file("/bkt/runs/a/config.yaml", b"model: {}\n")
+    gs.pipe_file("/bkt/runs/a/checkpoints/2/meta/metadata", b"{}")
+    assert resolve_run_dirs("gs://bkt/runs/a/") == ("gs://bkt/runs/a", "gs://bkt/runs/a/checkpoints")
+    assert resolve_run_dirs("gs://bkt/runs/a/checkpoints") == ("gs://bkt/runs/a", "gs://bkt/runs/a/checkpoints")
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        resolve_run_dirs("gs://bkt/runs/missing")
+    write_json("gs://bkt/runs/a/eval/result.json", {"loss": 1.5, "nan": float("nan")})
+    assert json.loads(gs.cat_file("/bkt/runs/a/eval/result.json")) == {"loss": 1.5, "nan": "nan"}
