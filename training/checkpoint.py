@@ -124,13 +124,14 @@ class Checkpointer:
         self._async = async_save
         self.keep = keep
         self.staged = storage.is_url(self.directory) and storage.protocol(self.directory) not in ORBAX_PROTOCOLS
+        if storage.is_url(self.directory):  # a missing gcsfs/s3fs is named here, not deep inside orbax
+            storage.filesystem(self.directory, "train.output_dir")
         if self.staged:
             if jax.process_count() > 1:
                 raise CheckpointError(
                     f"checkpoint directory {self.directory}: {storage.protocol(self.directory)}:// checkpoints are "
                     f"staged on one host and uploaded; a run of {jax.process_count()} processes needs gs:// or a "
                     f"folder every host shares (train.output_dir)")
-            storage.filesystem(self.directory, "train.output_dir")  # the missing-package error comes first
             self.stage = tempfile.mkdtemp(prefix="mixerlab-checkpoints-")
             self.local_directory = os.path.join(self.stage, "checkpoints")
         else:
