@@ -167,3 +167,20 @@ def test_a_missing_bucket_is_named_with_the_config_key(s3):
     with pytest.raises(RunDirError, match=r"train\.output_dir: s3://no-such-bucket/run: the bucket "
                                           r"s3://no-such-bucket does not exist"):
         check_writable("s3://no-such-bucket/run", "train.output_dir")
+
+
+def test_missing_credentials_are_named_with_the_config_key(s3, monkeypatch):
+    import s3fs
+
+    from training import data as data_lib
+    from training.storage import StorageError
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookup (no network)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    s3fs.S3FileSystem.clear_instance_cache()
+    with pytest.raises(StorageError, match=rf"data\.train_path: s3://{BUCKET}/corpus: no usable credentials for "
+                                           rf"s3://{BUCKET} .*AWS_ACCESS_KEY_ID"):
+        data_lib.resolve_parquet_files(f"s3://{BUCKET}/corpus", "data.train_path")
