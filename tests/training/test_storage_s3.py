@@ -37,6 +37,8 @@ def s3(monkeypatch):
         monkeypatch.setenv(key, value)
     for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(key, raising=False)
+    for key in ("NO_PROXY", "no_proxy"):  # a proxy set for the machine must not intercept the local server
+        monkeypatch.setenv(key, "127.0.0.1,localhost")
     s3fs.S3FileSystem.clear_instance_cache()  # an instance made before the endpoint was set would be reused
     boto3.client("s3").create_bucket(Bucket=BUCKET)
     fs = s3fs.S3FileSystem()
