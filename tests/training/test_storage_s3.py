@@ -13,7 +13,16 @@ from training import loop
 from training.config import load_config
 from training.loop import train
 
-MISSING = [m for m in ("moto", "s3fs", "boto3") if importlib.util.find_spec(m) is None]
+
+
+def _missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):
+        return True
+
+
+MISSING = [m for m in ("moto", "s3fs", "boto3") if _missing(m)]
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)} (test extra: moto[server]; "
                                                       f"runtime extra mixerlab[cloud]: s3fs)")
 
