@@ -195,3 +195,18 @@ def test_missing_credentials_are_named_with_the_config_key(s3, monkeypatch):
     with pytest.raises(StorageError, match=rf"data\.train_path: s3://{BUCKET}/corpus: no usable credentials for "
                                            rf"s3://{BUCKET} .*AWS_ACCESS_KEY_ID"):
         data_lib.resolve_parquet_files(f"s3://{BUCKET}/corpus", "data.train_path")
+
+
+def test_a_failed_run_prints_one_line_and_keeps_the_details_in_the_bucket(s3, capsys):
+    import train as train_cli
+
+    run = f"s3://{BUCKET}/runs/failed"
+    code = train_cli.main(["--config", "configs/tiny.yaml", f"train.output_dir={run}",
+                           f"data.train_path=s3://{BUCKET}/corpus/*.txt"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert err[0] == (f"error: data.train_path: no .parquet file matched the glob s3://{BUCKET}/corpus/*.txt "
+                      f"(details: {run}/train.log)")
+    s3.invalidate_cache()
+    log = s3.cat_file(f"{BUCKET}/runs/failed/train.log").decode()
+    assert "ERROR train.py: data.train_path: no .parquet file matched" in log and "Traceback" in log
