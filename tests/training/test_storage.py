@@ -3,6 +3,7 @@ stands in for gcsfs), Parquet, tokenizer, run directory and checkpoint manifests
 import importlib.util
 import json
 import os
+import shutil
 import sys
 
 import fsspec
@@ -287,6 +288,7 @@ def test_staged_checkpoints_upload_manifest_last_and_an_unfinished_upload_is_nev
         fresh.save(4, params=params, opt_state=opt, data_state={}, meta={})
     fresh.close()
     assert os.path.isdir(os.path.join(fresh.local_directory, "4")), "the only copy of step 4 was deleted"
+    shutil.rmtree(fresh.stage)
     mem.rm(mem._strip_protocol(f"memory://staged-{tmp_path.name}"), recursive=True)
 
 

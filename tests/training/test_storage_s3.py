@@ -32,7 +32,7 @@ EMBEDDED = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.
 
 
 @pytest.fixture
-def s3(monkeypatch):
+def s3(monkeypatch, tmp_path):
     """A moto S3 server on 127.0.0.1 with the embedded corpus and tokenizer uploaded; yields the s3fs filesystem."""
     import boto3
     import s3fs
@@ -46,6 +46,7 @@ def s3(monkeypatch):
         monkeypatch.setenv(key, value)
     for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MIXERLAB_STORAGE_CACHE", str(tmp_path / "storage-cache"))  # downloaded tokenizers
     for key in ("NO_PROXY", "no_proxy"):  # a proxy set for the machine must not intercept the local server
         monkeypatch.setenv(key, "127.0.0.1,localhost")
     s3fs.S3FileSystem.clear_instance_cache()  # an instance made before the endpoint was set would be reused
