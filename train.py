@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'stopped' if result.preempted else 'done'} in {minutes:.1f} min: step {result.final_step}, "
           f"final train loss {result.train_losses.get(result.final_step, float('nan')):.4f}"
           + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""))
-    print(f"  metrics:     {result.metrics_path} (TensorBoard: {os.path.join(result.run_dir, 'tensorboard')})")
+    print(f"  metrics:     {result.metrics_path} (TensorBoard: {result.run_dir.rstrip('/')}/tensorboard)")
     print(f"  checkpoints: {result.checkpoint_dir}")
     if result.plot_path:
         print(f"  loss curve:  {result.plot_path}")
@@ -90,11 +90,17 @@ def _report_error(cfg, e: Exception) -> int:
         return 2
     ours = isinstance(e, FloatingPointError) or type(e).__module__.startswith("training")
     line = str(e) if ours or isinstance(e, ValueError) else short_error(e, limit=400)
-    log_path = os.path.join(os.path.abspath(cfg.train.output_dir), LOG_NAME)
+    from training import storage
+
+    log_path = storage.join(storage.absolute(cfg.train.output_dir), LOG_NAME)
+    entry = f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR train.py: {line}\n" + "".join(traceback.format_exception(e))
     try:
-        with open(log_path, "a") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR train.py: {line}\n")
-            traceback.print_exception(e, file=f)
+        if storage.is_url(log_path):  # no append on object stores: the log is rewritten with the entry added
+            previous = storage.read_text(log_path) if storage.exists(log_path) else ""
+            storage.write_text(log_path, previous + entry)
+        else:
+            with open(log_path, "a") as f:
+                f.write(entry)
         where = f" (details: {log_path})"
     except OSError:
         where = ""

@@ -12,12 +12,12 @@ default device.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 from flax import nnx
 
 from models.decoder import Decoder, abstract_model, build_model
+from training import storage
 from training.checkpoint import Checkpointer
 from training.config import Config, load_config
 from training.tokenizer import Tokenizer, load_tokenizer
@@ -36,26 +36,27 @@ class LoadedRun:
 
 def _listing(path: str) -> str:
     try:
-        names = sorted(os.listdir(path))
+        names = sorted(storage.listdir(path))
     except OSError as e:
         return f"(cannot list it: {e.strerror})"
     return ", ".join(names[:20]) + (f", ... ({len(names)} entries)" if len(names) > 20 else "") if names else "nothing"
 
 
 def resolve_run_dirs(path: str) -> tuple[str, str]:
-    """(run directory, checkpoint directory) for a run directory or its checkpoint directory."""
-    p = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isdir(p):
+    """(run directory, checkpoint directory) for a run directory or its checkpoint directory (local or a
+    gs:// / s3:// URL)."""
+    p = storage.absolute(path)
+    if not storage.isdir(p, "run path"):
         raise FileNotFoundError(f"run path {path!r}: no such directory (expected a run directory with "
                                 f"{CONFIG_FILE} and {CHECKPOINT_DIR}/, or its {CHECKPOINT_DIR}/ directory)")
-    if os.path.isfile(os.path.join(p, CONFIG_FILE)):
-        ckpt = os.path.join(p, CHECKPOINT_DIR)
-        if not os.path.isdir(ckpt):
+    if storage.isfile(storage.join(p, CONFIG_FILE), "run path"):
+        ckpt = storage.join(p, CHECKPOINT_DIR)
+        if not storage.isdir(ckpt, "run path"):
             raise FileNotFoundError(f"run path {path!r}: has {CONFIG_FILE} but no {CHECKPOINT_DIR}/ directory; "
                                     f"it holds: {_listing(p)}")
         return p, ckpt
-    parent = os.path.dirname(p)
-    if os.path.isfile(os.path.join(parent, CONFIG_FILE)):
+    parent = storage.dirname(p)
+    if storage.isfile(storage.join(parent, CONFIG_FILE), "run path"):
         return parent, p
     raise FileNotFoundError(f"run path {path!r}: neither it nor its parent holds {CONFIG_FILE}; expected a run "
                             f"directory (train.output_dir) or its {CHECKPOINT_DIR}/ directory. It holds: {_listing(p)}")
@@ -69,9 +70,9 @@ def _single_device_template(abstract_params):
 def load_run(path: str, step: int | None = None) -> LoadedRun:
     """The run's config, tokenizer and model with the parameters of checkpoint ``step`` (default: newest)."""
     run_dir, ckpt_dir = resolve_run_dirs(path)
-    config_path = os.path.join(run_dir, CONFIG_FILE)
+    config_path = storage.join(run_dir, CONFIG_FILE)
     try:
-        cfg = load_config(config_path)
+        cfg = load_config(storage.local_copy(config_path, "run path"))  # the config loader reads local files
     except ValueError as e:
         raise ValueError(f"run {run_dir!r}: {CONFIG_FILE} does not load with this code version: {e}") from e
     tokenizer = load_tokenizer(cfg.data.tokenizer.kind, cfg.data.tokenizer.path)

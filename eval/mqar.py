@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 
@@ -28,6 +27,7 @@ from eval.report import write_json
 from eval.synthetic import report
 from eval.synthetic.sweep import mqar_settings, run_sweep
 from eval.synthetic.task import load_eval_config
+from training import storage
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -72,14 +72,14 @@ def prepare(args, extra_overrides=()):
     mixers = [m.strip() for m in args.mixers.split(",") if m.strip()] if args.mixers else [config_mixers(cfg)]
     seeds = _int_list(args.seeds, "--seeds") if args.seeds else [None]
     out = args.out or cfg.train.output_dir
-    os.makedirs(out, exist_ok=True)
+    storage.makedirs(out, "--out")
     return cfg, task, mixers, seeds, out
 
 
 def run_and_report(args, cfg, task, mixers, settings, seeds, out, *, overrides, title, capacity_plot: bool):
     """Runs the sweep, rewriting results.json after every run; then the table and plots."""
     start = time.perf_counter()
-    json_path = os.path.join(out, "results.json")
+    json_path = storage.join(out, "results.json")
     records: list[dict] = []
     meta = dict(config=cfg.to_dict(), task=dataclasses.asdict(task), mixers=mixers,
                 settings=[s.label for s in settings], seeds=[cfg.train.seed if s is None else s for s in seeds])
@@ -97,13 +97,13 @@ def run_and_report(args, cfg, task, mixers, settings, seeds, out, *, overrides, 
         raise SystemExit(f"error: {e}") from None
     table = report.accuracy_table(records)
     total = time.perf_counter() - start
-    with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(f"{title}; held-out per-query-token accuracy (mean [min,max] over seeds)\n\n{table}\n")
+    storage.write_text(storage.join(out, "table.md"), f"{title}; held-out per-query-token accuracy (mean [min,max] "
+                       f"over seeds)\n\n{table}\n", "--out")
     print(f"\nheld-out per-query-token accuracy ({title}):\n{table}\ntotal {total:.1f} s")
-    paths = [json_path, os.path.join(out, "table.md")]
+    paths = [json_path, storage.join(out, "table.md")]
     if capacity_plot:
-        paths.append(report.plot_capacity(records, os.path.join(out, "capacity.png"), title=title))
-    paths.append(report.plot_learning_curves(records, os.path.join(out, "learning_curves.png"), title=title))
+        paths.append(report.plot_capacity(records, storage.join(out, "capacity.png"), title=title))
+    paths.append(report.plot_learning_curves(records, storage.join(out, "learning_curves.png"), title=title))
     print("wrote " + ", ".join(paths))
     return records
 
@@ -113,8 +113,7 @@ def merge(paths: list[str], out: str, title: str = "MQAR") -> list[dict]:
     records, sources = [], []
     for path in paths:
         try:
-            with open(path) as f:
-                payload = json.load(f)
+            payload = json.loads(storage.read_text(path, "--merge"))
         except (OSError, json.JSONDecodeError) as e:
             raise SystemExit(f"error: --merge: cannot read {path}: {e}") from None
         if not isinstance(payload.get("results"), list):
@@ -123,15 +122,16 @@ def merge(paths: list[str], out: str, title: str = "MQAR") -> list[dict]:
         sources.append({"path": path, "command": payload.get("command"), "environment": payload.get("environment")})
     if not records:
         raise SystemExit(f"error: --merge: no runs in {', '.join(paths)}")
-    os.makedirs(out, exist_ok=True)
+    storage.makedirs(out, "--out")
     table = report.accuracy_table(records)
-    with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(f"{title}; held-out per-query-token accuracy (mean [min,max] over seeds)\n\n{table}\n")
-    write_json(os.path.join(out, "results.json"), {"merged_from": sources, "results": records})
-    paths_out = [os.path.join(out, "results.json"), os.path.join(out, "table.md"),
-                 report.plot_capacity(records, os.path.join(out, "capacity.png"), title=title)]
+    storage.write_text(storage.join(out, "table.md"), f"{title}; held-out per-query-token accuracy (mean [min,max] "
+                       f"over seeds)\n\n{table}\n", "--out")
+    write_json(storage.join(out, "results.json"), {"merged_from": sources, "results": records})
+    paths_out = [storage.join(out, "results.json"), storage.join(out, "table.md"),
+                 report.plot_capacity(records, storage.join(out, "capacity.png"), title=title)]
     if any(r.get("history") for r in records):
-        paths_out.append(report.plot_learning_curves(records, os.path.join(out, "learning_curves.png"), title=title))
+        paths_out.append(report.plot_learning_curves(records, storage.join(out, "learning_curves.png"),
+                                                     title=title))
     print(f"held-out per-query-token accuracy ({title}, {len(records)} runs from {len(paths)} file(s)):\n{table}")
     print("wrote " + ", ".join(paths_out))
     return records

@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
 import json
 import math
-import os
 import sys
 from typing import Iterable, Iterator, Sequence
 
@@ -47,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from eval.generate import decode_scan
+from training import storage
 
 LN2 = math.log(2.0)
 
@@ -56,19 +55,16 @@ def iter_texts(path: str, text_column: str = "text") -> Iterator[str]:
     """Documents of ``path``: Parquet rows (file, directory or glob; the ``text_column``) read one row group at a
     time, or whole ``.txt`` files (a file or a glob)."""
     if path.endswith(".txt"):
-        files = sorted(glob.glob(os.path.expanduser(path))) if any(c in path for c in "*?[") else [path]
-        if not files or not all(os.path.isfile(f) for f in files):
+        files = storage.glob(path, "--data") if storage.has_glob(path) else [path]
+        if not files or not all(storage.isfile(f, "--data") for f in files):
             raise FileNotFoundError(f"--data: no .txt file found at {path!r}")
         for f in files:
-            with open(f, encoding="utf-8") as fh:
-                yield fh.read()
+            yield storage.read_text(f, "--data")
         return
-    import pyarrow.parquet as pq
-
-    from training.data import resolve_parquet_files
+    from training.data import parquet_file, resolve_parquet_files
 
     for f in resolve_parquet_files(path, "--data", text_column):
-        pf = pq.ParquetFile(f)
+        pf = parquet_file(f, "--data")
         for rg in range(pf.num_row_groups):
             for text in pf.read_row_group(rg, columns=[text_column]).column(0).to_pylist():
                 yield "" if text is None else str(text)
@@ -359,15 +355,15 @@ def evaluate_run(args: argparse.Namespace) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     report = evaluate_run(args)
-    out_dir = args.out_dir or os.path.join(report["run"], "eval")
-    os.makedirs(out_dir, exist_ok=True)
-    json_path, png_path = os.path.join(out_dir, "perplexity.json"), os.path.join(out_dir, "perplexity.png")
-    with open(json_path, "w") as f:
-        json.dump(report, f, indent=1)
+    out_dir = args.out_dir or storage.join(report["run"], "eval")
+    storage.makedirs(out_dir, "--out_dir")
+    json_path, png_path = storage.join(out_dir, "perplexity.json"), storage.join(out_dir, "perplexity.png")
+    storage.write_text(json_path, json.dumps(report, indent=1), "--out_dir")
     from eval.plots import plot_perplexity_report
 
-    plot_perplexity_report(report, png_path, title=f"{','.join(report['mixers'])} — {os.path.basename(report['run'])} "
-                                                   f"step {report['step']}")
+    with storage.local_output(png_path, "--out_dir") as local_png:
+        plot_perplexity_report(report, local_png, title=f"{','.join(report['mixers'])} — "
+                                                        f"{storage.basename(report['run'])} step {report['step']}")
     print(format_table(report))
     print(f"wrote {json_path} and {png_path}")
     return 0

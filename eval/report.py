@@ -8,6 +8,8 @@ import os
 
 import numpy as np
 
+from training import storage
+
 
 def format_value(x, digits: int = 4) -> str:
     """Numbers with ``digits`` significant digits (scientific outside [1e-3, 1e6)); anything else as str."""
@@ -49,7 +51,11 @@ def _jsonable(x):
 
 
 def write_json(path: str, payload: dict) -> str:
-    """``payload`` as indented JSON; a reader (or a crash) never sees half a file."""
+    """``payload`` as indented JSON (a local path or a gs:// / s3:// URL); a reader (or a crash) never sees half
+    a file."""
+    if storage.is_url(path):
+        storage.write_text(path, json.dumps(_jsonable(payload), indent=1), "output")
+        return path
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -75,9 +81,10 @@ def new_figure(ncols: int, width: float = 5.0, height: float = 3.8):
 
 
 def save_figure(fig, path: str, dpi: int = 120) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    """Saves ``fig`` as ``path`` (a local path or a URL: written locally, then uploaded)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    with storage.local_output(path, "output") as local:
+        fig.savefig(local, dpi=dpi)
     pyplot().close(fig)
     return path
 

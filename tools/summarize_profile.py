@@ -1,6 +1,6 @@
 """Summarise a jax.profiler trace into a table: top ops by time, time in our kernels, matmul vs the rest.
 
-    python tools/summarize_profile.py runs/base/profile [--top 20]
+    python tools/summarize_profile.py runs/base/profile [--top 20]     # or gs://bucket/runs/base/profile
 
 Reads the newest ``*.trace.json.gz`` under the directory (written by ``profile.start_step`` in a config).
 Python-frame events (names starting with ``$``) are left out; what remains is the device/runtime work.
@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import gzip
 import json
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from training import storage  # noqa: E402
 
 KERNEL_WORDS = ("delta_rule", "pallas", "mosaic", "triton")
 MATMUL_WORDS = ("dot", "gemm", "matmul", "convolution", "cublas", "cutlass", "einsum")
@@ -32,16 +34,20 @@ def classify(name: str) -> str:
 
 
 def newest_trace(path: str) -> str:
-    if os.path.isfile(path):
+    """The trace file itself, or the newest trace under a directory (a local path or a gs:// / s3:// URL: trace
+    folders are named by their start time, so the newest is the greatest path)."""
+    if storage.isfile(path, "profile path"):
         return path
-    files = glob.glob(os.path.join(path, "**", "*.trace.json.gz"), recursive=True)
+    files = storage.glob(storage.join(path, "**", "*.trace.json.gz"), "profile path")
     if not files:
         raise FileNotFoundError(f"no *.trace.json.gz under {path!r} (set profile.start_step in the config)")
+    if storage.is_url(path):
+        return max(files)
     return max(files, key=os.path.getmtime)
 
 
 def summarize(trace_path: str) -> dict:
-    with gzip.open(trace_path) as f:
+    with storage.open_file(trace_path, "rb", "profile path") as raw, gzip.open(raw) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
     names = {e["pid"]: e.get("args", {}).get("name", str(e["pid"]))

@@ -5,6 +5,8 @@ Every finished save gets a manifest (``<step>/manifest.mixerlab.json``: size and
 orbax reports the step complete. On restore the manifest is checked; a step that fails the check, fails to
 restore or holds non-finite parameters is moved to ``<run dir>/checkpoints.quarantine/`` (so it neither
 blocks later saves at its step nor counts toward ``keep``) and the next older step is tried.
+
+The directory may be a gs:// or s3:// URL (see ``Checkpointer`` for how each is written).
 """
 from __future__ import annotations
 
@@ -13,16 +15,20 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import zlib
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from training import storage
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.mixerlab.json"
 _CHUNK = 1 << 22
+ORBAX_PROTOCOLS = ("gs",)  # URLs orbax (TensorStore) writes itself; other URLs are staged locally and uploaded
 
 
 class CheckpointError(RuntimeError):
@@ -59,6 +65,24 @@ def _file_digest(path: str) -> dict:
     return {"size": size, "crc32": crc}
 
 
+def _remote_digests(step_dir: str) -> dict:
+    """Size and the object store's own checksum of each file (from a listing; nothing is read back)."""
+    return {rel: d for rel, d in storage.sizes(step_dir, "train.output_dir").items() if not rel.startswith(MANIFEST)}
+
+
+def _check_remote(step_dir: str, expected: dict) -> str | None:
+    got = storage.sizes(step_dir, "train.output_dir")
+    for rel, want in sorted(expected.items()):
+        have = got.get(rel)
+        if have is None:
+            return f"{rel} is missing"
+        if have["size"] != want["size"]:
+            return f"{rel} has {have['size']} bytes, the manifest says {want['size']}"
+        if want.get("checksum") and have["checksum"] and have["checksum"] != want["checksum"]:
+            return f"{rel} does not match its checksum"
+    return None
+
+
 def _digests(step_dir: str) -> dict:
     out = {}
     for root, _dirs, files in os.walk(step_dir):
@@ -82,25 +106,64 @@ def all_finite(tree) -> bool:
 
 
 class Checkpointer:
+    """Saves and restores the checkpoints of ``directory``: a local path or a URL.
+
+    Where the bytes go: a local path or a ``gs://`` URL is handed to orbax as it is (TensorStore writes GCS
+    itself, from every host). Any other URL (``s3://``: orbax's TensorStore layer writes no S3) is *staged*: orbax
+    writes into a local temporary directory and each finished step is then uploaded, its manifest last, so a step
+    in the bucket without a manifest is an upload that did not finish and is never restored. A restore downloads
+    the step first. Staged checkpoints are written by one host (multi-host runs need gs:// or a shared folder).
+    """
+
     def __init__(self, directory: str, *, keep: int, async_save: bool):
-        self.directory = os.path.abspath(directory)
+        self.directory = storage.absolute(directory)
         self.quarantine_dir = self.directory + ".quarantine"
         self.quarantined: list[tuple[int, str]] = []  # (step, where it went) moved aside by this process
         self._pending: list[int] = []  # saved steps whose manifest is not written yet (async saves)
         self._primary = jax.process_index() == 0
         self._async = async_save
+        self.keep = keep
+        self.staged = storage.is_url(self.directory) and storage.protocol(self.directory) not in ORBAX_PROTOCOLS
+        if storage.is_url(self.directory):  # a missing gcsfs/s3fs is named here, not deep inside orbax
+            storage.filesystem(self.directory, "train.output_dir")
+        if self.staged:
+            if jax.process_count() > 1:
+                raise CheckpointError(
+                    f"checkpoint directory {self.directory}: {storage.protocol(self.directory)}:// checkpoints are "
+                    f"staged on one host and uploaded; a run of {jax.process_count()} processes needs gs:// or a "
+                    f"folder every host shares (train.output_dir)")
+            self.stage = tempfile.mkdtemp(prefix="mixerlab-checkpoints-")
+            self.local_directory = os.path.join(self.stage, "checkpoints")
+        else:
+            self.stage = None
+            self.local_directory = self.directory
+        self._upload_failed = False
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        with storage.errors(self.directory, "train.output_dir"):
+            self.manager = ocp.CheckpointManager(self.local_directory, options=options)
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        steps = self.steps()
+        return steps[-1] if steps else None
 
     def steps(self) -> list[int]:
+        """Complete steps (staged: the ones uploaded with their manifest)."""
+        if self.staged:
+            return [s for s in self._remote_steps() if self.has_manifest(s)]
         return sorted(self.manager.all_steps())
 
+    def _remote_steps(self) -> list[int]:
+        if not storage.exists(self.directory, "train.output_dir"):
+            return []
+        return sorted(int(n) for n in storage.listdir(self.directory, "train.output_dir") if n.isdigit())
+
     def step_dir(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
+        return storage.join(self.directory, str(step))
+
+    def _local_step_dir(self, step: int) -> str:
+        """Where orbax reads and writes ``step``: the step itself, or its staged copy."""
+        return os.path.join(self.local_directory, str(step)) if self.staged else self.step_dir(step)
 
     # ------------------------------------------------------------------------------------------- save
     def save(self, step: int, *, params, opt_state, data_state: dict, meta: dict) -> bool:
@@ -126,17 +189,20 @@ class Checkpointer:
         return bool(saved)
 
     def _save_error(self, step: int, e: BaseException) -> CheckpointError:
+        local = self.local_directory
         if disk_full(e):
-            free = shutil.disk_usage(self.directory).free if os.path.isdir(self.directory) else 0
+            free = shutil.disk_usage(local).free if os.path.isdir(local) else 0
             return CheckpointError(
-                f"checkpoint step {step}: no space left on the device of {self.directory} ({free / 2**20:.0f} MiB "
+                f"checkpoint step {step}: no space left on the device of {local} ({free / 2**20:.0f} MiB "
                 f"free); free space or set checkpoint.keep lower, then run the same command to resume from the "
                 f"newest complete checkpoint")
+        if storage.is_url(self.directory) and not isinstance(e, storage.StorageError):
+            e = storage.describe(e, self.directory, "train.output_dir")
         return CheckpointError(f"checkpoint step {step} could not be written to {self.directory}: {short_error(e)}")
 
     def finish(self) -> list[int]:
-        """Waits for pending saves, then writes their manifests (a manifest means: this step is complete).
-        Returns the steps completed."""
+        """Waits for pending saves, then writes their manifests (a manifest means: this step is complete) and,
+        staged, uploads them. Returns the steps completed."""
         try:
             self.manager.wait_until_finished()
         except Exception as e:
@@ -146,15 +212,24 @@ class Checkpointer:
         done, self._pending = self._pending, []
         if self._primary:
             for step in done:
-                if os.path.isdir(self.step_dir(step)):
+                if storage.isdir(self._local_step_dir(step)):
                     self._write_manifest(step)
+                    if self.staged:
+                        self._upload(step)
+            if self.staged and done:
+                self._prune_remote()
         return done
 
     def _write_manifest(self, step: int) -> None:
-        path = os.path.join(self.step_dir(step), MANIFEST)
-        tmp = path + ".tmp"
+        step_dir = self._local_step_dir(step)
+        path = storage.join(step_dir, MANIFEST)
         try:
-            files = _digests(self.step_dir(step))
+            if storage.is_url(step_dir):  # an object appears whole when its upload completes: no temp file
+                storage.write_text(path, json.dumps({"step": step, "files": _remote_digests(step_dir)}),
+                                   "train.output_dir")
+                return
+            tmp = path + ".tmp"
+            files = _digests(step_dir)
             with open(tmp, "w") as f:
                 json.dump({"step": step, "files": files}, f)
                 f.flush()
@@ -163,19 +238,54 @@ class Checkpointer:
         except OSError as e:
             raise self._save_error(step, e) from e
 
+    def _upload(self, step: int) -> None:
+        """Staged: uploads a finished step, its manifest last (the manifest marks the upload complete)."""
+        local, remote = self._local_step_dir(step), self.step_dir(step)
+        try:
+            storage.remove(remote, "train.output_dir")  # a half-uploaded step of an earlier attempt
+            for root, _dirs, files in os.walk(local):
+                for name in sorted(files):
+                    rel = os.path.relpath(os.path.join(root, name), local).replace(os.sep, "/")
+                    if rel != MANIFEST:
+                        storage.upload(os.path.join(local, rel), storage.join(remote, rel), "train.output_dir")
+            storage.upload(os.path.join(local, MANIFEST), storage.join(remote, MANIFEST), "train.output_dir")
+        except storage.StorageError as e:
+            self._upload_failed = True  # the staged copy is then the only one: close() keeps it
+            raise CheckpointError(f"checkpoint step {step} could not be uploaded to {remote}: {e}; the local copy "
+                                  f"is kept at {local}") from e
+
+    def _prune_remote(self) -> None:
+        """Staged: the bucket keeps the newest ``keep`` complete steps, as orbax does locally."""
+        complete = self.steps()
+        for step in complete[:-self.keep] if self.keep else []:
+            storage.remove(self.step_dir(step), "train.output_dir")
+
+    def _fetch(self, step: int) -> None:
+        """Staged: downloads ``step`` into the staging folder (once) so that orbax can read it."""
+        if not self.staged or os.path.isdir(self._local_step_dir(step)):
+            return
+        storage.download(self.step_dir(step), self._local_step_dir(step), "train.output_dir")
+        self.manager.reload()
+
     # ------------------------------------------------------------------------------------------- verify
     def verify(self, step: int) -> str | None:
         """None if step's files match its manifest (or it has none: saved before manifests, or killed between
-        the save and the manifest); otherwise what is wrong."""
-        step_dir = self.step_dir(step)
-        path = os.path.join(step_dir, MANIFEST)
-        if not os.path.exists(path):
+        the save and the manifest); otherwise what is wrong. A staged step without a manifest is an unfinished
+        upload."""
+        if self.staged:
+            if not self.has_manifest(step):
+                return "its upload did not finish (no manifest in the bucket)"
+            self._fetch(step)
+        step_dir = self._local_step_dir(step)
+        path = storage.join(step_dir, MANIFEST)
+        if not storage.exists(path):
             return None
         try:
-            with open(path) as f:
-                expected = json.load(f)["files"]
+            expected = json.loads(storage.read_text(path))["files"]
         except (OSError, ValueError, KeyError) as e:
             return f"unreadable manifest ({short_error(e)})"
+        if storage.is_url(step_dir):
+            return _check_remote(step_dir, expected)
         for rel, want in sorted(expected.items()):
             full = os.path.join(step_dir, rel)
             if not os.path.exists(full):
@@ -188,19 +298,20 @@ class Checkpointer:
         return None
 
     def has_manifest(self, step: int) -> bool:
-        return os.path.exists(os.path.join(self.step_dir(step), MANIFEST))
+        return storage.exists(storage.join(self.step_dir(step), MANIFEST))
 
     def quarantine(self, step: int, reason: str) -> str:
         """Moves step out of the checkpoint directory (kept for inspection, never deleted)."""
-        os.makedirs(self.quarantine_dir, exist_ok=True)
-        target = os.path.join(self.quarantine_dir, str(step))
+        storage.makedirs(self.quarantine_dir)
+        target = storage.join(self.quarantine_dir, str(step))
         n = 1
-        while os.path.exists(target):
+        while storage.exists(target):
             n += 1
-            target = os.path.join(self.quarantine_dir, f"{step}.{n}")
-        os.rename(self.step_dir(step), target)
-        with open(target + ".reason.txt", "w") as f:
-            f.write(reason + "\n")
+            target = storage.join(self.quarantine_dir, f"{step}.{n}")
+        storage.move(self.step_dir(step), target, "train.output_dir")
+        storage.write_text(target + ".reason.txt", reason + "\n", "train.output_dir")
+        if self.staged:
+            shutil.rmtree(self._local_step_dir(step), ignore_errors=True)
         self.quarantined.append((step, target))
         self.manager.reload()
         return target
@@ -208,10 +319,8 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------- restore
     def read_meta(self, step: int) -> dict | None:
         """The JSON ``meta`` item of step (None when it cannot be read), without touching the arrays."""
-        path = os.path.join(self.step_dir(step), "meta", "metadata")
         try:
-            with open(path) as f:
-                return json.load(f)
+            return json.loads(storage.read_text(storage.join(self.step_dir(step), "meta", "metadata")))
         except (OSError, ValueError):
             return None
 
@@ -220,9 +329,8 @@ class Checkpointer:
         not corrupt and must not be quarantined (the config comparison catches this first; this covers
         checkpoints without a stored config)."""
         try:
-            with open(os.path.join(self.step_dir(step), "params", "_METADATA")) as f:
-                stored = {tuple(k["key"] for k in v["key_metadata"])
-                          for v in json.load(f)["tree_metadata"].values()}
+            metadata = json.loads(storage.read_text(storage.join(self._local_step_dir(step), "params", "_METADATA")))
+            stored = {tuple(k["key"] for k in v["key_metadata"]) for v in metadata["tree_metadata"].values()}
         except (OSError, ValueError, KeyError, TypeError):
             return  # unreadable metadata: the restore below fails and the step is treated as corrupt
         wanted = {tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
@@ -240,6 +348,7 @@ class Checkpointer:
 
     def restore(self, step: int, *, params, opt_state):
         """Restores into the structure (and shardings) of the given templates."""
+        self._fetch(step)
         abstract = lambda tree: jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
         out = self.manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract(params)),
@@ -252,6 +361,7 @@ class Checkpointer:
     def restore_params(self, step: int, params_template):
         """Only the parameters of checkpoint ``step`` (an orbax partial restore: the optimizer state is not
         read), into the structure, dtypes and shardings of ``params_template`` (arrays or ShapeDtypeStructs)."""
+        self._fetch(step)
         out = self.manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(params_template)))
         return out.params
 
@@ -259,7 +369,8 @@ class Checkpointer:
         """(step, params, opt_state, data_state, meta) of the newest good checkpoint, or None.
         A step that fails its manifest, fails to restore (partial write, corruption) or holds non-finite
         parameters is quarantined and reported (one line through ``report``), and the next older one is tried."""
-        for step in sorted(self.manager.all_steps(), reverse=True):
+        candidates = self._remote_steps() if self.staged else self.manager.all_steps()
+        for step in sorted(candidates, reverse=True):
             problem = self.verify(step)
             restored = None
             if problem is None:
@@ -289,3 +400,5 @@ class Checkpointer:
             self.finish()
         finally:
             self.manager.close()
+            if self.stage is not None and not self._pending and not self._upload_failed:
+                shutil.rmtree(self.stage, ignore_errors=True)  # every finished step is in the bucket

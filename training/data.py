@@ -35,7 +35,6 @@ from __future__ import annotations
 import bisect
 import collections
 import copy
-import glob as _glob
 import json
 import os
 import sys
@@ -50,6 +49,7 @@ import pyarrow.compute  # makes pa.compute available
 import pyarrow.parquet as pq
 from grain.experimental import ConcatThenSplitIterDataset, InterleaveIterDataset
 
+from training import storage
 from training.tokenizer import _REPO_ROOT, Tokenizer, resolve_path
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -64,13 +64,16 @@ EMPTY_WARN_SHARE = 0.1  # warn when more than this share of the sampled document
 # ----------------------------------------------------------------------------------------------- files
 def resolve_parquet_files(path: str, key: str, text_column: str = "text") -> list[str]:
     """The Parquet files named by ``path`` (a directory: every ``*.parquet`` inside, sorted; a file; or a
-    glob), each checked to have ``text_column``. Errors name the config ``key``."""
+    glob), each checked to have ``text_column``. ``path`` may be a local path or a gs:// / s3:// URL (the
+    files are then URLs too). Errors name the config ``key``."""
     if not path:
         raise ValueError(f"{key}: no path given (got {path!r})")
-    if any(ch in path for ch in "*?["):
-        files = sorted(_glob.glob(os.path.expanduser(path), recursive=True))
+    if storage.is_url(path):
+        files = _remote_parquet_files(path, key)
+    elif storage.has_glob(path):
+        files = storage.glob(path)
         if not files and not os.path.isabs(path):
-            files = sorted(_glob.glob(str(_REPO_ROOT / path), recursive=True))
+            files = storage.glob(str(_REPO_ROOT / path))
         files = [f for f in files if os.path.isfile(f)]
         if not files:
             raise FileNotFoundError(f"{key}: no .parquet file matched the glob {path!r}")
@@ -85,7 +88,9 @@ def resolve_parquet_files(path: str, key: str, text_column: str = "text") -> lis
             files = [resolved]
     for f in files:
         try:
-            schema = pq.read_schema(f)
+            schema = parquet_file(f, key).schema_arrow
+        except storage.StorageError:
+            raise
         except Exception as e:  # not Parquet, truncated, ...
             raise ValueError(f"{key}: cannot read the Parquet schema of {f!r}: {e}") from e
         if text_column not in schema.names:
@@ -98,6 +103,31 @@ def resolve_parquet_files(path: str, key: str, text_column: str = "text") -> lis
             raise ValueError(f"{key}: column {text_column!r} (data.text_column) of {f!r} has type {kind}, not "
                              f"string{hint}; name a text column")
     return files
+
+
+def _remote_parquet_files(url: str, key: str) -> list[str]:
+    """The files of a gs:// / s3:// glob, "directory" (prefix) or object; StorageError naming key and URL."""
+    if storage.has_glob(url):
+        files = [f for f in storage.glob(url, key) if storage.isfile(f, key)]
+        if not files:
+            raise storage.StorageError(f"{key}: no .parquet file matched the glob {url}")
+        return files
+    if storage.isdir(url, key):
+        files = [storage.join(url, n) for n in sorted(storage.listdir(url, key)) if n.endswith(".parquet")]
+        if not files:
+            raise storage.StorageError(f"{key}: no .parquet file matched in the directory {url}")
+        return files
+    if not storage.exists(url, key):
+        raise storage.describe(FileNotFoundError(url), url, key)
+    return [url]
+
+
+def parquet_file(path: str, key: str = "") -> pq.ParquetFile:
+    """A Parquet file of a local path or URL. Remote files are opened without read-ahead: the footer and then
+    each row group asked for are fetched by range requests, not the whole object."""
+    if not storage.is_url(path):
+        return pq.ParquetFile(path)
+    return pq.ParquetFile(storage.open_file(path, "rb", key, cache_type="none"))
 
 
 def _is_text_type(kind) -> bool:
@@ -120,7 +150,7 @@ def check_text_data(path: str, key: str, text_column: str = "text", *, max_row_g
     empty = total = 0
     for gi in picks:
         fi, rg, _ = groups.groups[gi]
-        column = pq.ParquetFile(files[fi]).read_row_group(rg, columns=[text_column]).column(0)
+        column = parquet_file(files[fi], key).read_row_group(rg, columns=[text_column]).column(0)
         try:
             column.validate(full=True)
         except pa.ArrowInvalid as e:
@@ -149,7 +179,7 @@ class _RowGroups:
         self.files = list(files)
         self.groups: list[tuple[int, int, int]] = []  # (file index, row group index, num rows)
         for fi, f in enumerate(self.files):
-            md = pq.read_metadata(f)
+            md = parquet_file(f).metadata
             for rg in range(md.num_row_groups):
                 n = md.row_group(rg).num_rows
                 if n:
@@ -279,7 +309,7 @@ class _ParquetDocs(grain.MapDataset):
                 texts = self._texts.get(gi)
             if texts is None:
                 fi, rg, _ = self._groups.groups[gi]
-                table = pq.ParquetFile(self._groups.files[fi]).read_row_group(rg, columns=[self._text_column])
+                table = parquet_file(self._groups.files[fi]).read_row_group(rg, columns=[self._text_column])
                 try:
                     texts = table.column(0).to_pylist()
                 except UnicodeDecodeError as e:

@@ -20,6 +20,7 @@ from flax import nnx
 
 from models.decoder import Decoder, cross_entropy
 from training import data as data_lib
+from training import storage
 from training import run_dir as run_dir_lib
 from training.checkpoint import Checkpointer
 from training import flop_model, mesh as mesh_lib
@@ -32,6 +33,8 @@ from training.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 LOG_NAME = "train.log"
+PROFILE_NAME = "profile"
+PLOT_NAME = "loss_curve.png"
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
@@ -185,27 +188,32 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
     if not t_cfg.resume and jax.process_index() == 0:
         _set_aside_previous_run(run_dir)
     run_dir_lib.check_writable(ckpt_dir, "train.output_dir (its checkpoints folder)")
-    run_log = _RunLog(run_dir)
+    # The run's appended files (train.log, metrics, TensorBoard, profile, plot) are written here, then uploaded
+    # when the run directory is a gs:// / s3:// URL (storage.Staging); locally this is the run directory.
+    staging = storage.Staging(run_dir)
+    run_log = _RunLog(staging)
     for note in notes:
         _say(note)
     try:
-        loop = _Loop(cfg, run_dir, ckpt_dir)
+        loop = _Loop(cfg, run_dir, ckpt_dir, staging, run_log)
         try:
             loop.setup(tokenizer, vocab_size, progress=progress)
             loop.run(stop_at_step)
         finally:
             loop.close()
+        result = loop.result()
     finally:
         run_log.close()
-    return loop.result()
+        staging.cleanup()
+    return result
 
 
 def _check_run_dir(cfg) -> tuple[str, str, list[str]]:
     """The run and checkpoint folders and notes on allowed config changes. On resume the checkpoints must come
     from a compatible config, and the run folder must be writable (RunDirError otherwise, before anything is
     written)."""
-    run_dir = os.path.abspath(cfg.train.output_dir)
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    run_dir = storage.absolute(cfg.train.output_dir)
+    ckpt_dir = storage.join(run_dir, "checkpoints")
     changes = run_dir_lib.compare_with_checkpoint(cfg, run_dir) if cfg.train.resume else []
     run_dir_lib.check_writable(run_dir, "train.output_dir")
     return run_dir, ckpt_dir, [f"resuming with a changed setting: {c}" for c in changes]
@@ -242,9 +250,12 @@ class _RunLog:
 
     QUIET = ("absl", "asyncio")
 
-    def __init__(self, run_dir: str):
-        self.handler = logging.FileHandler(os.path.join(run_dir, LOG_NAME)) if jax.process_index() == 0 \
-            else logging.NullHandler()
+    def __init__(self, staging: storage.Staging):
+        self.staging = staging
+        primary = jax.process_index() == 0
+        if primary:
+            staging.pull(LOG_NAME)  # a remote log is continued, as a local one is appended to
+        self.handler = logging.FileHandler(staging.path(LOG_NAME)) if primary else logging.NullHandler()
         self.handler.setLevel(logging.INFO)
         self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logger = logging.getLogger("training")
@@ -272,13 +283,21 @@ class _RunLog:
             logging.getLogger(name).propagate = propagate
         logging.getLogger("training").removeHandler(self.handler)
         self.handler.close()
+        self.staging.push(LOG_NAME, strict=False)
+
+    def sync(self) -> None:
+        """Uploads the log so far (remote run directories)."""
+        self.handler.flush()
+        self.staging.push(LOG_NAME, strict=False)
 
 
 class _Loop:
     """One training run: restore, then steps with their logging, validation and checkpoints."""
 
-    def __init__(self, cfg, run_dir: str, ckpt_dir: str):
+    def __init__(self, cfg, run_dir: str, ckpt_dir: str, staging: storage.Staging | None = None, run_log=None):
         self.cfg, self.run_dir, self.ckpt_dir = cfg, run_dir, ckpt_dir
+        self.staging = staging if staging is not None else storage.Staging(run_dir)
+        self.run_log = run_log
         self.data_iter = self.metrics = self.checkpointer = self.profiler = self.preemption = self.bar = None
         self.tracker = None
         self.batches = None
@@ -306,12 +325,13 @@ class _Loop:
         self.batches = DevicePrefetcher(self.data_iter, self.trainer.global_batch, depth=t_cfg.prefetch,
                                         state=lambda: json.loads(json.dumps(self.data_iter.get_state()))) \
             if t_cfg.prefetch else None
-        self.metrics = MetricsWriter(run_dir)  # after the restore: a refused checkpoint leaves the metrics alone
+        # after the restore: a refused checkpoint leaves the metrics alone
+        self.metrics = MetricsWriter(run_dir, self.staging)
         self._resume_metrics()
         self.tracker = tracking.open_tracker(cfg, run_dir)  # W&B when logging.wandb; else a no-op
         if jax.process_index() == 0:
-            with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-                yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+            storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False),
+                               "train.output_dir")
         _print(f"mixerlab: {','.join(sorted(set(cfg.layer_mixers)))} model, {self.n_params / 1e6:.2f}M parameters, "
                f"vocab {vocab_size} ({tokenizer.name}), {t_cfg.steps} steps of {t_cfg.batch_size}x"
                f"{cfg.data.seq_len} tokens on {jax.device_count()} {jax.devices()[0].platform} device(s), mesh "
@@ -324,7 +344,8 @@ class _Loop:
         self.val_loss = None
         self.last_step = self.start_step
         self.preemption = _SigtermFlag()
-        self.profiler = _Profiler(cfg.profile, os.path.join(run_dir, "profile"))
+        self.profiler = _Profiler(cfg.profile, self.staging.path(PROFILE_NAME),
+                                  storage.join(run_dir, PROFILE_NAME))
         self.bar = _progress(progress, self.start_step, t_cfg.steps)
         self._reset_window()
 
@@ -477,7 +498,11 @@ class _Loop:
         saved = self.checkpointer.save(step, params=self.trainer.params, opt_state=self.trainer.opt_state,
                                        data_state=_all_data_states(data_state),
                                        meta={"step": step, "val_loss": self.val_loss, "config": self.cfg.to_dict()})
-        if not saved:
+        if saved:  # the metrics up to a checkpoint are in the bucket with it (later rows are dropped on resume)
+            self.metrics.sync()
+            if self.run_log is not None:
+                self.run_log.sync()
+        else:
             newest = self.checkpointer.latest_step()
             _say(f"warning: step {step}: no checkpoint written (the parameters are not finite); the newest "
                  f"checkpoint is {'step ' + str(newest) if newest is not None else 'none'}", self.bar)
@@ -507,6 +532,7 @@ class _Loop:
                 self.metrics.close()
             if self.tracker is not None:
                 self.tracker.close()
+            self.staging.push(PROFILE_NAME, strict=False)
             if self.batches is not None:
                 self.batches.close()
             if hasattr(self.data_iter, "close"):  # stops grain's prefetch threads/processes now, not at exit
@@ -515,11 +541,12 @@ class _Loop:
     def result(self) -> RunResult:
         plot_path = None
         if jax.process_index() == 0 and os.path.exists(self.metrics.jsonl_path):
-            plot_path = plot_loss_curve(self.metrics.jsonl_path, os.path.join(self.run_dir, "loss_curve.png"),
-                                        title=f"{','.join(sorted(set(self.cfg.layer_mixers)))} — "
-                                              f"{os.path.basename(self.run_dir)}")
+            plot_loss_curve(self.metrics.jsonl_path, self.staging.path(PLOT_NAME),
+                            title=f"{','.join(sorted(set(self.cfg.layer_mixers)))} — {storage.basename(self.run_dir)}")
+            self.staging.push(PLOT_NAME)
+            plot_path = storage.join(self.run_dir, PLOT_NAME)
         return RunResult(run_dir=self.run_dir, final_step=self.last_step, train_losses=self.train_losses,
-                         val_loss=self.val_loss, metrics_path=self.metrics.jsonl_path, plot_path=plot_path,
+                         val_loss=self.val_loss, metrics_path=self.metrics.jsonl_url, plot_path=plot_path,
                          checkpoint_dir=self.ckpt_dir, skipped_steps=self.skipped_steps,
                          preempted=self.preemption.requested)
 
@@ -527,10 +554,11 @@ class _Loop:
 class _Profiler:
     """Captures a jax.profiler trace (TensorBoard/xprof + a Perfetto JSON) of profile.num_steps steps."""
 
-    def __init__(self, cfg, directory: str):
+    def __init__(self, cfg, directory: str, url: str | None = None):
         self.first, self.last = cfg.start_step, cfg.start_step + cfg.num_steps - 1
         self.enabled = cfg.start_step > 0 and (cfg.all_hosts or jax.process_index() == 0)
-        self.directory, self.active = directory, False
+        self.directory, self.active = directory, False  # written locally; uploaded to url (if remote) at the end
+        self.url = url or directory
 
     def before(self, step: int) -> None:
         if self.enabled and step == self.first:
@@ -540,8 +568,8 @@ class _Profiler:
     def after(self, step: int) -> None:
         if self.active and step >= self.last:
             self.close()
-            _print(f"profile of steps {self.first}-{self.last} written to {self.directory} "
-                   f"(tensorboard --logdir {self.directory}; python tools/summarize_profile.py {self.directory})")
+            _print(f"profile of steps {self.first}-{self.last} written to {self.url} "
+                   f"(tensorboard --logdir {self.url}; python tools/summarize_profile.py {self.url})")
 
     def close(self) -> None:
         if self.active:
@@ -598,12 +626,12 @@ def _set_aside_previous_run(run_dir: str) -> None:
     (``*.previous-N``) instead of deleting them or mixing the two runs."""
     moved = []
     for name in ("checkpoints", "checkpoints.quarantine", "metrics.jsonl", "tensorboard", LOG_NAME):
-        path = os.path.join(run_dir, name)
-        if os.path.exists(path):
+        path = storage.join(run_dir, name)
+        if storage.exists(path, "train.output_dir"):
             n = 1
-            while os.path.exists(f"{path}.previous-{n}"):
+            while storage.exists(f"{path}.previous-{n}", "train.output_dir"):
                 n += 1
-            os.rename(path, f"{path}.previous-{n}")
+            storage.move(path, f"{path}.previous-{n}", "train.output_dir")
             moved.append(f"{name}.previous-{n}")
     if moved:
         _say(f"train.resume=false: kept the previous run's files in {run_dir} as {', '.join(moved)}")

@@ -7,18 +7,30 @@ import os
 
 import jax
 
+from training import storage
+
+JSONL = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
+
 
 class MetricsWriter:
-    """Writes only on process 0; every other process gets a no-op writer."""
+    """Writes only on process 0; every other process gets a no-op writer.
 
-    def __init__(self, run_dir: str):
+    For a gs:// / s3:// run directory the files are written in a local staging copy (object stores cannot
+    append): the bucket's metrics.jsonl is downloaded first, and ``sync()`` uploads both files.
+    """
+
+    def __init__(self, run_dir: str, staging: storage.Staging | None = None):
         self.enabled = jax.process_index() == 0
         self.run_dir = run_dir
-        self.jsonl_path = os.path.join(run_dir, "metrics.jsonl")
-        self.tb_dir = os.path.join(run_dir, "tensorboard")
+        self.staging = staging if staging is not None else storage.Staging(run_dir)
+        self.jsonl_path = self.staging.path(JSONL)  # the local file (the run directory's own when local)
+        self.jsonl_url = storage.join(run_dir, JSONL)  # where it lives
+        self.tb_dir = self.staging.path(TENSORBOARD)
         self._tb = None
         if self.enabled:
-            os.makedirs(run_dir, exist_ok=True)
+            storage.makedirs(run_dir, "train.output_dir")
+            self.staging.pull(JSONL)
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(self.tb_dir, flush_secs=10)
@@ -58,6 +70,8 @@ class MetricsWriter:
 
             self._tb.close()
             shutil.rmtree(self.tb_dir, ignore_errors=True)
+            if self.staging.remote:
+                storage.remove(self.staging.remote_path(TENSORBOARD), "train.output_dir")
             self._tb = SummaryWriter(self.tb_dir, flush_secs=10)
             for row in read_metrics(self.jsonl_path):
                 for k, v in row.items():
@@ -66,14 +80,24 @@ class MetricsWriter:
             self._tb.flush()
         return dropped
 
+    def sync(self, *, strict: bool = True) -> None:
+        """Uploads metrics.jsonl and the TensorBoard events (remote run directories; a no-op locally)."""
+        if not (self.enabled and self.staging.remote):
+            return
+        if self._tb is not None:
+            self._tb.flush()
+        self.staging.push(JSONL, strict=strict)
+        self.staging.push(TENSORBOARD, strict=strict)
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        self.sync(strict=False)
 
 
 def read_metrics(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of a metrics.jsonl (a local path or a URL)."""
+    return [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
 
 
 def plot_loss_curve(jsonl_path: str, png_path: str, title: str = "") -> str:

@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import uuid
 
 import yaml
+
+from training import storage
 
 
 class RunDirError(ValueError):
@@ -31,7 +34,17 @@ NOTES = {"train.steps": "the cosine schedule now decays over the new number of s
 
 
 def check_writable(path: str, key: str) -> None:
-    """Creates ``path`` if needed and writes a probe file into it; RunDirError naming ``key`` if it cannot."""
+    """Creates ``path`` if needed and writes a probe file into it; RunDirError naming ``key`` if it cannot.
+    For a gs:// / s3:// URL the probe is a small object, written and deleted (credentials, bucket, permission)."""
+    if storage.is_url(path):
+        probe = storage.join(path, f".write-check-{uuid.uuid4().hex}")
+        try:
+            storage.write_text(probe, "", key)
+            storage.remove(probe, key)
+        except storage.StorageError as e:  # named by the folder, not the probe: credentials, bucket, ...
+            raise RunDirError(f"{storage.describe(e.__cause__ or e, path, key)} (a test object could not be "
+                              f"written)") from None
+        return
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
@@ -54,22 +67,20 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def _newest_stored_config(run_dir: str) -> tuple[int | None, dict | None]:
     """(newest checkpoint step, the config stored with it). Older checkpoints have no config in their
     metadata; then config.yaml of the run directory (written by the run that saved them) is used."""
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
-    steps = sorted((int(n) for n in os.listdir(ckpt_dir) if n.isdigit()), reverse=True) \
-        if os.path.isdir(ckpt_dir) else []
+    ckpt_dir = storage.join(run_dir, "checkpoints")
+    steps = sorted((int(n) for n in storage.listdir(ckpt_dir, "train.output_dir") if n.isdigit()), reverse=True) \
+        if storage.isdir(ckpt_dir, "train.output_dir") else []
     if not steps:
         return None, None
     for step in steps:
         try:
-            with open(os.path.join(ckpt_dir, str(step), "meta", "metadata")) as f:
-                meta = json.load(f)
+            meta = json.loads(storage.read_text(storage.join(ckpt_dir, str(step), "meta", "metadata")))
         except (OSError, ValueError):
             continue
         if isinstance(meta, dict) and isinstance(meta.get("config"), dict):
             return steps[0], meta["config"]
     try:
-        with open(os.path.join(run_dir, "config.yaml")) as f:
-            return steps[0], yaml.safe_load(f)
+        return steps[0], yaml.safe_load(storage.read_text(storage.join(run_dir, "config.yaml")))
     except (OSError, yaml.YAMLError):
         return steps[0], None
 

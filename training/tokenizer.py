@@ -6,6 +6,8 @@ Kinds (``data.tokenizer.kind``):
     ``<|endoftext|>``, else ``</s>``, else ``<eos>``.
   * ``sentencepiece``: any SentencePiece ``.model``; EOS is the model's ``eos_id``.
 
+The path may be a gs:// or s3:// URL: the file is downloaded once into the storage cache (training.storage).
+
 Every tokenizer has ``vocab_size``, ``eos_id``, ``name`` (for logs), ``encode(text) -> list[int]`` (no EOS or
 BOS added), ``encode_batch(texts) -> list[list[int]]`` and ``decode(ids) -> str`` (EOS and other special/control
 tokens are dropped, as each library does by default). Tokenizers pickle (by path), so grain worker processes
@@ -16,6 +18,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Iterable, Protocol, Sequence, runtime_checkable
+
+from training import storage
 
 KINDS = ("byte", "hf", "sentencepiece")
 HF_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>")
@@ -160,7 +164,12 @@ def load_tokenizer(kind: str, path: str | None = None) -> Tokenizer:
     if not path:
         raise ValueError(f"data.tokenizer.path: data.tokenizer.kind={kind!r} needs a path "
                          f"({'tokenizer.json' if kind == 'hf' else 'a .model file'}), got {path!r}")
-    resolved = resolve_path(path, "data.tokenizer.path")
+    if storage.is_url(path):  # the tokenizer libraries read local files: a cached download of the object
+        if not storage.isfile(path, "data.tokenizer.path"):
+            raise storage.describe(FileNotFoundError(path), path, "data.tokenizer.path")
+        resolved = storage.local_copy(path, "data.tokenizer.path")
+    else:
+        resolved = resolve_path(path, "data.tokenizer.path")
     if os.path.isdir(resolved):
         raise FileNotFoundError(f"data.tokenizer.path: {path!r} is a directory, expected a file")
     if kind == "hf":

@@ -1,0 +1,213 @@
+"""Training against a real S3-compatible server (moto, bound to 127.0.0.1; no internet): the data, the
+tokenizer and the run directory all live in a bucket; a SIGTERM mid-run saves a checkpoint there and the
+same command resumes from it with the same losses as a run that was never interrupted."""
+import importlib.util
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from training import loop
+from training.config import load_config
+from training.loop import train
+
+
+
+def _missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):
+        return True
+
+
+MISSING = [m for m in ("moto", "s3fs", "boto3") if _missing(m)]
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)} (test extra: moto[server]; "
+                                                      f"runtime extra mixerlab[cloud]: s3fs)")
+
+BUCKET = "mixerlab-test"
+EMBEDDED = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "data",
+                        "embedded")
+
+
+@pytest.fixture
+def s3(monkeypatch, tmp_path):
+    """A moto S3 server on 127.0.0.1 with the embedded corpus and tokenizer uploaded; yields the s3fs filesystem."""
+    import boto3
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    for key, value in {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MIXERLAB_STORAGE_CACHE", str(tmp_path / "storage-cache"))  # downloaded tokenizers
+    for key in ("NO_PROXY", "no_proxy"):  # a proxy set for the machine must not intercept the local server
+        monkeypatch.setenv(key, "127.0.0.1,localhost")
+    s3fs.S3FileSystem.clear_instance_cache()  # an instance made before the endpoint was set would be reused
+    boto3.client("s3").create_bucket(Bucket=BUCKET)
+    fs = s3fs.S3FileSystem()
+    fs.put_file(os.path.join(EMBEDDED, "train", "part-00000.parquet"), f"{BUCKET}/corpus/train/part-00000.parquet")
+    fs.put_file(os.path.join(EMBEDDED, "val", "part-00000.parquet"), f"{BUCKET}/corpus/val/part-00000.parquet")
+    fs.put_file(os.path.join(EMBEDDED, "tokenizer.json"), f"{BUCKET}/tokenizer/tokenizer.json")
+    try:
+        yield fs
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
+
+
+class _TermAtBatch:
+    """Sends this process SIGTERM when batch ``at`` is drawn (with train.prefetch=0: during step ``at``), as the
+    reliability tests do."""
+
+    def __init__(self, inner, at: int):
+        self.inner, self.at, self.n = inner, at, 0
+
+    def __next__(self):
+        self.n += 1
+        if self.n == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return next(self.inner)
+
+    def get_state(self):
+        return self.inner.get_state()
+
+    def set_state(self, state):
+        self.inner.set_state(state)
+
+
+def _cfg(output_dir, data_root):
+    return load_config("configs/tiny.yaml", [
+        f"train.output_dir={output_dir}", f"data.train_path={data_root}/corpus/train",
+        f"data.val_path={data_root}/corpus/val/*.parquet", f"data.tokenizer.path={data_root}/tokenizer/tokenizer.json",
+        "train.steps=6", "train.log_every=1", "train.eval_every=3", "train.eval_batches=1", "checkpoint.every=2",
+        "train.prefetch=0", "optim.warmup_steps=1"])
+
+
+@pytest.fixture
+def compile_cache(tmp_path):
+    """A persistent XLA cache for this test only: the three runs compile the same steps once (CI time)."""
+    import jax
+    from jax._src import compilation_cache
+
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    before = {k: getattr(jax.config, k) for k in keys}
+    compilation_cache.reset_cache()
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            jax.config.update(k, v)
+        compilation_cache.reset_cache()
+
+
+def _rows(fs, url):
+    return [json.loads(line) for line in fs.cat_file(url).decode().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_train_reads_and_writes_the_bucket_and_resumes_after_sigterm(s3, compile_cache, tmp_path, monkeypatch,
+                                                                         capsys):
+    run = f"s3://{BUCKET}/runs/tiny"
+    cfg = _cfg(run, f"s3://{BUCKET}")
+    real = loop.data_lib.train_iterator
+    with monkeypatch.context() as patch:
+        patch.setattr(loop.data_lib, "train_iterator", lambda *a, **k: _TermAtBatch(real(*a, **k), at=3))
+        first = train(cfg, progress=False)
+    assert first.preempted and first.final_step == 3
+    assert f"SIGTERM: saved a checkpoint at step 3 in {run}/checkpoints" in capsys.readouterr().out
+    assert first.metrics_path == f"{run}/metrics.jsonl" and first.run_dir == run
+
+    s3.invalidate_cache()
+    bucket_run = f"{BUCKET}/runs/tiny"
+    steps = sorted(int(p.rsplit("/", 1)[-1]) for p in s3.ls(f"{bucket_run}/checkpoints"))
+    assert steps == [2, 3]
+    for step in steps:  # uploaded whole: the manifest (written last) lists every file, with its size
+        manifest = json.loads(s3.cat_file(f"{bucket_run}/checkpoints/{step}/manifest.mixerlab.json"))
+        for rel, digest in manifest["files"].items():
+            assert s3.size(f"{bucket_run}/checkpoints/{step}/{rel}") == digest["size"]
+    assert [r["step"] for r in _rows(s3, f"{bucket_run}/metrics.jsonl") if r["split"] == "train"] == [1, 2, 3]
+    assert [r["step"] for r in _rows(s3, f"{bucket_run}/metrics.jsonl") if r["split"] == "val"] == [3]
+    for name in ("config.yaml", "train.log", "loss_curve.png"):
+        assert s3.exists(f"{bucket_run}/{name}"), name
+    assert s3.ls(f"{bucket_run}/tensorboard")
+    assert not os.path.exists("s3:"), "a local folder named after the URL was created"
+
+    second = train(cfg, progress=False)  # the same command resumes from the bucket
+    assert not second.preempted and sorted(second.train_losses) == [4, 5, 6]
+    s3.invalidate_cache()
+    assert [r["step"] for r in _rows(s3, f"{bucket_run}/metrics.jsonl") if r["split"] == "train"] == [1, 2, 3, 4, 5, 6]
+    assert sorted(int(p.rsplit("/", 1)[-1]) for p in s3.ls(f"{bucket_run}/checkpoints")) == [3, 4, 6]  # keep: 3
+    assert "resumed from" in s3.cat_file(f"{bucket_run}/train.log").decode()
+
+    # The state continued: the same losses as an uninterrupted local run on the same data.
+    local = train(_local_cfg(tmp_path / "local"), progress=False)
+    resumed = [second.train_losses[s] for s in (4, 5, 6)]
+    np.testing.assert_allclose(resumed, [local.train_losses[s] for s in (4, 5, 6)], rtol=1e-6)
+    np.testing.assert_allclose([first.train_losses[s] for s in (1, 2, 3)],
+                               [local.train_losses[s] for s in (1, 2, 3)], rtol=1e-6)
+
+
+def _local_cfg(output_dir):
+    return load_config("configs/tiny.yaml", [
+        f"train.output_dir={output_dir}", f"data.train_path={EMBEDDED}/train", f"data.val_path={EMBEDDED}/val",
+        f"data.tokenizer.path={EMBEDDED}/tokenizer.json", "train.steps=6", "train.log_every=1", "train.eval_every=3",
+        "train.eval_batches=1", "checkpoint.every=2", "train.prefetch=0", "optim.warmup_steps=1"])
+
+
+def test_a_missing_bucket_is_named_with_the_config_key(s3):
+    from training import data as data_lib
+    from training.run_dir import RunDirError, check_writable
+    from training.storage import StorageError
+
+    with pytest.raises(StorageError, match=r"data\.train_path: s3://no-such-bucket/corpus: the bucket "
+                                           r"s3://no-such-bucket does not exist"):
+        data_lib.resolve_parquet_files("s3://no-such-bucket/corpus", "data.train_path")
+    with pytest.raises(StorageError, match=rf"data\.train_path: no \.parquet file matched the glob "
+                                           rf"s3://{BUCKET}/corpus/\*\.txt"):
+        data_lib.resolve_parquet_files(f"s3://{BUCKET}/corpus/*.txt", "data.train_path")
+    with pytest.raises(RunDirError, match=r"train\.output_dir: s3://no-such-bucket/run: the bucket "
+                                          r"s3://no-such-bucket does not exist"):
+        check_writable("s3://no-such-bucket/run", "train.output_dir")
+
+
+def test_missing_credentials_are_named_with_the_config_key(s3, monkeypatch):
+    import s3fs
+
+    from training import data as data_lib
+    from training.storage import StorageError
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookup (no network)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    s3fs.S3FileSystem.clear_instance_cache()
+    with pytest.raises(StorageError, match=rf"data\.train_path: s3://{BUCKET}/corpus: no usable credentials for "
+                                           rf"s3://{BUCKET} .*AWS_ACCESS_KEY_ID"):
+        data_lib.resolve_parquet_files(f"s3://{BUCKET}/corpus", "data.train_path")
+
+
+def test_a_failed_run_prints_one_line_and_keeps_the_details_in_the_bucket(s3, capsys):
+    import train as train_cli
+
+    run = f"s3://{BUCKET}/runs/failed"
+    code = train_cli.main(["--config", "configs/tiny.yaml", f"train.output_dir={run}",
+                           f"data.train_path=s3://{BUCKET}/corpus/*.txt"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert err[0] == (f"error: data.train_path: no .parquet file matched the glob s3://{BUCKET}/corpus/*.txt "
+                      f"(details: {run}/train.log)")
+    s3.invalidate_cache()
+    log = s3.cat_file(f"{BUCKET}/runs/failed/train.log").decode()
+    assert "ERROR train.py: data.train_path: no .parquet file matched" in log and "Traceback" in log
