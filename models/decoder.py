@@ -81,6 +81,8 @@ class Decoder(nnx.Module):
         run = lambda block, h: block(h, segment_ids, positions, self.remat)
         if self.remat == "block":  # keep only each block's input; recompute the block in the backward pass
             run = nnx.remat(run)
+        elif self.remat == "dots":  # keep the matmul outputs too; recompute only the elementwise work
+            run = nnx.remat(run, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
         for block in self.blocks:
             x = constrain_batch(run(block, x))
         return x

@@ -61,7 +61,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     dtype: Literal["float32", "bfloat16"] = "float32"  # activation/compute dtype; parameters stay float32
-    remat: Literal["none", "block", "mixer"] = "none"  # activation checkpointing: per block or mixer only
+    remat: Literal["none", "block", "mixer", "dots"] = "none"  # activation checkpointing: per block, mixer only,
+    #                                  or per block keeping the matmul outputs ("dots")
 
     @property
     def key_head_dim(self) -> int:

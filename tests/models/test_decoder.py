@@ -85,7 +85,7 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
 
 
-@pytest.mark.parametrize("remat", ["block", "mixer"])
+@pytest.mark.parametrize("remat", ["block", "mixer", "dots"])
 def test_remat_changes_memory_not_math(remat):
     from flax import nnx
 
@@ -101,3 +101,22 @@ def test_remat_changes_memory_not_math(remat):
     np.testing.assert_allclose(float(loss), float(base_loss), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(base_grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_dots_remat_recomputes_no_matmul_that_block_remat_recomputes():
+    """remat=dots keeps the outputs of the weight matmuls (no batch dimensions): only the attention score
+    matmuls (batched over B, H) are recomputed, far fewer than block remat recomputes."""
+    from flax import nnx
+
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 97, (2, 16)), jnp.int32)
+
+    def dots_in_grad(remat):
+        model = _model("softmax", **{"model.remat": remat})
+        graphdef, state = nnx.split(model)
+
+        def f(state):
+            return jnp.mean(nnx.merge(graphdef, state)(tokens) ** 2)
+        return str(jax.make_jaxpr(jax.grad(f))(state)).count("dot_general")
+
+    none, dots, block = dots_in_grad("none"), dots_in_grad("dots"), dots_in_grad("block")
+    assert none < dots < block and block - dots > 2 * (dots - none), (none, dots, block)
