@@ -24,18 +24,16 @@ sums (docs/math/delta_rule.md, 'Boundary pivots') — and is clamped ≤ 0 befor
      rolls + adds); leaf totals and "whole leaves before / after" sums on the MXU as 0/1 matmuls at f32
      HIGHEST (the MXU cumulative log-decay, at leaf granularity: cumsum does not lower in Mosaic);
      Λ_i = pre_i + Σ_{leaves before}, π = e^Λ, E_i = e^{suf_i + Σ_{leaves after}}.
-  2. The chunk is cut into "tiles" of Tt = min(C, 128) tokens (one MXU tile). Inside a tile:
-       leaves (n0 × n0, exact): for every diagonal offset d < n0 the exponent Σ_{i−d<s≤i} λ_s (a running sum
-       of rolled λ; masked rows set to 0 BEFORE the exp), a_d = Σ_c k̂_ic k_{i−d,c} e^{…},
-       m_d = Σ_c q̂_ic k_{i−d,c} e^{…} (VPU/XLU, lane reductions), placed on the d-th subdiagonal of the leaves;
-       tree levels h = n0 … Tt/2: pivot p = last token of each node's left half, F_i = ρ_i = e^{Σ_{p<s≤i} λ_s}
-       on right halves and κ_i = e^{Σ_{i<s≤p} λ_s} on left halves (both ≤ 1; range sums = whole leaves of the
-       half + pre/suf), one MXU matmul [K̂⊙F; Q̂⊙F](K⊙F)ᵀ per level, masked to the level's (R, L) blocks —
-       the cross blocks of every node of the level at once.
-  3. Tile inverse: Neumann leaves (I − N)(I + N²)(I + N⁴)…, then per level P ← P − P A_h P, which is the
-     2×2 merge P[R,L] = −P[R,R] A[R,L] P[L,L] applied to all nodes of the level (P block-diagonal).
-  4. Levels h ≥ Tt (C = 256: one node, h = 128) on 128-aligned blocks: A[R,L], M[R,L] with ρ, κ ≤ 1 and
-     P[R,L] = −P[R,R] A[R,L] P[L,L]; P and M are assembled in (C, C) VMEM scratch.
+  2. Leaves (n0 × n0, exact): for every diagonal offset d < n0 the exponent Σ_{i−d<s≤i} λ_s (a running sum
+     of rolled λ; masked rows set to 0 BEFORE the exp), a_d = Σ_c k̂_ic k_{i−d,c} e^{…},
+     m_d = Σ_c q̂_ic k_{i−d,c} e^{…} (VPU/XLU, lane reductions), placed on the d-th subdiagonal of the
+     [C/n0, n0, n0] leaf blocks; P's leaves by the Neumann product (I − N)(I + N²)(I + N⁴)…, batched.
+  3. Tree levels h = n0 … C/2, every block at its exact size: pivot p = last token of each node's left
+     half, ρ_i = e^{Σ_{p<s≤i} λ_s} on right halves and κ_j = e^{Σ_{j<s≤p} λ_s} on left halves (both ≤ 1; range
+     sums = whole leaves of the half + pre/suf), zero off the pivot's document; per node
+     [K̂_R⊙ρ; Q̂_R⊙ρ](K_L⊙κ)ᵀ = [A[R,L]; M[R,L]], one batched matmul over the level's C/(2h) nodes.
+  4. 2×2 merges P[R,L] = −P[R,R] A[R,L] P[L,L], batched per level, the diagonal blocks read back from the
+     (C, C) VMEM scratch where P and M are assembled block by block.
   5. [U Y] = P [V̂ ‖ K̂⊙π] (one C × (Dv+Dk) matmul), Ũ = U − Y S₀, O = (Q̂⊙π) S₀ + M Ũ,
      S_C = Diag(π_C) S₀ + (K⊙E)ᵀ Ũ.
 Segments: A, M keep same-document pairs; the S₀ terms (Q̂⊙π, K̂⊙π) only rows of the chunk-start document;
@@ -451,9 +449,9 @@ def core_counts(g: Geometry, breakdown: bool = False):
         "leaves A, M (VPU, exact)": (0, c * n0 * (10 * dk + 4 * n0), c * (n0 - 1) * dk),
         # batched Neumann (I − N)(I + N²)…: 2 n0³-matmuls per squaring step and leaf
         "leaf inverse (Neumann, n0 × n0 blocks)": ((c // n0) * n_sq * 2 * 2 * n0 ** 3, 0, 0),
-        # per node [2h, Dk] x [Dk, h] (+ 3 operand scalings on half the rows each, one on all)
+        # per node [2h, Dk] x [Dk, h] (+ 3 operand scalings, each on half the rows)
         "cross blocks (exact node blocks)": (sum((c // (2 * h)) * 2 * (2 * h) * h * dk for h in g.levels),
-                                             n_lv * 2 * c * dk, 0),
+                                             n_lv * 3 * c * dk // 2, 0),
         # per node −P[R,R] A[R,L] P[L,L]: two h³ matmuls
         "2x2 merges (exact node blocks)": (sum((c // (2 * h)) * 2 * 2 * h ** 3 for h in g.levels), 0, 0),
         "fused solve P[V ‖ K̂⊙π]": (2 * c * c * (dv + dk), c * dk, 0),

@@ -8,9 +8,10 @@ forward's own ``chunk_core`` and carrying dS in a VMEM f32 scratch. Per chunk:
   [dV̂ ‖ dR] = Pᵀ [dŨ ‖ dY]   (one transposed C × (Dv+Dk) matmul)
   dA = −tril_s([dV̂ ‖ dR][U ‖ Y]ᵀ)            (same-document pairs)
   dA, dM → dK̂, dQ̂, dK through the SAME leaves / pivot factors as the forward (no exponent > 0):
-      leaves: per offset d, lane-free row gathers of the d-th subdiagonal and rolls back to column rows;
-      levels inside a tile: [dA_h; dM_h](K⊙F) ⊙ F and [dA_h; dM_h]ᵀ[K̂⊙F; Q̂⊙F] ⊙ F (masked full-tile);
-      top blocks: the same with ρ, κ on aligned blocks.
+      leaves: the [C/n0, n0, n0] blocks of dA, dM, one sub-diagonal at a time as a column, rolled back to
+      the key rows;
+      levels: per node, batched over the level's nodes at the exact block sizes, [dA; dM][R,L] (K_L⊙κ) ⊙ ρ
+      and [dA; dM][R,L]ᵀ [K̂_R⊙ρ; Q̂_R⊙ρ] ⊙ κ.
   G = dO S₀ᵀ, H = Ũ dSᵀ;  dQ̂ = dQ̂ᵖ + G⊙π,  dK̂ = dK̂ᵖ + dR⊙π,  dK = dKᵖ + H⊙E,  dV̂ from the solve
   dΛ = K̂⊙dK̂ᵖ + Q̂⊙dQ̂ᵖ − K⊙dKᵖ + π⊙(dR⊙K̂ + G⊙Q̂) − K⊙E⊙H;  dΛ_C += Σ_i (K⊙E⊙H)_i + π_C ⊙ rowsum(S₀⊙dS)
   dλ = U_C dΛ (upper-triangular ones, MXU f32 HIGHEST);  dS ← dS_prev;  d(initial state) = dS after chunk 0.
