@@ -175,7 +175,7 @@ MUTANTS = [
     M("dr_tpu_level_document_mask_one_sided", _PT,
       "jnp.where(docs == docs[:, h - 1:h, :]", "jnp.where(docs >= docs[:, h - 1:h, :]",
       "tree-level pivot factors keep right-half tokens of later documents (cross-document pairs in A, M)",
-      (CB_TPU, TPU_SEG)),
+      (TPU_SEG,)),
     M("dr_tpu_output_carried_mask_dropped", _PT,
       "out = mm(ch.qf * ch.start_decay, start_state, cdt)", "out = mm(ch.qf, start_state, cdt)",
       "output reads S₀ undecayed and in every document of the chunk",
