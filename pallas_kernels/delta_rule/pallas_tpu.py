@@ -24,18 +24,16 @@ sums (docs/math/delta_rule.md, 'Boundary pivots') — and is clamped ≤ 0 befor
      rolls + adds); leaf totals and "whole leaves before / after" sums on the MXU as 0/1 matmuls at f32
      HIGHEST (the MXU cumulative log-decay, at leaf granularity: cumsum does not lower in Mosaic);
      Λ_i = pre_i + Σ_{leaves before}, π = e^Λ, E_i = e^{suf_i + Σ_{leaves after}}.
-  2. The chunk is cut into "tiles" of Tt = min(C, 128) tokens (one MXU tile). Inside a tile:
-       leaves (n0 × n0, exact): for every diagonal offset d < n0 the exponent Σ_{i−d<s≤i} λ_s (a running sum
-       of rolled λ; masked rows set to 0 BEFORE the exp), a_d = Σ_c k̂_ic k_{i−d,c} e^{…},
-       m_d = Σ_c q̂_ic k_{i−d,c} e^{…} (VPU/XLU, lane reductions), placed on the d-th subdiagonal of the leaves;
-       tree levels h = n0 … Tt/2: pivot p = last token of each node's left half, F_i = ρ_i = e^{Σ_{p<s≤i} λ_s}
-       on right halves and κ_i = e^{Σ_{i<s≤p} λ_s} on left halves (both ≤ 1; range sums = whole leaves of the
-       half + pre/suf), one MXU matmul [K̂⊙F; Q̂⊙F](K⊙F)ᵀ per level, masked to the level's (R, L) blocks —
-       the cross blocks of every node of the level at once.
-  3. Tile inverse: Neumann leaves (I − N)(I + N²)(I + N⁴)…, then per level P ← P − P A_h P, which is the
-     2×2 merge P[R,L] = −P[R,R] A[R,L] P[L,L] applied to all nodes of the level (P block-diagonal).
-  4. Levels h ≥ Tt (C = 256: one node, h = 128) on 128-aligned blocks: A[R,L], M[R,L] with ρ, κ ≤ 1 and
-     P[R,L] = −P[R,R] A[R,L] P[L,L]; P and M are assembled in (C, C) VMEM scratch.
+  2. Leaves (n0 × n0, exact): for every diagonal offset d < n0 the exponent Σ_{i−d<s≤i} λ_s (a running sum
+     of rolled λ; masked rows set to 0 BEFORE the exp), a_d = Σ_c k̂_ic k_{i−d,c} e^{…},
+     m_d = Σ_c q̂_ic k_{i−d,c} e^{…} (VPU/XLU, lane reductions), placed on the d-th subdiagonal of the
+     [C/n0, n0, n0] leaf blocks; P's leaves by the Neumann product (I − N)(I + N²)(I + N⁴)…, batched.
+  3. Tree levels h = n0 … C/2, every block at its exact size: pivot p = last token of each node's left
+     half, ρ_i = e^{Σ_{p<s≤i} λ_s} on right halves and κ_j = e^{Σ_{j<s≤p} λ_s} on left halves (both ≤ 1; range
+     sums = whole leaves of the half + pre/suf), zero off the pivot's document; per node
+     [K̂_R⊙ρ; Q̂_R⊙ρ](K_L⊙κ)ᵀ = [A[R,L]; M[R,L]], one batched matmul over the level's C/(2h) nodes.
+  4. 2×2 merges P[R,L] = −P[R,R] A[R,L] P[L,L], batched per level, the diagonal blocks read back from the
+     (C, C) VMEM scratch where P and M are assembled block by block.
   5. [U Y] = P [V̂ ‖ K̂⊙π] (one C × (Dv+Dk) matmul), Ũ = U − Y S₀, O = (Q̂⊙π) S₀ + M Ũ,
      S_C = Diag(π_C) S₀ + (K⊙E)ᵀ Ũ.
 Segments: A, M keep same-document pairs; the S₀ terms (Q̂⊙π, K̂⊙π) only rows of the chunk-start document;
@@ -57,7 +55,6 @@ from pallas_kernels import common
 
 F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
-MXU_TILE = 128  # tile edge of the intra-tile tree (v5e/v5p MXU width; v6e's 256-wide MXU takes two)
 SUPPORTED_CHUNKS = (64, 128, 256)
 SUPPORTED_DIMS = (64, 128, 256)
 # Raised scoped-VMEM limit (bytes). The default scoped limit is 16 MiB on v5e/v5p and 32 MiB on v6e; the
@@ -80,30 +77,17 @@ class Geometry:
     dv: int
 
     @property
-    def tile(self) -> int:
-        return min(self.chunk, MXU_TILE)
-
-    @property
-    def n_tiles(self) -> int:
-        return self.chunk // self.tile
-
-    @property
-    def tile_levels(self) -> tuple[int, ...]:
-        """Half-sizes h of the tree levels handled inside a tile (masked full-tile matmuls)."""
+    def levels(self) -> tuple[int, ...]:
+        """Half-sizes h = n0, 2n0, …, C/2 of the tree levels; level h has C/(2h) nodes of 2h tokens."""
         out, h = [], self.leaf
-        while h < self.tile:
-            out.append(h)
-            h *= 2
-        return tuple(out)
-
-    @property
-    def top_levels(self) -> tuple[int, ...]:
-        """Half-sizes h ≥ tile of the levels handled on aligned blocks."""
-        out, h = [], self.tile
         while h < self.chunk:
             out.append(h)
             h *= 2
         return tuple(out)
+
+    @property
+    def n_leaves(self) -> int:
+        return self.chunk // self.leaf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,22 +111,39 @@ def _precision(dtype):
     return _HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
+def _dot(a, b, dims, cdt):
+    return jax.lax.dot_general(a.astype(cdt), b.astype(cdt), dims, precision=_precision(cdt),
+                               preferred_element_type=F32)
+
+
 def mm(a, b, cdt):
     """a @ b with operands in ``cdt`` and f32 accumulation."""
-    return jax.lax.dot_general(a.astype(cdt), b.astype(cdt), (((1,), (0,)), ((), ())),
-                               precision=_precision(cdt), preferred_element_type=F32)
+    return _dot(a, b, (((1,), (0,)), ((), ())), cdt)
 
 
 def mm_nt(a, b, cdt):
     """a @ bᵀ."""
-    return jax.lax.dot_general(a.astype(cdt), b.astype(cdt), (((1,), (1,)), ((), ())),
-                               precision=_precision(cdt), preferred_element_type=F32)
+    return _dot(a, b, (((1,), (1,)), ((), ())), cdt)
 
 
 def mm_tn(a, b, cdt):
     """aᵀ @ b."""
-    return jax.lax.dot_general(a.astype(cdt), b.astype(cdt), (((0,), (0,)), ((), ())),
-                               precision=_precision(cdt), preferred_element_type=F32)
+    return _dot(a, b, (((0,), (0,)), ((), ())), cdt)
+
+
+def bmm(a, b, cdt):
+    """Per node: a[n] @ b[n] ([n, i, k] x [n, k, j] -> [n, i, j]); the tree's exact-size block products."""
+    return _dot(a, b, (((2,), (1,)), ((0,), (0,))), cdt)
+
+
+def bmm_nt(a, b, cdt):
+    """Per node: a[n] @ b[n]ᵀ."""
+    return _dot(a, b, (((2,), (2,)), ((0,), (0,))), cdt)
+
+
+def bmm_tn(a, b, cdt):
+    """Per node: a[n]ᵀ @ b[n]."""
+    return _dot(a, b, (((1,), (1,)), ((0,), (0,))), cdt)
 
 
 def mm_f32(a, b):
@@ -191,7 +192,7 @@ def leaf_diagonals(log_decay_t, key_t, leaf):
     rows i with i mod n0 ≥ d, e_d = e^{Σ_{i−d<s≤i} λ_s} and w_d = k_{i−d} ⊙ e_d (d = 0: w = k, e = None).
     The exponent is a running sum of rolled λ (a range sum of non-positive terms, never a difference of
     prefix sums, so it does not cancel); rows with i mod n0 < d are set to 0 BEFORE the exp and masked by
-    the caller. ``log_decay_t`` is the raw per-token λ of the tile."""
+    the caller. ``log_decay_t`` is the raw per-token λ of the rows."""
     rows = log_decay_t.shape[0]
     r = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     yield 0, key_t, None
@@ -203,10 +204,49 @@ def leaf_diagonals(log_decay_t, key_t, leaf):
         yield d, pltpu.roll(key_t, d, 0) * e, e
 
 
-def offset_place(rows, leaf, d):
-    """Boolean [Tt, Tt]: entry (i, i−d) with i, i−d in the same leaf."""
-    i, j = iota2((rows, rows))
-    return (j == i - d) & ((i & (leaf - 1)) >= d)
+def leaf_iota(g: Geometry):
+    """(row, column) int32 iotas [C/n0, n0, n0] of the per-leaf blocks."""
+    shape = (g.n_leaves, g.leaf, g.leaf)
+    return jax.lax.broadcasted_iota(jnp.int32, shape, 1), jax.lax.broadcasted_iota(jnp.int32, shape, 2)
+
+
+def same_document_offset(doc_col, d):
+    """Bool [C, 1]: token i and token i − d are in the same document (rows i mod n0 < d are the caller's)."""
+    docf = doc_col.astype(F32)
+    return docf == pltpu.roll(docf, d, 0)
+
+
+def leaf_blocks(qf, kf, ef, log_decay, doc_col, g: Geometry):
+    """The leaves of A (strictly lower) and M (lower) as per-leaf blocks [C/n0, n0, n0] f32, same-document
+    pairs only: per diagonal offset d the exact pairwise exponents and lane reductions (VPU/XLU), placed on
+    the d-th sub-diagonal of every leaf block."""
+    ii, jj = leaf_iota(g)
+    shape = (g.n_leaves, g.leaf, 1)
+    a = jnp.zeros(ii.shape, F32)
+    m = jnp.zeros(ii.shape, F32)
+    for d, w, _ in leaf_diagonals(log_decay, kf, g.leaf):
+        place = jj == ii - d
+        m_d = jnp.sum(qf * w, axis=1, keepdims=True)
+        if d:
+            same = same_document_offset(doc_col, d)
+            m_d = jnp.where(same, m_d, 0.0)
+            a_d = jnp.where(same, jnp.sum(ef * w, axis=1, keepdims=True), 0.0)
+            a = a + jnp.where(place, a_d.reshape(shape), 0.0)
+        m = m + jnp.where(place, m_d.reshape(shape), 0.0)
+    return a, m
+
+
+def leaf_inverse(a_leaves, g: Geometry, cdt):
+    """(I + N)⁻¹ of every leaf at its exact n0 × n0 size: the Neumann product (I − N)(I + N²)(I + N⁴)…
+    (N is strictly lower, so N^{n0} = 0), batched over the C/n0 leaves."""
+    ii, jj = leaf_iota(g)
+    eye = (ii == jj).astype(F32)
+    inv = eye - a_leaves
+    power = a_leaves
+    for _ in range(max(int(math.log2(g.leaf)) - 1, 0)):
+        power = bmm(power, power, cdt)
+        inv = bmm(inv, eye + power, cdt)
+    return inv
 
 
 def leaf_range_sums(log_decay, leaf):
@@ -249,70 +289,51 @@ def level_exponent(pre, suf, totals, h, leaf):
     return mm_f32(leaf_matrix(rows, leaf, rule), totals) + jnp.where((r & h) != 0, pre, suf)
 
 
-def cross_mask(rows, h):
-    """Boolean [Tt, Tt]: (i, j) with i in the right half and j in the left half of the same level-h node."""
-    i, j = iota2((rows, rows))
-    shift = int(math.log2(2 * h))
-    return ((i >> shift) == (j >> shift)) & ((i & h) != 0) & ((j & h) == 0)
+def by_node(x, h):
+    """[C, D] -> [C/(2h), 2h, D]: the rows of every level-h node (left half [:, :h], right half [:, h:])."""
+    return x.reshape(x.shape[0] // (2 * h), 2 * h, x.shape[1])
 
 
-def tile_matrices(q_t, k_t, e_t, log_decay_t, factors_t, same_t, g: Geometry, cdt):
-    """A (strictly lower) and M (lower) of one tile, f32 [Tt, Tt], same-document pairs only. ``log_decay_t`` is the
-    raw λ (leaves), ``factors_t`` the pivot factors F_h of the tile's levels."""
-    rows = q_t.shape[0]
-    a = jnp.zeros((rows, rows), F32)
-    m = jnp.zeros((rows, rows), F32)
-    for d, w, _ in leaf_diagonals(log_decay_t, k_t, g.leaf):  # leaves: exact pairwise exponents on the VPU
-        place = offset_place(rows, g.leaf, d)
-        m = m + jnp.where(place, jnp.sum(q_t * w, axis=1, keepdims=True), 0.0)
-        if d:
-            a = a + jnp.where(place, jnp.sum(e_t * w, axis=1, keepdims=True), 0.0)
-    for h, f in zip(g.tile_levels, factors_t):  # pivoted cross blocks on the MXU, all nodes of a level at once
-        blk = mm_nt(jnp.concatenate([e_t * f, q_t * f], axis=0), k_t * f, cdt)  # [2Tt, Tt]
-        cross = cross_mask(rows, h)
-        a = a + jnp.where(cross, blk[:rows], 0.0)
-        m = m + jnp.where(cross, blk[rows:], 0.0)
-    i, j = iota2((rows, rows))
-    a = jnp.where(same_t & (j < i), a, 0.0)
-    m = jnp.where(same_t & (j <= i), m, 0.0)
-    return a, m
+def node_factors(factor, doc_col, h):
+    """The pivot factor of level h per node [C/(2h), 2h, Dk] (ρ on right halves, κ on left halves), zero on
+    tokens outside the pivot's document. Documents are non-decreasing along the chunk, so for j ≤ p < i
+    doc_i = doc_j ⇔ doc_i = doc_p = doc_j: the same-document mask of a cross block factors into a row
+    mask and a column mask, folded into the operands (no [h, h] masks)."""
+    docs = by_node(doc_col, h)
+    return jnp.where(docs == docs[:, h - 1:h, :], by_node(factor, h), 0.0)
 
 
-def tile_inverse(a, g: Geometry, cdt):
-    """(I + A)⁻¹ of one tile: Neumann-product leaves, then the 2×2 merges of every level inside the tile."""
-    rows = a.shape[0]
-    i, j = iota2((rows, rows))
-    eye = (i == j).astype(F32)
-    shift = int(math.log2(g.leaf))
-    same_leaf = (i >> shift) == (j >> shift)
-    n = jnp.where(same_leaf, a, 0.0)
-    inv = eye - n
-    power = n
-    for _ in range(max(int(math.log2(g.leaf)) - 1, 0)):  # (I − N)(I + N²)(I + N⁴)…
-        power = mm(power, power, cdt)
-        inv = mm(inv, eye + power, cdt)
-    for h in g.tile_levels:  # P ← P − P A_h P  ≡  P[R,L] = −P[R,R] A[R,L] P[L,L] on every node
-        a_h = jnp.where(cross_mask(rows, h), a, 0.0)
-        inv = inv - mm(inv, mm(a_h, inv, cdt), cdt)
-    return inv
+class Level(NamedTuple):
+    half: int  # h
+    factors: Any  # [C/(2h), 2h, Dk]: ρ (right halves) and κ (left halves), document-masked
 
 
-class TopBlock(NamedTuple):
-    rows: slice  # R
-    cols: slice  # L
-    rho: Any  # [h, Dk] e^{Σ_{p<s≤i} λ_s}, i ∈ R
-    kappa: Any  # [h, Dk] e^{Σ_{j<s≤p} λ_s}, j ∈ L
-    same: Any  # [h, h] bool
+def cross_operands(qf, kf, ef, lv: Level):
+    """Per node: [K̂_R⊙ρ; Q̂_R⊙ρ] [n, 2h, Dk] and K_L⊙κ [n, h, Dk]."""
+    h, f = lv.half, lv.factors
+    rho = f[:, h:]
+    rows = jnp.concatenate([by_node(ef, h)[:, h:] * rho, by_node(qf, h)[:, h:] * rho], axis=1)
+    return rows, by_node(kf, h)[:, :h] * f[:, :h]
 
 
-def top_blocks(g: Geometry, factors, doc_col, doc_row):
-    """Static list of the aligned (R, L) node blocks of the levels h ≥ tile, with their pivot factors."""
-    out = []
-    for h, f in zip(g.top_levels, factors):
-        for a0 in range(0, g.chunk, 2 * h):
-            lo, hi = slice(a0, a0 + h), slice(a0 + h, a0 + 2 * h)
-            out.append(TopBlock(hi, lo, f[hi], f[lo], doc_col[hi] == doc_row[:, lo]))
-    return out
+def node_slices(g: Geometry, h):
+    """Static (R, L) row/column slices of every level-h node."""
+    return [(slice(a0 + h, a0 + 2 * h), slice(a0, a0 + h)) for a0 in range(0, g.chunk, 2 * h)]
+
+
+def diagonal_blocks(mat, g: Geometry, h):
+    """(P[R,R], P[L,L]) of every level-h node as [n, h, h] stacks, read from a (C, C) ref or value."""
+    nodes = node_slices(g, h)
+    return (jnp.stack([mat[r, r] for r, _ in nodes]), jnp.stack([mat[lo, lo] for _, lo in nodes]))
+
+
+def cross_blocks(mat, g: Geometry, h):
+    """[n, h, h] stack of the (R, L) blocks of every level-h node of a (C, C) ref or value."""
+    return jnp.stack([mat[r, lo] for r, lo in node_slices(g, h)])
+
+
+def leaf_slices(g: Geometry):
+    return [slice(s, s + g.leaf) for s in range(0, g.chunk, g.leaf)]
 
 
 class Chunk(NamedTuple):
@@ -321,12 +342,11 @@ class Chunk(NamedTuple):
     ef: Any
     log_decay: Any  # λ
     cum_log_decay: Any  # Λ
-    tile_factors: Any  # per tile, the F_h of the intra-tile levels
+    levels: list  # Level per tree level h = n0 … C/2
     start_decay: Any  # π on the chunk-start document's rows, else 0
     end_decay: Any  # E on the chunk's last document's rows, else 0
     chunk_decay_row: Any  # [1, Dk] π_C, 0 if the chunk holds a boundary
     chunk_decay_col: Any  # [Dk, 1] the same as a column
-    blocks: list
     pseudo_values: Any  # U = P V̂
     state_reads: Any  # Y = P (K̂⊙π)
     true_pseudo: Any  # Ũ = U − Y S₀
@@ -335,7 +355,7 @@ class Chunk(NamedTuple):
 def chunk_core(q, k, e, v, log_decay, doc_col, doc_row, start_state, inverse_scr, readout_scr, g: Geometry,
                cdt) -> Chunk:
     """Steps 1–5 up to Ũ for one chunk; P and M are left in the (C, C) scratch refs."""
-    c, t = g.chunk, g.tile
+    c = g.chunk
     qf, kf, ef = q.astype(F32), k.astype(F32), e.astype(F32)
     # chunk-local decays as range sums: exact leaf-local running sums (VPU) + leaf totals combined on the MXU
     pre, suf = leaf_range_sums(log_decay, g.leaf)
@@ -346,8 +366,8 @@ def chunk_core(q, k, e, v, log_decay, doc_col, doc_row, start_state, inverse_scr
     outer = mm_f32(before_after, totals)
     cum_log_decay = pre + outer[:c]  # Λ_i = Σ_{s ≤ i} λ_s
     to_end = suf + outer[c:]  # Σ_{s > i} λ_s
-    factors = [neg_exp(level_exponent(pre, suf, totals, h, g.leaf)) for h in g.tile_levels + g.top_levels]
-    n_tl = len(g.tile_levels)
+    levels = [Level(h, node_factors(neg_exp(level_exponent(pre, suf, totals, h, g.leaf)), doc_col, h))
+              for h in g.levels]
     last = doc_row[:, c - 1:c]  # [1, 1] relative document of the last token (0 = the chunk-start document)
     start = doc_col == 0
     end = doc_col == last
@@ -356,31 +376,29 @@ def chunk_core(q, k, e, v, log_decay, doc_col, doc_row, start_state, inverse_scr
     end_decay = jnp.where(end, neg_exp(to_end), 0.0)
     chunk_decay_row = jnp.where(no_boundary, neg_exp(cum_log_decay[c - 1:c, :]), 0.0)
     chunk_decay_col = jnp.where(no_boundary, neg_exp(jnp.transpose(cum_log_decay[c - 8:c, :]))[:, 7:8], 0.0)
-    tile_factors = []
-    for ti in range(g.n_tiles):
-        s = slice(ti * t, (ti + 1) * t)
-        tile_factors.append([f[s] for f in factors[:n_tl]])
-        a_t, m_t = tile_matrices(qf[s], kf[s], ef[s], log_decay[s], tile_factors[-1], doc_col[s] == doc_row[:, s], g,
-                                 cdt)
-        inverse_scr[s, s] = tile_inverse(a_t, g, cdt)
-        readout_scr[s, s] = m_t
-        for tj in range(ti + 1, g.n_tiles):
-            u = slice(tj * t, (tj + 1) * t)
-            inverse_scr[s, u] = jnp.zeros((t, t), F32)
-            readout_scr[s, u] = jnp.zeros((t, t), F32)
-    blocks = top_blocks(g, factors[n_tl:], doc_col, doc_row)
-    for b in blocks:
-        cols = kf[b.cols] * b.kappa
-        blk = mm_nt(jnp.concatenate([ef[b.rows] * b.rho, qf[b.rows] * b.rho], axis=0), cols, cdt)
-        h = blk.shape[1]
-        a_rl = jnp.where(b.same, blk[:h], 0.0)
-        readout_scr[b.rows, b.cols] = jnp.where(b.same, blk[h:], 0.0)
-        inverse_scr[b.rows, b.cols] = -mm(mm(inverse_scr[b.rows, b.rows], a_rl, cdt), inverse_scr[b.cols, b.cols], cdt)
+
+    # P = (I + A)⁻¹ and M, every block at its exact size: leaves, then one batch of node blocks per level
+    inverse_scr[...] = jnp.zeros((c, c), F32)
+    readout_scr[...] = jnp.zeros((c, c), F32)
+    a_leaves, m_leaves = leaf_blocks(qf, kf, ef, log_decay, doc_col, g)
+    p_leaves = leaf_inverse(a_leaves, g, cdt)
+    for n, s in enumerate(leaf_slices(g)):
+        inverse_scr[s, s] = p_leaves[n]
+        readout_scr[s, s] = m_leaves[n]
+    for lv in levels:  # h = n0 … C/2: P[R,R] and P[L,L] are complete from the level below
+        h = lv.half
+        rows, cols = cross_operands(qf, kf, ef, lv)
+        blk = bmm_nt(rows, cols, cdt)  # [n, 2h, h]: A[R,L] over M[R,L] of every node
+        p_rr, p_ll = diagonal_blocks(inverse_scr, g, h)
+        p_rl = -bmm(bmm(p_rr, blk[:, :h], cdt), p_ll, cdt)  # P[R,L] = −P[R,R] A[R,L] P[L,L]
+        for n, (r, lo) in enumerate(node_slices(g, h)):
+            inverse_scr[r, lo] = p_rl[n]
+            readout_scr[r, lo] = blk[n, h:]
 
     pseudo_values, state_reads = fused_mm(inverse_scr[...], [v, ef * start_decay], cdt)  # [U Y] = P [V̂ ‖ K̂⊙π]
     true_pseudo = pseudo_values - mm(state_reads, start_state, cdt)
-    return Chunk(qf, kf, ef, log_decay, cum_log_decay, tile_factors, start_decay, end_decay, chunk_decay_row,
-                 chunk_decay_col, blocks, pseudo_values, state_reads, true_pseudo)
+    return Chunk(qf, kf, ef, log_decay, cum_log_decay, levels, start_decay, end_decay, chunk_decay_row,
+                 chunk_decay_col, pseudo_values, state_reads, true_pseudo)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -415,27 +433,27 @@ def _forward_kernel(q_ref, k_ref, e_ref, v_ref, log_decay_ref, doc_col_ref, doc_
 
 
 def core_counts(g: Geometry, breakdown: bool = False):
-    """(MXU FLOPs, VPU ops, exps) per chunk per head of steps 1–5 up to Ũ, as implemented (masked full-tile
-    matmuls counted at their full size). ``breakdown=True`` returns {stage: (mxu, vpu, exp)} instead."""
-    c, t, n0, dk, dv = g.chunk, g.tile, g.leaf, g.dk, g.dv
-    n_tl, n_lv = len(g.tile_levels), len(g.tile_levels) + len(g.top_levels)
+    """(MXU FLOPs, VPU ops, exps) per chunk per head of steps 1–5 up to Ũ, as issued: every matmul at the
+    shape the kernel gives it (tree blocks at their exact node sizes). ``breakdown=True`` returns
+    {stage: (mxu, vpu, exp)} instead. VPU ops are leading terms (1 per element and elementwise op)."""
+    c, n0, dk, dv = g.chunk, g.leaf, g.dk, g.dv
+    n_lv = len(g.levels)
     n_sq = max(int(math.log2(n0)) - 1, 0)
-    top_mm = sum((c // (2 * h)) * 2 * (2 * h) * h * dk for h in g.top_levels)
-    top_merge = sum((c // (2 * h)) * 2 * 2 * h ** 3 for h in g.top_levels)
     out = {
         # leaf-local running sums (roll, add, select; forward and reverse), leaf totals, Λ and Σ_{s>i}, π, E
         "decay sums Λ, π, E": (2 * (c // n0) * c * dk + 2 * (2 * c) * (c // n0) * dk,
-                               2 * (n0 - 1) * 3 * c * dk + 4 * c * dk, 2 * c * dk),
-        # per level: 0/1 [C, C/n0] matmul over the leaf totals + select, add, exp
-        "pivot factors F_h (all levels)": (n_lv * 2 * c * (c // n0) * dk, n_lv * 3 * c * dk, n_lv * c * dk),
+                               2 * (n0 - 1) * 3 * c * dk + 4 * c * dk, 2 * c * dk + 8 * dk),  # π_C: a [Dk, 8] exp
+        # per level: 0/1 [C, C/n0] matmul over the leaf totals + select, add, exp, document mask
+        "pivot factors F_h (all levels)": (n_lv * 2 * c * (c // n0) * dk, n_lv * 4 * c * dk, n_lv * c * dk),
         # per offset: roll λ, add, select, exp, roll k, mul; 2 products + 2 lane reductions; 2 placements
-        "leaves (VPU, exact)": (0, c * n0 * (10 * dk + 4 * t), c * (n0 - 1) * dk),
-        # one [2Tt, Dk] x [Dk, Tt] matmul per intra-tile level per tile (+ 3 operand scalings)
-        "cross blocks, intra-tile levels": (g.n_tiles * n_tl * 2 * (2 * t) * t * dk, n_tl * 3 * c * dk, 0),
-        "cross blocks, top levels": (top_mm, len(g.top_levels) * 3 * c * dk, 0),
-        # Neumann (2 Tt³ matmuls per squaring step) + 2 Tt³ matmuls per intra-tile merge level; top merges
-        "tile inverse (Neumann + merges)": (g.n_tiles * (2 * n_sq + 2 * n_tl) * 2 * t ** 3, 0, 0),
-        "top merges": (top_merge, 0, 0),
+        "leaves A, M (VPU, exact)": (0, c * n0 * (10 * dk + 4 * n0), c * (n0 - 1) * dk),
+        # batched Neumann (I − N)(I + N²)…: 2 n0³-matmuls per squaring step and leaf
+        "leaf inverse (Neumann, n0 × n0 blocks)": ((c // n0) * n_sq * 2 * 2 * n0 ** 3, 0, 0),
+        # per node [2h, Dk] x [Dk, h] (+ 3 operand scalings, each on half the rows)
+        "cross blocks (exact node blocks)": (sum((c // (2 * h)) * 2 * (2 * h) * h * dk for h in g.levels),
+                                             n_lv * 3 * c * dk // 2, 0),
+        # per node −P[R,R] A[R,L] P[L,L]: two h³ matmuls
+        "2x2 merges (exact node blocks)": (sum((c // (2 * h)) * 2 * 2 * h ** 3 for h in g.levels), 0, 0),
         "fused solve P[V ‖ K̂⊙π]": (2 * c * c * (dv + dk), c * dk, 0),
         "Ũ = U − Y S₀": (2 * c * dk * dv, c * dv, 0),
     }
@@ -444,11 +462,18 @@ def core_counts(g: Geometry, breakdown: bool = False):
     return tuple(sum(v[n] for v in out.values()) for n in range(3))
 
 
-def forward_cost(g: Geometry, bh: int, n_chunks: int, io_bytes: int) -> pl.CostEstimate:
+def forward_counts(g: Geometry):
+    """(MXU FLOPs, exps) per chunk per head of the whole forward kernel."""
     flops, _, exps = core_counts(g)
     c, dk, dv = g.chunk, g.dk, g.dv
     flops += 2 * c * dk * dv + 2 * c * c * dv  # O
     flops += 2 * c * dk * dv  # S_C
+    return flops, exps
+
+
+def forward_cost(g: Geometry, bh: int, n_chunks: int, io_bytes: int) -> pl.CostEstimate:
+    flops, exps = forward_counts(g)
+    c, dk, dv = g.chunk, g.dk, g.dv
     per_chunk_bytes = (io_bytes * c * (3 * dk + 2 * dv) + 4 * c * dk  # q, k, k̂, v, o; λ
                        + 4 * 2 * c + 4 * dk * dv)  # document ids (column and row); S₀ out
     total = bh * n_chunks
@@ -584,9 +609,9 @@ def run(q, k, erase, v, log_decay, state, document_BT, *, chunk_size, leaf_size,
 def check_config(chunk_size, leaf_size, dk, dv) -> Optional[str]:
     if chunk_size not in SUPPORTED_CHUNKS:
         return f"chunk_size={chunk_size} not in {SUPPORTED_CHUNKS}"
-    tile = min(chunk_size, MXU_TILE)
-    if leaf_size < 4 or leaf_size & (leaf_size - 1) or leaf_size > min(tile // 2, 32):
-        return (f"leaf_size={leaf_size}: the TPU kernel needs a power of two in [4, {min(tile // 2, 32)}] "
+    # leaves are n0 VPU passes of exact exponents: past 32 tokens the MXU tree levels are cheaper
+    if leaf_size < 4 or leaf_size & (leaf_size - 1) or leaf_size > min(chunk_size // 2, 32):
+        return (f"leaf_size={leaf_size}: the TPU kernel needs a power of two in [4, {min(chunk_size // 2, 32)}] "
                 f"(default 8)")
     if dk not in SUPPORTED_DIMS or dv not in SUPPORTED_DIMS:
         return f"key/value dims ({dk}, {dv}) not in {SUPPORTED_DIMS}"

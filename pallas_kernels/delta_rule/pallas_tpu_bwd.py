@@ -8,9 +8,10 @@ forward's own ``chunk_core`` and carrying dS in a VMEM f32 scratch. Per chunk:
   [dV̂ ‖ dR] = Pᵀ [dŨ ‖ dY]   (one transposed C × (Dv+Dk) matmul)
   dA = −tril_s([dV̂ ‖ dR][U ‖ Y]ᵀ)            (same-document pairs)
   dA, dM → dK̂, dQ̂, dK through the SAME leaves / pivot factors as the forward (no exponent > 0):
-      leaves: per offset d, lane-free row gathers of the d-th subdiagonal and rolls back to column rows;
-      levels inside a tile: [dA_h; dM_h](K⊙F) ⊙ F and [dA_h; dM_h]ᵀ[K̂⊙F; Q̂⊙F] ⊙ F (masked full-tile);
-      top blocks: the same with ρ, κ on aligned blocks.
+      leaves: the [C/n0, n0, n0] blocks of dA, dM, one sub-diagonal at a time as a column, rolled back to
+      the key rows;
+      levels: per node, batched over the level's nodes at the exact block sizes, [dA; dM][R,L] (K_L⊙κ) ⊙ ρ
+      and [dA; dM][R,L]ᵀ [K̂_R⊙ρ; Q̂_R⊙ρ] ⊙ κ.
   G = dO S₀ᵀ, H = Ũ dSᵀ;  dQ̂ = dQ̂ᵖ + G⊙π,  dK̂ = dK̂ᵖ + dR⊙π,  dK = dKᵖ + H⊙E,  dV̂ from the solve
   dΛ = K̂⊙dK̂ᵖ + Q̂⊙dQ̂ᵖ − K⊙dKᵖ + π⊙(dR⊙K̂ + G⊙Q̂) − K⊙E⊙H;  dΛ_C += Σ_i (K⊙E⊙H)_i + π_C ⊙ rowsum(S₀⊙dS)
   dλ = U_C dΛ (upper-triangular ones, MXU f32 HIGHEST);  dS ← dS_prev;  d(initial state) = dS after chunk 0.
@@ -26,41 +27,61 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.delta_rule.pallas_tpu import (F32, Geometry, KernelConfig, _specs, chunk_core, compiler_params,
-                                                  concat_cols, core_counts, cross_mask, fused_mm, iota2,
-                                                  leaf_diagonals, mm, mm_f32, mm_nt, mm_tn,
-                                                  offset_place, scratch, upper_ones)
+from pallas_kernels.delta_rule.pallas_tpu import (F32, Chunk, Geometry, KernelConfig, _specs, bmm, bmm_tn,
+                                                  chunk_core, compiler_params, concat_cols, core_counts,
+                                                  cross_blocks, cross_operands, fused_mm, iota2, leaf_diagonals,
+                                                  leaf_iota, leaf_slices, mm, mm_f32, mm_nt, mm_tn, scratch,
+                                                  upper_ones)
 
 
-def _contract_tile(da_t, dm_t, q_t, k_t, e_t, log_decay_t, factors_t, g: Geometry, cdt):
-    """Pair gradients of one tile's leaves and intra-tile levels: (dQ̂ᵖ, dK̂ᵖ, dKᵖ) [Tt, Dk] f32 of the pairs
-    that carry a decay, and (dQ̂ᵈ, dKᵈ) of M's diagonal (exponent identically 0: no dΛ term, kept apart so that
-    q⊙dq − k⊙dk does not leave a rounding residual in dΛ where every real term is tiny)."""
-    rows, dk = q_t.shape
-    dq = jnp.zeros((rows, dk), F32)
-    de = jnp.zeros((rows, dk), F32)
-    dkk = jnp.zeros((rows, dk), F32)
+def _contract_leaves(da, dm, ch: Chunk, g: Geometry):
+    """Pair gradients of the leaves: (dQ̂ᵖ, dK̂ᵖ, dKᵖ) [C, Dk] f32 of the pairs that carry a decay, and (dQ̂ᵈ, dKᵈ)
+    of M's diagonal (exponent identically 0: no dΛ term, kept apart so that q⊙dq − k⊙dk does not leave a
+    rounding residual in dΛ where every real term is tiny). ``da``/``dm`` are the (C, C) gradients of A and M;
+    their leaf blocks are read as a [C/n0, n0, n0] stack and one sub-diagonal at a time comes out as a column."""
+    c, dk = ch.qf.shape
+    ii, jj = leaf_iota(g)
+    da_leaves = jnp.stack([da[s, s] for s in leaf_slices(g)])
+    dm_leaves = jnp.stack([dm[s, s] for s in leaf_slices(g)])
+
+    def diagonal(blocks, d):  # [C, 1]: entry (i, i − d) of i's leaf block, 0 where i mod n0 < d
+        return jnp.sum(jnp.where(jj == ii - d, blocks, 0.0), axis=2, keepdims=True).reshape(c, 1)
+
+    dq = jnp.zeros((c, dk), F32)
+    de = jnp.zeros((c, dk), F32)
+    dkk = jnp.zeros((c, dk), F32)
     dq_diag = dk_diag = None
-    for d, w, ex in leaf_diagonals(log_decay_t, k_t, g.leaf):
-        place = offset_place(rows, g.leaf, d)
-        dm_d = jnp.sum(jnp.where(place, dm_t, 0.0), axis=1, keepdims=True)  # dM[i, i−d]
+    for d, w, ex in leaf_diagonals(ch.log_decay, ch.kf, g.leaf):
+        dm_d = diagonal(dm_leaves, d)  # dM[i, i−d]
         if d == 0:
-            dq_diag, dk_diag = dm_d * k_t, dm_d * q_t
+            dq_diag, dk_diag = dm_d * ch.kf, dm_d * ch.qf
             continue
-        da_d = jnp.sum(jnp.where(place, da_t, 0.0), axis=1, keepdims=True)
+        da_d = diagonal(da_leaves, d)
         dq = dq + dm_d * w
         de = de + da_d * w
-        z = (dm_d * q_t + da_d * e_t) * ex
-        dkk = dkk + pltpu.roll(z, rows - d, 0)  # row i's term belongs to key row i − d
-    for h, f in zip(g.tile_levels, factors_t):
-        cross = cross_mask(rows, h)
-        stacked = jnp.concatenate([jnp.where(cross, da_t, 0.0), jnp.where(cross, dm_t, 0.0)], axis=0)
-        x = mm(stacked, k_t * f, cdt)  # [2Tt, Dk]
-        de = de + x[:rows] * f
-        dq = dq + x[rows:] * f
-        z = mm_tn(stacked, jnp.concatenate([e_t * f, q_t * f], axis=0), cdt)  # [Tt, Dk]
-        dkk = dkk + z * f
-    return [dq, de, dkk, dq_diag, dk_diag]
+        z = (dm_d * ch.qf + da_d * ch.ef) * ex
+        dkk = dkk + pltpu.roll(z, c - d, 0)  # row i's term belongs to key row i − d
+    return dq, de, dkk, dq_diag, dk_diag
+
+
+def _contract_levels(da, dm, ch: Chunk, g: Geometry, cdt):
+    """Pair gradients of the tree levels through the forward's own pivot factors, per node at the exact block
+    sizes: [dA; dM][R,L] (K_L⊙κ) ⊙ ρ -> dK̂_R, dQ̂_R and [dA; dM][R,L]ᵀ [K̂_R⊙ρ; Q̂_R⊙ρ] ⊙ κ -> dK_L."""
+    c, dk = ch.qf.shape
+    dq = jnp.zeros((c, dk), F32)
+    de = jnp.zeros((c, dk), F32)
+    dkk = jnp.zeros((c, dk), F32)
+    for lv in ch.levels:
+        h, f = lv.half, lv.factors
+        rows, cols = cross_operands(ch.qf, ch.kf, ch.ef, lv)
+        stacked = jnp.concatenate([cross_blocks(da, g, h), cross_blocks(dm, g, h)], axis=1)  # [n, 2h, h]
+        x = bmm(stacked, cols, cdt)  # [n, 2h, Dk]
+        z = bmm_tn(stacked, rows, cdt) * f[:, :h]  # [n, h, Dk]: dK of the left halves
+        zero = jnp.zeros_like(z)
+        de = de + jnp.concatenate([zero, x[:, :h] * f[:, h:]], axis=1).reshape(c, dk)
+        dq = dq + jnp.concatenate([zero, x[:, h:] * f[:, h:]], axis=1).reshape(c, dk)
+        dkk = dkk + jnp.concatenate([z, zero], axis=1).reshape(c, dk)
+    return dq, de, dkk
 
 
 def _backward_kernel(q_ref, k_ref, e_ref, v_ref, log_decay_ref, doc_col_ref, doc_row_ref, starts_ref, do_ref,
@@ -68,7 +89,7 @@ def _backward_kernel(q_ref, k_ref, e_ref, v_ref, log_decay_ref, doc_col_ref, doc
                      dq_ref, dk_ref, de_ref, dv_ref, d_log_decay_ref, dinit_ref, ds_scr, inverse_scr, readout_scr,
                      *, cfg: KernelConfig):
     g, cdt = cfg.geometry, cfg.cdt
-    c_, t = g.chunk, g.tile
+    c_ = g.chunk
     c = pl.program_id(1)
 
     @pl.when(c == 0)
@@ -95,28 +116,10 @@ def _backward_kernel(q_ref, k_ref, e_ref, v_ref, log_decay_ref, doc_col_ref, doc
                   cdt)
     da = jnp.where(same & (j < i), -outer, 0.0)
 
-    # pair gradients, tile by tile, then the aligned top blocks
-    parts = []
-    for ti in range(g.n_tiles):
-        s = slice(ti * t, (ti + 1) * t)
-        parts.append(_contract_tile(da[s, s], dm[s, s], ch.qf[s], ch.kf[s], ch.ef[s], ch.log_decay[s],
-                     ch.tile_factors[ti], g,
-                                    cdt))
-    for b in ch.blocks:
-        h = b.rows.stop - b.rows.start
-        stacked = jnp.concatenate([da[b.rows, b.cols], dm[b.rows, b.cols]], axis=0)  # [2h, h]
-        x = mm(stacked, ch.kf[b.cols] * b.kappa, cdt)  # [2h, Dk]
-        z = mm_tn(stacked, jnp.concatenate([ch.ef[b.rows] * b.rho, ch.qf[b.rows] * b.rho], axis=0), cdt)
-        d_e, d_q, d_k = x[:h] * b.rho, x[h:] * b.rho, z * b.kappa
-        for ti in range(b.rows.start // t, b.rows.stop // t):
-            o = ti * t - b.rows.start
-            parts[ti][0] = parts[ti][0] + d_q[o:o + t]
-            parts[ti][1] = parts[ti][1] + d_e[o:o + t]
-        for ti in range(b.cols.start // t, b.cols.stop // t):
-            o = ti * t - b.cols.start
-            parts[ti][2] = parts[ti][2] + d_k[o:o + t]
-    join = lambda n: parts[0][n] if len(parts) == 1 else jnp.concatenate([p[n] for p in parts], axis=0)  # noqa: E731
-    dq_p, de_p, dk_p, dq_diag, dk_diag = (join(n) for n in range(5))
+    # pair gradients: leaves (VPU, exact exponents), then the tree levels (MXU, pivot factors)
+    dq_p, de_p, dk_p, dq_diag, dk_diag = _contract_leaves(da, dm, ch, g)
+    dq_l, de_l, dk_l = _contract_levels(da, dm, ch, g, cdt)
+    dq_p, de_p, dk_p = dq_p + dq_l, de_p + de_l, dk_p + dk_l
 
     g_mat = mm_nt(d_out, start_state, cdt)  # G = dO S₀ᵀ
     h_mat = mm_nt(ch.true_pseudo, ds, cdt)  # H = Ũ dSᵀ
@@ -142,23 +145,27 @@ def _backward_kernel(q_ref, k_ref, e_ref, v_ref, log_decay_ref, doc_col_ref, doc
         dinit_ref[...] = ds_prev
 
 
-def backward_cost(g: Geometry, bh: int, n_chunks: int, io_bytes: int) -> pl.CostEstimate:
+def backward_counts(g: Geometry):
+    """(MXU FLOPs, exps) per chunk per head of the backward kernel: the recompute of steps 1–5 (the forward's
+    ``core_counts``) plus the backward's own matmuls, every one at the shape the kernel issues."""
     flops, _, exps = core_counts(g)  # recompute
-    c, t, n0, dk, dv = g.chunk, g.tile, g.leaf, g.dk, g.dv
+    c, n0, dk, dv = g.chunk, g.leaf, g.dk, g.dv
     flops += 2 * c * c * dv + 2 * c * dk * dv  # dŨ
     flops += 2 * c * c * dv  # dM
     flops += 2 * 2 * c * dk * dv  # dS_prev
     flops += 2 * c * dk * dv  # dY
     flops += 2 * c * c * (dk + dv)  # Pᵀ solve
     flops += 2 * c * c * (dk + dv)  # dA outer product
-    n_tl = len(g.tile_levels)
-    flops += g.n_tiles * n_tl * 2 * (2 * 2 * t * t * dk)  # two [2Tt]-stacked contractions per level
-    exps += c * dk * (n0 - 1)  # leaf exps recomputed in the contraction
-    for h in g.top_levels:
-        nodes = c // (2 * h)
-        flops += nodes * 2 * (2 * 2 * h * h * dk)
+    flops += sum((c // (2 * h)) * 2 * (2 * 2 * h * h * dk) for h in g.levels)  # two [2h, h]-stacked contractions
+    exps += c * dk * (n0 - 1) + dk  # leaf exps recomputed in the contraction; π_C as a row (for dλ)
     flops += 2 * 2 * c * dk * dv  # G, H
     flops += 2 * c * c * dk + 2 * 8 * dk * dv  # dλ = U_C dΛ, rowsum
+    return flops, exps
+
+
+def backward_cost(g: Geometry, bh: int, n_chunks: int, io_bytes: int) -> pl.CostEstimate:
+    flops, exps = backward_counts(g)
+    c, dk, dv = g.chunk, g.dk, g.dv
     per_chunk_bytes = (2 * (io_bytes * c * (3 * dk + dv) + 4 * c * dk)  # inputs read, gradients written
                        + io_bytes * c * dv + 4 * dk * dv + 4 * 2 * c)  # dO, S₀, documents
     total = bh * n_chunks

@@ -35,6 +35,20 @@ def test_table8_rows_in_stage_list_and_shares():
     assert all(s.mxu == 0 for s in naive.values())
 
 
+@pytest.mark.parametrize("C, n0, d", [(256, 8, 128), (128, 16, 64), (64, 8, 256), (128, 8, 128)])
+def test_tpu_kernel_issues_table8_rows(C, n0, d):
+    """The Pallas TPU kernel's as-issued count (pallas_tpu.core_counts: every tree block at its exact size)
+    equals Table 8 stage by stage: leaf inverse, cross blocks, 2x2 merges, fused solve."""
+    from pallas_kernels.delta_rule import pallas_tpu
+
+    issued = {k: v[0] / C for k, v in pallas_tpu.core_counts(pallas_tpu.Geometry(C, n0, d, d), breakdown=True).items()}
+    t8 = F.table8(F.KernelConfig(C, n0, d, d))
+    assert issued["leaf inverse (Neumann, n0 × n0 blocks)"] == t8["leaf"]
+    assert issued["cross blocks (exact node blocks)"] == t8["cross"]
+    assert issued["2x2 merges (exact node blocks)"] == t8["merges"]
+    assert issued["fused solve P[V ‖ K̂⊙π]"] == t8["solve"]
+
+
 def test_other_forward_terms_of_spec_4_7():
     st = {s.name: s.mxu for s in F.forward_stages(DEFAULT, "ours")}
     assert st["Ũ = U − Y S₀"] == st["(Q̂⊙π) S₀"] == st["state update S_C"] == 32_768
