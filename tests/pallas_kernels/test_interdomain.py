@@ -351,3 +351,41 @@ def test_bad_arguments_raise_clear_errors():
         ia.interdomain(q, k, v, **kw, implementation="fast")
     with pytest.raises(ValueError, match="'v'"):
         ia.interdomain(q, k, v.astype(jnp.bfloat16), **kw)
+
+
+def test_log_modulus_outside_its_domain_is_rejected_eagerly_and_poisons_under_jit(monkeypatch):
+    """r > 0 or non-finite: eagerly a ValueError naming the argument, the offending value, its index and the
+    shape; under jit NaN outputs and states (no host sync); with MIXERLAB_CHECK_DOMAINS=1 the error at run
+    time. The same for the decode steps and the S4D core."""
+    from pallas_kernels import common
+
+    args, kw, _ = _case(10, dtype=np.float32, selective=True, t=9)
+    good = kw["log_modulus"]
+    for value, shown in ((0.25, "0.25"), (np.inf, "inf"), (-np.inf, "-inf"), (np.nan, "nan")):
+        bad = good.at[1, 4, 0, 2].set(value)
+        with pytest.raises(ValueError, match=rf"interdomain: argument 'log_modulus' is outside its domain: expected "
+                                             rf"every entry <= 0 and finite; found .*{shown}.* at index \(1, 4, 0, 2\) "
+                                             rf"of shape \(2, 9, 2, 6\)"):
+            ia.interdomain(*args, **dict(kw, log_modulus=bad))
+        run = jax.jit(lambda r: ia.interdomain(*args, **dict(kw, log_modulus=r)))
+        o, s = run(bad)
+        assert np.isnan(np.asarray(o)).all() and np.isnan(np.asarray(s.key)).all(), value
+    o, s = run(good)  # valid values pass through the same compiled function
+    assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s.value)).all()
+    q, k, v = (a[:, 0] for a in args)
+    step_kw = dict(phase=kw["phase"], input_gain=kw["input_gain"], readout=kw["readout"],
+                   state=ia.InterdomainState(*(jnp.zeros((B, H, 2 * M, d)) for d in (R, V))))
+    with pytest.raises(ValueError, match=r"interdomain_step: argument 'log_modulus' .* found -inf"):
+        ia.interdomain_step(q, k, v, log_modulus=good[:, 0].at[0, 0, 0].set(-np.inf), **step_kw)
+    step = jax.jit(lambda r: ia.interdomain_step(q, k, v, log_modulus=r, **step_kw)[0])
+    assert np.isnan(np.asarray(step(good[:, 0].at[0, 0, 0].set(1.0)))).all()
+    s4d_kw = dict(phase=kw["phase"], input_gain=kw["input_gain"], readout=kw["input_gain"])
+    with pytest.raises(ValueError, match=r"s4d: argument 'log_modulus' .* found 0.25"):
+        ia.s4d(args[2], log_modulus=good.at[0, 0, 0, 0].set(0.25), **s4d_kw)
+    with pytest.raises(ValueError, match=r"s4d_step: argument 'log_modulus' .* found inf"):
+        ia.s4d_step(v, log_modulus=good[:, 0].at[0, 0, 0].set(np.inf), **s4d_kw,
+                    state=jnp.zeros((B, H, 2 * M, V)))
+    monkeypatch.setattr(common, "CHECK_DOMAINS_UNDER_JIT", True)
+    checked = jax.jit(lambda r: ia.interdomain(*args, **dict(kw, log_modulus=r))[0])
+    with pytest.raises(Exception, match=r"log_modulus' is outside its domain"):
+        np.asarray(checked(good.at[0, 0, 0, 0].set(-np.inf)))
