@@ -77,15 +77,14 @@ def _polar(mag, ang):
     return mag * jnp.cos(ang), mag * jnp.sin(ang)
 
 
-def _range_sums(x, axis, ranges):
-    """Σ_τ ranges[..., τ] x_τ along ``axis`` for a 0/1 matrix ``ranges`` [..., n] whose rows each select a
-    contiguous token range: every result is a sum of same-signed terms over that range, never a difference of
-    prefix sums. One small matmul (exact 0/1 weights; any summation order is accurate for same-signed terms),
-    which is also cheaper than a cumsum on TPU and in the backward. The new axes replace ``axis``."""
-    x = jnp.moveaxis(x, axis, -1)
-    out = jnp.einsum("...mt,Pt->...mP", x, ranges.reshape(-1, ranges.shape[-1]).astype(x.dtype), precision=HIGHEST)
-    out = out.reshape(*out.shape[:-1], *ranges.shape[:-1])
-    return jnp.moveaxis(out, list(range(-ranges.ndim + 1, 0)), list(range(axis, axis + ranges.ndim - 1)))
+def _range_sums(x, ranges):
+    """Σ_τ ranges[..., τ] x[.., τ, m] over the token axis (second to last; modes last) for a 0/1 matrix
+    ``ranges`` [..., n] whose rows each select a contiguous token range: every result is a sum of same-signed
+    terms over that range, never a difference of prefix sums. One small matmul (exact 0/1 weights; any
+    summation order is accurate for same-signed terms), cheaper than a cumsum on TPU and in the backward.
+    The token axis is replaced by the leading axes of ``ranges``."""
+    out = jnp.einsum("...tm,pt->...pm", x, ranges.reshape(-1, ranges.shape[-1]).astype(x.dtype), precision=HIGHEST)
+    return out.reshape(*x.shape[:-2], *ranges.shape[:-1], x.shape[-1])
 
 
 def _upto(n):
@@ -117,11 +116,11 @@ def _decays(r_BHNKM, phase_HM, doc_BNK, carry_doc_BN, pad):
     theta = phase_HM[None, :, None, None, :]  # [1,H,1,1,M]
     # carry-in: state before the chunk -> token s (s+1 transitions), only in the carried document
     valid = (doc_BNK == carry_doc_BN[..., None])[:, None, :, :, None]
-    carried = _masked_exp(valid, _range_sums(r_BHNKM, 3, _upto(k)))
+    carried = _masked_exp(valid, _range_sums(r_BHNKM, _upto(k)))
     ein = _polar(carried, (pos + 1.0)[:, None] * theta)
     # end coefficients: token j -> end of chunk, only tokens of the chunk's last document
     same_end = (doc_BNK == doc_BNK[..., -1:])[:, None, :, :, None]
-    to_end = _range_sums(r_BHNKM, 3, _after(k))
+    to_end = _range_sums(r_BHNKM, _after(k))
     eend = _polar(_masked_exp(same_end, to_end), (end - pos[:, None]) * theta)
     chunk_decay = _polar(carried[..., -1, :], (end[:, 0] + 1.0) * phase_HM[None, :, None, :])  # [B,H,N,M]
     return ein, eend, chunk_decay
@@ -154,11 +153,11 @@ def _sub_chunk_factors(r_BHNKM, phase_HM, gain_H2M, sub):
     local = jnp.arange(sub)
     b_re, b_im = split(gain_H2M, axis=-1)
     # E: a running sum from the sub-chunk's first token; s − p = local + 1 transitions
-    head = _range_sums(r, 4, _upto(sub))
+    head = _range_sums(r, _upto(sub))
     e_q = _polar(jnp.exp(head), (local + 1).astype(dtype)[:, None] * theta)
     e_q = tuple(x.reshape(b_, h_, n_, kp, m) for x in e_q)
     # F across sub-chunks: (rest of j's sub-chunk J after j) + (whole sub-chunks strictly between J and I)
-    after_j = _range_sums(r, 4, _after(sub))  # [B,H,N,S_J,sub,M]
+    after_j = _range_sums(r, _after(sub))  # [B,H,N,S_J,sub,M]
     total = head[..., -1, :]  # [B,H,N,S_B,M]
     blocks = jnp.arange(n_sub)
     between_mask = ((blocks[None, :, None] < blocks[None, None, :])
@@ -174,7 +173,7 @@ def _sub_chunk_factors(r_BHNKM, phase_HM, gain_H2M, sub):
     # D inside a sub-chunk: for each query s, a running sum of r from s downwards (exclusive of j)
     causal = local[:, None] >= local[None, :]  # [s, j]
     between_js = _upto(sub)[:, None, :] & _after(sub)[None, :, :]  # [s, j, τ]: j < τ ≤ s
-    pair_expo = _range_sums(r, 4, between_js)  # [B,H,N,S,s,j,M]
+    pair_expo = _range_sums(r, between_js)  # [B,H,N,S,s,j,M]
     lag = (local[:, None] - local[None, :]).astype(dtype)  # s − j
     d = _polar(_masked_exp(causal[..., None], pair_expo), lag[..., None] * theta[..., None, :])
     bd = _cmul(b_re[None, :, None, None, None, None, :], b_im[None, :, None, None, None, None, :], *d)
