@@ -6,7 +6,8 @@
 * ``HeadInputNorm``    Eq. 12: ``RMSNorm(x_h) * γ + β_h`` per head; γ ∈ R^{d_h} shared across heads, β_h per head
                        (both ``SSMParam``: the IA recipe caps the input-norm LR at 1e-3 and never decays them).
 * ``S4DCore``          the complex diagonal SSM parameters per head: A = −exp(a_re) + i a_im (a_re = log ½,
-                       a_im = S4D-Inv), Δ = exp(log_dt) (log-uniform in [dt_min, dt_max]), full complex C_h
+                       a_im = S4D-Inv), Δ = exp(log_dt) (log-uniform in [dt_min, dt_max]; both logs smoothly
+                       capped so that r = Δ Re A is ≤ 0 and finite for any parameters), full complex C_h
                        (M×M, re + im). A and Δ are ``SSMParam``; C_h is ``DynamicsParam`` (main LR, no weight
                        decay; IAs) or ``SSMParam`` with ``c_lr_group="ssm"`` (IA1). No B_h (B = 1, ZOH gain).
 """
@@ -93,8 +94,25 @@ class S4DCore(nnx.Module):
         self.c_re, self.c_im = c_cls(c_re), c_cls(c_im)
 
     def dynamics(self):
-        """(static log-modulus Δ Re A [H,M], phase Δ Im A [H,M], ZOH gain [H,2M]) in float32."""
-        a_re = -jnp.exp(self.a_re[...])
+        """(static log-modulus Δ Re A [H,M], phase Δ Im A [H,M], ZOH gain [H,2M]) in float32.
+
+        The log-modulus r = −exp(a_re)·exp(log_dt) is ≤ 0 for every parameter value, and finite because both
+        logs pass a smooth cap first (``soft_cap``: the identity to float32 precision below it, so the S4D
+        initialisation and ordinary training are unchanged); |r| ≤ e^{2·LOG_CAP}, Δ ≤ e^{LOG_CAP}."""
+        a_re = -jnp.exp(soft_cap(self.a_re[...], LOG_CAP))
         a_im = self.a_im[...]
-        delta = jnp.exp(self.log_dt[...])
+        delta = jnp.exp(soft_cap(self.log_dt[...], LOG_CAP))
         return delta[:, None] * a_re, delta[:, None] * a_im, ia_op.zoh_input_gain(a_re, a_im, delta)
+
+
+# exp(20) ≈ 4.9e8: far above any trained |Re A| or Δ (Δ starts ≤ 0.1), far below float32 overflow even as a
+# product (|r| ≤ e^{40} ≈ 2.4e17, θ = Δ Im A finite for |Im A| < 7e29)
+LOG_CAP = 20.0
+
+
+def soft_cap(x, cap):
+    """x − softplus(x − cap) = cap − softplus(cap − x): smooth and increasing, x − O(e^{x − cap}) below the
+    cap (exactly x in float32 well below it), → cap above it, +inf ↦ cap. Not a clamp: the gradient
+    1 − sigmoid(x − cap) never becomes exactly zero for finite x. Each branch is the form without cancellation
+    on its side of the cap."""
+    return jnp.where(x < cap, x - jax.nn.softplus(x - cap), cap - jax.nn.softplus(cap - x))

@@ -102,8 +102,8 @@ def main(argv=None):
     ]
     lines += [f"| {t} | {impl} | {f:.1f} | {g:.1f} |" for t, impl, f, g in rows]
     lines += ["", "The xla form's intra-chunk work is one GEMM per sub-chunk of queries against the sub-chunk "
-              "decay factors (docs/math/interdomain.md, 'Chunked form': factorised within a sub-chunk, relative form "
-              "across; no K×K×M tensor). "
+              "decay factors (docs/math/interdomain.md, 'Chunked form': exact pairwise decays within a sub-chunk, "
+              "relative factors across; no K×K×M tensor). "
               "Which form is faster on a CPU depends on the sizes and the load; the chunkwise form exists for "
               "accelerators (parallel over chunks, GEMM-shaped), where it has not been measured yet.", ""]
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)

@@ -23,13 +23,15 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import common, dispatch
 from pallas_kernels.interdomain import decode, reference, xla
 
 DEFAULT_CHUNK_SIZE = 64
-DEFAULT_SUB_CHUNK_SIZE = 16
-# docs/math/interdomain.md 'Chunked form': factorised inside 16 tokens keeps |Λ|^{-16} bounded
+DEFAULT_SUB_CHUNK_SIZE = 8
+# docs/math/interdomain.md 'Chunked form': exact pairwise decays inside 8 tokens, factors across; 8 ≈ √64
+# balances the two (K·sub·M pairwise against (K/sub)·K·M cross-sub-chunk factors per chunk)
 
 
 class InterdomainState(NamedTuple):
@@ -78,7 +80,7 @@ def resolve_chunk_size(op, chunk_size):
 
 
 def resolve_sub_chunk_size(op, sub_chunk_size, chunk):
-    """None -> min(16, chunk): a chunk shorter than 16 is a single (factorised) sub-chunk."""
+    """None -> min(8, chunk): a chunk shorter than 8 is a single sub-chunk (exact pairwise decays)."""
     if sub_chunk_size is None:
         return min(DEFAULT_SUB_CHUNK_SIZE, chunk)
     if (not isinstance(sub_chunk_size, int) or isinstance(sub_chunk_size, bool) or sub_chunk_size < 1
@@ -102,6 +104,24 @@ def _check_dynamics(op, b, t, h, log_modulus, phase, input_gain):
         raise _fail(op, "log_modulus", log_modulus, f"[H={h}, M={m}] (static) or [B={b}, T={t}, H={h}, M={m}]")
     _check_shape(op, "input_gain", input_gain, (h, 2 * m), ("H", "2M"))
     return m, selective
+
+
+def check_log_modulus(op, log_modulus, *, under_jit=True):
+    """r = log|Λ| must be ≤ 0 and finite (a positive r grows the state without bound; a non-finite one is
+    not a decay). Concrete: raise a ValueError naming the argument, its shape and the first offending entry.
+    Traced: the violation flag for ``common.poison`` (with MIXERLAB_CHECK_DOMAINS=1 also a run-time error;
+    a non-finite entry is reported there as nan)."""
+    if isinstance(log_modulus, jax.core.Tracer):
+        finite_or_nan = jnp.where(jnp.isfinite(log_modulus), log_modulus, jnp.nan)
+        return common.check_nonpositive(op, "log_modulus", finite_or_nan, under_jit=under_jit)
+    r = np.asarray(log_modulus)
+    bad = ~(np.isfinite(r) & (r <= 0))
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{op}: argument 'log_modulus' is outside its domain: expected every entry <= 0 and "
+                         f"finite; found {r[index].item()!r} at index {index} of shape {tuple(r.shape)} "
+                         f"({int(bad.sum())} of {r.size} entries outside)")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -153,10 +173,9 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
         belongs to the first segment of each row.
       segment_ids: [B, T] int; both states reset to zero at every t with seg[t] != seg[t−1].
       chunk_size: chunk length of "xla" (default 64; any positive int, T need not be a multiple).
-      sub_chunk_size: sub-chunk length of "xla" inside a chunk (docs/math/interdomain.md 'Chunked form': factorised
-      within a sub-chunk,
-        stable relative form across). Default min(16, chunk_size); any int in [1, chunk_size], it need not
-        divide chunk_size.
+      sub_chunk_size: sub-chunk length of "xla" inside a chunk (docs/math/interdomain.md 'Chunked form': exact
+        pairwise decays within a sub-chunk, relative factors across). Default min(8, chunk_size); any int in
+        [1, chunk_size], it need not divide chunk_size. Accuracy does not depend on it.
       implementation: "auto" | "reference" | "xla".
 
     Returns:
@@ -191,7 +210,7 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
     sub = resolve_sub_chunk_size(op, sub_chunk_size, chunk)
     call = InterdomainCall(op, b, t, h, r, dv, m, jnp.dtype(q.dtype), selective, initial_state is not None,
                            segment_ids is not None, chunk, sub, dispatch.target_backend())
-    violation = common.check_nonpositive(op, "log_modulus", log_modulus)
+    violation = check_log_modulus(op, log_modulus)
     impl = TABLE.choose(implementation, call)
     dt = compute_dtype(q.dtype)
     lm = log_modulus.astype(dt)
@@ -230,7 +249,7 @@ def interdomain_step(q, k, v, *, log_modulus, phase, input_gain, readout, state)
     _check_float(op, "log_modulus", log_modulus)
     if tuple(log_modulus.shape) not in ((h, m), (b, h, m)):
         raise _fail(op, "log_modulus", log_modulus, f"[H={h}, M={m}] or [B={b}, H={h}, M={m}]")
-    common.check_nonpositive(op, "log_modulus", log_modulus, under_jit=False)
+    violation = check_log_modulus(op, log_modulus, under_jit=False)
     _check_shape(op, "input_gain", input_gain, (h, 2 * m), ("H", "2M"))
     _check_shape(op, "readout", readout, (h, 2 * m, 2 * m), ("H", "2M", "2M"))
     _check_shape(op, "state.key", state[0], (b, h, 2 * m, r), ("B", "H", "2M", "R"))
@@ -241,7 +260,8 @@ def interdomain_step(q, k, v, *, log_modulus, phase, input_gain, readout, state)
     o, key, value = _ia_step(q.astype(dt), k.astype(dt), v.astype(dt), lm, jnp.cos(ph), jnp.sin(ph),
                                             input_gain.astype(dt), readout.astype(dt), state[0].astype(dt),
                                             state[1].astype(dt))
-    return o.astype(v.dtype), InterdomainState(key, value)
+    o, key, value = common.poison(violation, o.astype(v.dtype), key, value)
+    return o, InterdomainState(key, value)
 
 
 def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segment_ids=None,
@@ -264,7 +284,7 @@ def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segme
     sub = resolve_sub_chunk_size(op, sub_chunk_size, chunk)
     call = InterdomainCall(op, b, t, h, 0, c, m, jnp.dtype(z.dtype), selective, initial_state is not None,
                            segment_ids is not None, chunk, sub, dispatch.target_backend())
-    violation = common.check_nonpositive(op, "log_modulus", log_modulus)
+    violation = check_log_modulus(op, log_modulus)
     impl = S4D_TABLE.choose(implementation, call)
     dt = compute_dtype(z.dtype)
     lm = jnp.broadcast_to(log_modulus.astype(dt), (b, t, h, m))
@@ -287,7 +307,7 @@ def s4d_step(z, *, log_modulus, phase, input_gain, readout, state):
     m = phase.shape[1]
     if tuple(log_modulus.shape) not in ((h, m), (b, h, m)):
         raise _fail(op, "log_modulus", log_modulus, f"[H={h}, M={m}] or [B={b}, H={h}, M={m}]")
-    common.check_nonpositive(op, "log_modulus", log_modulus, under_jit=False)
+    violation = check_log_modulus(op, log_modulus, under_jit=False)
     _check_shape(op, "input_gain", input_gain, (h, 2 * m), ("H", "2M"))
     _check_shape(op, "readout", readout, (h, 2 * m), ("H", "2M"))
     _check_shape(op, "state", state, (b, h, 2 * m, c), ("B", "H", "2M", "C"))
@@ -295,7 +315,7 @@ def s4d_step(z, *, log_modulus, phase, input_gain, readout, state):
     ph = phase.astype(dt)
     o, x = _s4d_step(z.astype(dt), jnp.broadcast_to(log_modulus.astype(dt), (b, h, m)), jnp.cos(ph),
                            jnp.sin(ph), input_gain.astype(dt), readout.astype(dt), state.astype(dt))
-    return o.astype(z.dtype), x
+    return common.poison(violation, o.astype(z.dtype), x)
 
 
 # ---------------------------------------------------------------------------------------------------------

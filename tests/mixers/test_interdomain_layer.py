@@ -145,3 +145,40 @@ def test_decode_of_a_packed_row_resets_at_each_document():
         out, cache = _dec(layer, x[:, i:i + 1], cache, pos[:, i])
         steps.append(out[:, 0])
     np.testing.assert_allclose(np.asarray(jnp.stack(steps, 1)), np.asarray(y), rtol=2e-5, atol=2e-5)  # as above
+
+
+EXTREME = (-np.inf, -1e30, -1e4, -100.0, 0.0, 100.0, 1e4, 1e30, np.inf)
+
+
+def test_log_modulus_is_nonpositive_and_finite_for_any_parameters():
+    """r = −exp(a_re)·exp(log_dt) with both logs smoothly capped: ≤ 0 and finite (and the phase and the ZOH
+    gain finite) for every combination of extreme a_re and log_dt, including ±inf; the S4D initialisation is
+    unchanged by the cap (exactly −exp(a_re)·exp(log_dt) in float32)."""
+    from mixers.s4d_core import S4DCore
+
+    core = S4DCore(1, 4, s4d_inv_n="2M", dt_min=1e-3, dt_max=1e-1, c_init="identity", c_lr_group="main",
+                   rngs=nnx.Rngs(0))
+    r0, _, _ = core.dynamics()
+    want = -np.exp(np.asarray(core.a_re[...])) * np.exp(np.asarray(core.log_dt[...]))[:, None]
+    np.testing.assert_array_equal(np.asarray(r0), want.astype(np.float32))
+    grid = np.array(np.meshgrid(EXTREME, EXTREME, indexing="ij"), np.float32).reshape(2, -1)
+    for a_re, log_dt in grid.T:
+        core.a_re[...] = jnp.full((1, 4), a_re)
+        core.log_dt[...] = jnp.full((1,), log_dt)
+        r, phase, gain = (np.asarray(x) for x in core.dynamics())
+        assert np.isfinite(r).all() and (r <= 0).all(), (a_re, log_dt, r)
+        assert np.isfinite(phase).all() and np.isfinite(gain).all(), (a_re, log_dt, phase, gain)
+
+
+@pytest.mark.parametrize("name", ["interdomain", "s4d"])
+def test_extreme_decay_parameters_keep_the_layer_finite(name):
+    """A run that drives a_re and log_dt to huge values (decays of e^{−1e17} per token) or −inf (no decay)
+    stays finite under jit: the op never sees an r it would reject (which would poison the output to NaN)."""
+    flags = dict(selective_decay=True) if name == "interdomain" else {}
+    layer = _build(name, num_modes=8, chunk_size=8, **flags)
+    x, seg, pos = _inputs(13)
+    for value in (1e4, np.inf, -np.inf):
+        layer.core.a_re[...] = jnp.full_like(layer.core.a_re[...], value)
+        layer.core.log_dt[...] = jnp.full_like(layer.core.log_dt[...], value)
+        y = _fwd(layer, x, seg, pos)
+        assert bool(jnp.all(jnp.isfinite(y))), value

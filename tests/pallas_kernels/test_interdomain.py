@@ -170,37 +170,99 @@ def test_gradients_match_reference_float64(chunk, sub):
             assert _rel(a, b) <= 1e-10, i
 
 
-def test_strong_decay_float32_stays_finite_with_sub_chunks():
-    """r down to −3 per token: |Λ|^{−64} up to ≈ e^{190} overflows float32, |Λ|^{−16} ≤ e^{48} does not. The
-    default sub-chunks (16) keep the factorised part bounded, so outputs, states and gradients stay finite and
-    accurate (measured 2026-11-29: outputs 2.2e-7 RMS-relative, states 3.6e-7 / 2.4e-7, dL/dq 2.3e-7;
-    factorising whole 64-token chunks, i.e. sub_chunk_size=64, gives NaN outputs and gradients here)."""
-    t = 100  # two chunks of 64 (the second one partial)
+def _range_case(lo, hi, seed=0, t=75):
+    """Op arguments (numpy float64) with a selective log-modulus r ~ U[lo, hi] per token, mode and head; odd T
+    (one full and one partial default chunk), three documents per row, an initial state, and a loss weight."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, t, H, R))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    c = rng.standard_normal((H, 2 * M, 2 * M)) / 4
+    arrays = [q, rng.standard_normal((B, t, H, R)), rng.standard_normal((B, t, H, V)),
+              rng.uniform(lo, hi, (B, t, H, M)), rng.uniform(-3.0, 3.0, (H, M)), rng.standard_normal((H, 2 * M)),
+              np.einsum("hki,hkj->hij", c, c), rng.standard_normal((B, H, 2 * M, R)),
+              rng.standard_normal((B, H, 2 * M, V))]
+    return arrays, _segments([30, 20, t - 50]), rng.standard_normal((B, t, H, V))
+
+
+def _loss_and_grads(impl, arrays, seg, w, dtype):
+    """(o, state, gradients of a loss over outputs and both final states w.r.t. all nine op arguments)."""
+    def loss(q, k, v, log_mod, phase, gain, readout, key0, value0):
+        o, s = ia.interdomain(q, k, v, log_modulus=log_mod, phase=phase, input_gain=gain, readout=readout,
+                              initial_state=ia.InterdomainState(key0, value0), segment_ids=seg,
+                              implementation=impl)
+        return jnp.sum(o * w.astype(dtype)) + jnp.sum(jnp.sin(s.key)) + jnp.sum(s.value ** 2), (o, s)
+
+    (_, (o, s)), g = jax.value_and_grad(loss, argnums=tuple(range(9)), has_aux=True)(
+        *(jnp.asarray(a, dtype) for a in arrays))
+    return o, s, g
+
+
+def _f32_against_f64(arrays, seg, w):
     with x64():
-        args, kw, _ = _case(9, t=t)
-        kw["log_modulus"] = -jnp.asarray(np.random.default_rng(9).uniform(1.5, 3.0, (H, M)))
-        w = jnp.asarray(np.random.default_rng(1).standard_normal((B, t, H, V)))
+        o64, s64, g64 = _loss_and_grads("reference", arrays, seg, jnp.asarray(w), jnp.float64)
+        o64, s64, g64 = np.asarray(o64), [np.asarray(x) for x in s64], [np.asarray(x) for x in g64]
+    o, s, g = _loss_and_grads("xla", arrays, seg, jnp.asarray(w, jnp.float32), jnp.float32)
+    assert o.dtype == jnp.float32 and s.key.dtype == jnp.float32
+    return (o, o64), list(zip(s, s64)), list(zip(g, g64))
 
-        def loss(q, args, kw, w, impl):
-            return jnp.sum(ia.interdomain(q, *args[1:], **kw, implementation=impl)[0] * w)
 
-        o64, s64 = ia.interdomain(*args, **kw, implementation="reference")
-        g64 = jax.grad(loss)(args[0], args, kw, w, "reference")
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    args, w = [f32(a) for a in args], f32(w)
-    kw = dict(kw, **{n: f32(kw[n]) for n in ("log_modulus", "phase", "input_gain", "readout")},
-              initial_state=ia.InterdomainState(*(f32(x) for x in kw["initial_state"])))
-    o, s = ia.interdomain(*args, **kw, implementation="xla")  # defaults: chunk 64, sub-chunk 16
-    g = jax.grad(loss)(args[0], args, kw, w, "xla")
-    assert _rms_rel(o, o64) <= 1e-5 and _rms_rel(s.key, s64.key) <= 1e-5 and _rms_rel(s.value, s64.value) <= 1e-5
-    assert _rms_rel(g, g64) <= 1e-5
+GRAD_NAMES = ("q", "k", "v", "log_modulus", "phase", "input_gain", "readout", "key0", "value0")
+
+
+@pytest.mark.parametrize("lo,hi", [(-20.0, 0.0), (-5.6, -5.2)])
+def test_float32_exact_over_the_whole_log_modulus_range(lo, hi):
+    """Float32 xla (default chunk 64, sub-chunk 8) against the float64 reference for r ∈ [−20, 0] per token
+    and in the band just below −5.5, where factorising inside 16-token sub-chunks (exp of a difference of
+    prefix sums) lost accuracy (3.2e-2 at r = −5.4) and overflowed below. Measured (2026-12-01), max-abs
+    relative: outputs 2.0e-7 / 8.2e-8, final states ≤ 6.8e-8 / 8.3e-8, all nine gradients ≤ 5.3e-7 / 4.5e-7."""
+    (o, o64), states, grads = _f32_against_f64(*_range_case(lo, hi))
+    assert _rel(o, o64) <= 1e-4
+    for i, (a, b) in enumerate(states):
+        assert _rel(a, b) <= 1e-4, ("key", "value")[i]
+    for name, (a, b) in zip(GRAD_NAMES, grads):
+        assert _rel(a, b) <= 1e-4, name
+
+
+@pytest.mark.parametrize("r", [-50.0, -100.0])
+def test_float32_decays_underflow_to_zero_far_below_the_range(r):
+    """r = −50, −100 per token: every decay past one token underflows (e^{−100} is below float32's range);
+    outputs, states and gradients stay finite and accurate. The gradients w.r.t. r, θ and the initial state
+    are themselves O(e^{r}) (≈ 1e-43 at r = −100, 0 in float32): absolute error below 1e-35 there."""
+    (o, o64), states, grads = _f32_against_f64(*_range_case(r, r))
+    assert _rel(o, o64) <= 1e-4
+    for a, b in states:
+        assert _rel(a, b) <= 1e-4
+    for name, (a, b) in zip(GRAD_NAMES, grads):
+        assert np.isfinite(np.asarray(a)).all(), name
+        err = np.max(np.abs(np.asarray(a, np.float64) - b))
+        assert err <= 1e-4 * np.max(np.abs(b)) + 1e-35, name
+
+
+def test_float32_no_overflow_for_any_nonpositive_log_modulus():
+    """Per-token r from −1e30 up to 0 (range sums reach −6e31): finite outputs and states equal to the float64
+    reference; the old factorised form was non-finite below r ≈ −5.5."""
+    arrays, seg, _ = _range_case(-1.0, 0.0, seed=3)
+    rng = np.random.default_rng(3)
+    arrays[3] = -(10.0 ** rng.uniform(-3.0, 30.0, arrays[3].shape))
+    with x64():
+        o64, s64 = ia.interdomain(*(jnp.asarray(a) for a in arrays[:3]), **_op_kw(arrays, jnp.float64),
+                                  segment_ids=seg, implementation="reference")
+    o, s = ia.interdomain(*(jnp.asarray(a, jnp.float32) for a in arrays[:3]), **_op_kw(arrays, jnp.float32),
+                          segment_ids=seg, implementation="xla")
+    assert _rel(o, o64) <= 1e-4 and _rel(s.key, s64.key) <= 1e-4 and _rel(s.value, s64.value) <= 1e-4
+
+
+def _op_kw(arrays, dtype):
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    return dict(log_modulus=cast(arrays[3]), phase=cast(arrays[4]), input_gain=cast(arrays[5]),
+                readout=cast(arrays[6]), initial_state=ia.InterdomainState(cast(arrays[7]), cast(arrays[8])))
 
 
 def test_float32_and_bfloat16_accuracy():
-    """Against the float64 reference on the unrounded inputs (T=37, chunk 32 with the default sub-chunks of 16,
-    selective decay, segments). Measured (xla, 2026-11-29): float32 outputs 1.5e-7 RMS-relative, key/value
-    states 1.7e-7 / 1.5e-7 (the float32 token reference: 3.0e-7 / 1.6e-7 / 1.2e-7); bfloat16 inputs
-    2.6e-3 / 2.1e-3 / 1.2e-3 (dominated by rounding the inputs to bf16)."""
+    """Against the float64 reference on the unrounded inputs (T=37, chunk 32 with the default sub-chunks,
+    selective decay, segments). Measured (xla, 2026-11-29, factorised sub-chunks of 16): float32 outputs
+    1.5e-7 RMS-relative, key/value states 1.7e-7 / 1.5e-7 (the float32 token reference: 3.0e-7 / 1.6e-7 /
+    1.2e-7); bfloat16 inputs 2.6e-3 / 2.1e-3 / 1.2e-3 (dominated by rounding the inputs to bf16)."""
     with x64():
         args, kw, _ = _case(6, selective=True, dt_max=0.1)
         seg = _segments(SEG)
@@ -289,3 +351,41 @@ def test_bad_arguments_raise_clear_errors():
         ia.interdomain(q, k, v, **kw, implementation="fast")
     with pytest.raises(ValueError, match="'v'"):
         ia.interdomain(q, k, v.astype(jnp.bfloat16), **kw)
+
+
+def test_log_modulus_outside_its_domain_is_rejected_eagerly_and_poisons_under_jit(monkeypatch):
+    """r > 0 or non-finite: eagerly a ValueError naming the argument, the offending value, its index and the
+    shape; under jit NaN outputs and states (no host sync); with MIXERLAB_CHECK_DOMAINS=1 the error at run
+    time. The same for the decode steps and the S4D core."""
+    from pallas_kernels import common
+
+    args, kw, _ = _case(10, dtype=np.float32, selective=True, t=9)
+    good = kw["log_modulus"]
+    for value, shown in ((0.25, "0.25"), (np.inf, "inf"), (-np.inf, "-inf"), (np.nan, "nan")):
+        bad = good.at[1, 4, 0, 2].set(value)
+        with pytest.raises(ValueError, match=rf"interdomain: argument 'log_modulus' is outside its domain: expected "
+                                             rf"every entry <= 0 and finite; found .*{shown}.* at index \(1, 4, 0, 2\) "
+                                             rf"of shape \(2, 9, 2, 6\)"):
+            ia.interdomain(*args, **dict(kw, log_modulus=bad))
+        run = jax.jit(lambda r: ia.interdomain(*args, **dict(kw, log_modulus=r)))
+        o, s = run(bad)
+        assert np.isnan(np.asarray(o)).all() and np.isnan(np.asarray(s.key)).all(), value
+    o, s = run(good)  # valid values pass through the same compiled function
+    assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s.value)).all()
+    q, k, v = (a[:, 0] for a in args)
+    step_kw = dict(phase=kw["phase"], input_gain=kw["input_gain"], readout=kw["readout"],
+                   state=ia.InterdomainState(*(jnp.zeros((B, H, 2 * M, d)) for d in (R, V))))
+    with pytest.raises(ValueError, match=r"interdomain_step: argument 'log_modulus' .* found -inf"):
+        ia.interdomain_step(q, k, v, log_modulus=good[:, 0].at[0, 0, 0].set(-np.inf), **step_kw)
+    step = jax.jit(lambda r: ia.interdomain_step(q, k, v, log_modulus=r, **step_kw)[0])
+    assert np.isnan(np.asarray(step(good[:, 0].at[0, 0, 0].set(1.0)))).all()
+    s4d_kw = dict(phase=kw["phase"], input_gain=kw["input_gain"], readout=kw["input_gain"])
+    with pytest.raises(ValueError, match=r"s4d: argument 'log_modulus' .* found 0.25"):
+        ia.s4d(args[2], log_modulus=good.at[0, 0, 0, 0].set(0.25), **s4d_kw)
+    with pytest.raises(ValueError, match=r"s4d_step: argument 'log_modulus' .* found inf"):
+        ia.s4d_step(v, log_modulus=good[:, 0].at[0, 0, 0].set(np.inf), **s4d_kw,
+                    state=jnp.zeros((B, H, 2 * M, V)))
+    monkeypatch.setattr(common, "CHECK_DOMAINS_UNDER_JIT", True)
+    checked = jax.jit(lambda r: ia.interdomain(*args, **dict(kw, log_modulus=r))[0])
+    with pytest.raises(Exception, match=r"log_modulus' is outside its domain"):
+        np.asarray(checked(good.at[0, 0, 0, 0].set(-np.inf)))

@@ -1,0 +1,37 @@
+"""tools/bench_interdomain_gpu.py runs end to end at tiny sizes on CPU (--smoke): every training row and every
+decode row is timed (no error rows), and the JSON and the Markdown tables are written."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_every_row(tmp_path):
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "bench_interdomain_gpu.py"), "--smoke",
+                          "--out", str(out)], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    ops = {row["op"] for row in result["training"]}
+    assert {"interdomain/xla", "attention/xla", "delta_rule/auto"} <= ops, ops
+    for row in result["training"]:
+        assert "error" not in row, row
+        assert row["fwd_ms"] > 0, row
+        assert row.get("fwd_bwd_ms", 1.0) > 0 and ("fwd_bwd_ms" in row or "fwd_bwd_skipped" in row), row
+    decode = {(row["mixer"], row["prefix"]) for row in result["decode"]}
+    assert decode == {(m, p) for m in ("interdomain", "softmax") for p in (8, 16)}, decode
+    for row in result["decode"]:
+        assert "error" not in row and row["ms"] > 0 and row["cache_bytes"] > 0, row
+    softmax = sorted((r["prefix"], r["cache_bytes"]) for r in result["decode"] if r["mixer"] == "softmax")
+    assert softmax[0][1] < softmax[1][1]  # the KV cache grows with the prefix, the interdomain state does not
+    inter = {r["cache_bytes"] for r in result["decode"] if r["mixer"] == "interdomain"}
+    assert len(inter) == 1
+    assert "| interdomain/xla |" in run.stdout and "| B | prefix | interdomain | softmax |" in run.stdout
