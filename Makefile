@@ -8,7 +8,7 @@
 #   cpu   anything else (CI)                   -> .venv from requirements/cpu.lock (Python 3.11, JAX 0.10.2 with
 #         libtpu: the tests compile TPU programs, so only here JAX is forced onto the CPU and given a fake TPU
 #         topology)
-# PYTHON=... picks another interpreter for the platform's venv.
+# PYTHON=... picks another interpreter for the platform's venv, LOCK=... another lock.
 ifeq ($(origin PLATFORM),undefined)
   ifneq ($(shell nvidia-smi -L >/dev/null 2>&1 && echo yes),)
     PLATFORM := cuda
@@ -38,7 +38,7 @@ else
   $(error PLATFORM=$(PLATFORM) is not one of: cpu, cuda, tpu)
 endif
 
-LOCK := requirements/$(PLATFORM).lock
+LOCK ?= requirements/$(PLATFORM).lock
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/base.yaml
