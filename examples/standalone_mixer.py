@@ -1,6 +1,6 @@
 """Use a mixerlab token mixer inside your own Flax NNX model (docs/use_a_mixer.md walks through it).
 
-    python examples/standalone_mixer.py [--mixer gdn2] [--steps 3]
+    python examples/standalone_mixer.py [--mixer softmax] [--steps 3]
 
 Builds a two-layer language model of your own around a mixer taken from the registry by name, runs a forward
 pass, takes gradients and a few SGD steps on a random batch, and checks that the mixer is causal (changing
@@ -82,7 +82,8 @@ def sgd_step(model: TinyLM, tokens_BT, lr: float = 0.05):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mixer", default="gdn2", help=f"a registered mixer: {', '.join(mixers.registry.names())}")
+    parser.add_argument("--mixer", default="softmax",
+                        help=f"a registered mixer: {', '.join(mixers.registry.names())}")
     parser.add_argument("--steps", type=int, default=3, help="SGD steps on the random batch")
     args = parser.parse_args(argv)
     options = {"decay_rank": 16, "gate_rank": 16} if args.mixer == "gdn2" else {}  # low ranks for d_model 64
