@@ -1,131 +1,16 @@
-"""Pretrain a language model with a chosen token mixer.
+"""Pretrain a language model with a chosen token mixer (the checkout's entry; installed: ``mixerlab-train``).
 
     python train.py --config configs/base.yaml model.mixer=gdn2 train.steps=200
 
-Dotted ``section.key=value`` arguments override the YAML config (see training/config.py for every key).
+The command line is training/cli.py's; ``python train.py --help`` lists it.
 """
 from __future__ import annotations
 
-import argparse
-import logging
-import os
 import sys
-import time
 
+from mixerlab.training.cli import main
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/base.yaml", help="YAML config (default: configs/base.yaml)")
-    parser.add_argument("--print_config", action="store_true", help="print the resolved config and exit")
-    parser.add_argument("--compile_only", action="store_true",
-                        help="AOT-compile the train step for --topology (no TPU needed) and print a memory/FLOP report")
-    parser.add_argument("--topology", default="v5e:2x2", help="TPU topology for --compile_only, e.g. v5e:16x16, "
-                        "v6e:4x4, v5p:2x2x1 (default v5e:2x2)")
-    parser.add_argument("--distributed", action="store_true",
-                        help="multi-host: jax.distributed.initialize() with auto-detection (TPU pods, SLURM)")
-    parser.add_argument("--coordinator_address", default=None, help="multi-process: host:port of process 0")
-    parser.add_argument("--num_processes", type=int, default=None)
-    parser.add_argument("--process_id", type=int, default=None)
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = parser.parse_args(argv)
-    level = os.environ.get("MIXERLAB_LOG", "WARNING")
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-        logging.getLogger().handlers[0].setLevel(level)  # the run's log file gets more detail than the terminal
-
-    from training.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        import yaml
-
-        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        return 0
-
-    if args.compile_only:
-        return _compile_only(cfg, args.topology)
-
-    from training.distributed import initialize
-
-    initialize(distributed=args.distributed, coordinator_address=args.coordinator_address,
-               num_processes=args.num_processes, process_id=args.process_id)
-    from training.loop import train
-
-    start = time.perf_counter()
-    try:
-        result = train(cfg)
-    except Exception as e:  # one readable line here; the traceback goes to the run's log file
-        return _report_error(cfg, e)
-    minutes = (time.perf_counter() - start) / 60
-    print(f"\n{'stopped' if result.preempted else 'done'} in {minutes:.1f} min: step {result.final_step}, "
-          f"final train loss {result.train_losses.get(result.final_step, float('nan')):.4f}"
-          + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""))
-    print(f"  metrics:     {result.metrics_path} (TensorBoard: {result.run_dir.rstrip('/')}/tensorboard)")
-    print(f"  checkpoints: {result.checkpoint_dir}")
-    if result.plot_path:
-        print(f"  loss curve:  {result.plot_path}")
-    if result.skipped_steps:
-        print(f"  skipped steps (non-finite): {len(result.skipped_steps)}: {result.skipped_steps[:20]}")
-    if result.preempted:
-        print("stopped by SIGTERM before the last step; run the same command to resume")
-        return 143
-    return 0
-
-
-def _report_error(cfg, e: Exception) -> int:
-    """Prints one line for a failed run (library errors run to hundreds of lines) and appends the full
-    traceback to <output_dir>/train.log. Exit code 2 for a refused run directory or bad data, 1 otherwise."""
-    import traceback
-
-    from training.checkpoint import short_error
-    from training.loop import LOG_NAME
-    from training.run_dir import RunDirError
-
-    if isinstance(e, RunDirError):  # a refused run writes nothing into the directory it refused
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    ours = isinstance(e, FloatingPointError) or type(e).__module__.startswith("training")
-    line = str(e) if ours or isinstance(e, ValueError) else short_error(e, limit=400)
-    from training import storage
-
-    log_path = storage.join(storage.absolute(cfg.train.output_dir), LOG_NAME)
-    entry = f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR train.py: {line}\n" + "".join(traceback.format_exception(e))
-    try:
-        if storage.is_url(log_path):  # no append on object stores: the log is rewritten with the entry added
-            previous = storage.read_text(log_path) if storage.exists(log_path) else ""
-            storage.write_text(log_path, previous + entry)
-        else:
-            with open(log_path, "a") as f:
-                f.write(entry)
-        where = f" (details: {log_path})"
-    except OSError:
-        where = ""
-    print(f"error: {line}{where}", file=sys.stderr)
-    return 2 if isinstance(e, ValueError) else 1
-
-
-def _compile_only(cfg, topology: str) -> int:
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")  # quiets libtpu's start-up on a CPU host
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from training.aot import compile_for_topology
-    from training.tokenizer import load_tokenizer
-
-    vocab = cfg.model.vocab_size
-    if vocab is None:
-        vocab = load_tokenizer(cfg.data.tokenizer.kind, cfg.data.tokenizer.path).vocab_size
-    try:
-        report = compile_for_topology(cfg, topology, vocab)
-    except Exception as e:  # a bad topology string or a compile failure (e.g. out of VMEM/HBM)
-        print(f"--compile_only for topology {topology!r} failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    print(report.table())
-    return 0 if report.fits in (True, None) else 3
-
+__all__ = ["main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
 """MQAR capacity sweep: mixer x n x seed, a table, a JSON record and a capacity plot.
 
-    python -m eval.mqar --config configs/eval/mqar_vla.yaml --mixers softmax,linear_attention,deltanet,gdn2,muir,vla \\
-        --n 4,8,16,24,32,48 --seeds 42 --out runs/eval/mqar_vla
+    python -m eval.mqar --config configs/eval/mqar_vla.yaml \\
+        --mixers softmax,linear_attention,deltanet,gdn2,muir,vla --n 4,8,16,24,32,48 --seeds 42 --out runs/eval/mqar_vla
     python -m eval.mqar --config configs/eval/mqar_zoology.yaml --layout zoology --pairs 64:4,128:8,256:16 \\
         --mixers softmax,gdn2 --out runs/eval/mqar_zoology
     ... train.steps=500 task.seq_len=128     (trailing section.key=value overrides, as in train.py)

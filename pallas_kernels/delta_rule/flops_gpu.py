@@ -91,7 +91,8 @@ def roofline_ms(counts, token_heads, chunk):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = shape_parser("python -m pallas_kernels.delta_rule.flops_gpu", __doc__.split("\n")[0], chunk=64, leaf=16)
+    p = shape_parser("python -m pallas_kernels.delta_rule.flops_gpu", __doc__.split("\n")[0],
+                     chunk=64, leaf=16)
     p.add_argument("--block-k", type=int, default=32)
     p.add_argument("--sum-passes", type=int, default=1, choices=(1, 2))
     p.add_argument("--measured", help="bench JSON of tools/bench_delta_rule_gpu.py (per-kernel breakdown)")

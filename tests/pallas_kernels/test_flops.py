@@ -207,7 +207,7 @@ def test_cli_rejects_bad_config(capsys):
 
 def test_cli_subprocess():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-m", "pallas_kernels.delta_rule.flops", "--chunk", "128", "--leaf", "8"],
-                       cwd=root, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "pallas_kernels.delta_rule.flops",
+                        "--chunk", "128", "--leaf", "8"], cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "Table 8 MXU rows" in r.stdout
