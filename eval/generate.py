@@ -237,7 +237,7 @@ class CliError(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m eval.generate",
+        prog="python -m mixerlab.eval.generate",
         description="Sample continuations of prompts from a trained run (its config, tokenizer and checkpoint).")
     ap.add_argument("--run", required=True, help="run directory (train.output_dir) or its checkpoints/ directory")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeat the flag for several)")
@@ -320,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     prompts = _check_args(args, ap)
-    from eval.checkpoint import load_run  # after the flags: --help does not pay for loading the model code
+    from mixerlab.eval.checkpoint import load_run  # after the flags: --help does not pay for loading the model code
 
     try:
         run = load_run(args.run, args.step)

@@ -1,6 +1,6 @@
 """Validation loss, perplexity and bits per byte; length extrapolation; streaming through the decode state.
 
-    python -m eval.perplexity --run runs/base --data data/embedded/val [--context_multipliers 1,2,3.5]
+    python -m mixerlab.eval.perplexity --run runs/base --data data/embedded/val [--context_multipliers 1,2,3.5]
                               [--max_docs N] [--stream_tokens N] [--out_dir DIR]
 
 Documents: a Parquet file, directory or glob with a text column (``data.text_column``; resolved like
@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eval.generate import decode_scan
-from training import storage
+from mixerlab.eval.generate import decode_scan
+from mixerlab.training import storage
 
 LN2 = math.log(2.0)
 
@@ -61,7 +61,7 @@ def iter_texts(path: str, text_column: str = "text") -> Iterator[str]:
         for f in files:
             yield storage.read_text(f, "--data")
         return
-    from training.data import parquet_file, resolve_parquet_files
+    from mixerlab.training.data import parquet_file, resolve_parquet_files
 
     for f in resolve_parquet_files(path, "--data", text_column):
         pf = parquet_file(f, "--data")
@@ -279,7 +279,7 @@ def _multipliers(text: str) -> list[float]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m eval.perplexity", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mixerlab.eval.perplexity", description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True, help="run directory (train.output_dir) or its checkpoints/ directory")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     p.add_argument("--data", default=None, help="Parquet file/directory/glob or .txt file/glob "
@@ -309,7 +309,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def evaluate_run(args: argparse.Namespace) -> dict:
-    from eval.checkpoint import load_run, resolve_run_dirs
+    from mixerlab.eval.checkpoint import load_run, resolve_run_dirs
 
     run = load_run(args.run, args.step)
     cfg, tok, model = run.cfg, run.tokenizer, run.model
@@ -359,7 +359,7 @@ def main(argv=None) -> int:
     storage.makedirs(out_dir, "--out_dir")
     json_path, png_path = storage.join(out_dir, "perplexity.json"), storage.join(out_dir, "perplexity.png")
     storage.write_text(json_path, json.dumps(report, indent=1), "--out_dir")
-    from eval.plots import plot_perplexity_report
+    from mixerlab.eval.plots import plot_perplexity_report
 
     with storage.local_output(png_path, "--out_dir") as local_png:
         plot_perplexity_report(report, local_png, title=f"{','.join(report['mixers'])} — "

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from training import storage
+from mixerlab.training import storage
 
 
 def format_value(x, digits: int = 4) -> str:

@@ -1,16 +1,16 @@
 """Token-mixer ops (no Flax here). One folder per op; the math is in docs/math/.
 
 Note: the public functions share their folder's name (``pallas_kernels.delta_rule`` is the function);
-import implementation modules with ``from pallas_kernels.delta_rule import xla``.
+import implementation modules with ``from mixerlab.pallas_kernels.delta_rule import xla``.
 """
-from pallas_kernels import xla_cpu_workaround
+from mixerlab.pallas_kernels import xla_cpu_workaround
 
 xla_cpu_workaround.apply()  # before any import below can start a JAX backend
 
-from pallas_kernels.attention import attention  # noqa: E402
-from pallas_kernels.delta_rule import delta_rule, delta_rule_step, normalized_linear_attention  # noqa: E402
-from pallas_kernels.interdomain import interdomain, interdomain_step, s4d, s4d_step  # noqa: E402
-from pallas_kernels.vla.api import vla, vla_step  # noqa: E402
+from mixerlab.pallas_kernels.attention import attention  # noqa: E402
+from mixerlab.pallas_kernels.delta_rule import delta_rule, delta_rule_step, normalized_linear_attention  # noqa: E402
+from mixerlab.pallas_kernels.interdomain import interdomain, interdomain_step, s4d, s4d_step  # noqa: E402
+from mixerlab.pallas_kernels.vla.api import vla, vla_step  # noqa: E402
 
 __all__ = ["attention", "delta_rule", "delta_rule_step", "normalized_linear_attention", "interdomain",
            "interdomain_step", "s4d", "s4d_step", "vla", "vla_step"]

@@ -40,8 +40,8 @@ def _median_s(fn, reps):
 
 
 def op_latency(batch, heads, dim, impl, loop, reps, interpret=False):
-    from pallas_kernels import delta_rule_step
-    from pallas_kernels.delta_rule import decode_pallas_triton
+    from mixerlab.pallas_kernels import delta_rule_step
+    from mixerlab.pallas_kernels.delta_rule import decode_pallas_triton
 
     rng = np.random.default_rng(0)
     mk = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.1, jnp.bfloat16)  # noqa: E731
@@ -69,8 +69,8 @@ def op_latency(batch, heads, dim, impl, loop, reps, interpret=False):
 
 def model_latency(config, batch, prefix, loop, reps, overrides=()):
     from flax import nnx
-    from models.decoder import build_model
-    from training import config as config_lib
+    from mixerlab.models.decoder import build_model
+    from mixerlab.training import config as config_lib
 
     cfg = config_lib.load_config(config, list(overrides))
     vocab = cfg.model.vocab_size or 32000

@@ -67,7 +67,7 @@ def with_grad(fn, argnums):
 
 
 def interdomain_case(b, t, sz, key):
-    from pallas_kernels.interdomain import api as ia
+    from mixerlab.pallas_kernels.interdomain import api as ia
 
     h, r, dv, m = sz["heads"], sz["key_dim"], sz["value_dim"], sz["modes"]
     ks = jax.random.split(key, 6)
@@ -85,7 +85,7 @@ def interdomain_case(b, t, sz, key):
 
 
 def interdomain_fn(impl):
-    from pallas_kernels.interdomain import api as ia
+    from mixerlab.pallas_kernels.interdomain import api as ia
 
     def fn(q, k, v, log_modulus, phase, gain, readout):
         return ia.interdomain(q, k, v, log_modulus=log_modulus, phase=phase, input_gain=gain, readout=readout,
@@ -119,7 +119,7 @@ def delta_rule_case(b, t, sz, key):
 
 
 def delta_rule_fn(q, k, v, log_decay):
-    from pallas_kernels.delta_rule.api import delta_rule
+    from mixerlab.pallas_kernels.delta_rule.api import delta_rule
 
     return delta_rule(q, k, v, erase_key=k, log_decay=log_decay, implementation="auto")[0]
 
@@ -131,7 +131,7 @@ CPU_DELTA_RULE_BACKWARD = "not timed off the GPU: the delta rule's xla backward 
 
 
 def training_rows(sz, reps):
-    from pallas_kernels.interdomain import api as ia
+    from mixerlab.pallas_kernels.interdomain import api as ia
 
     on_gpu = jax.default_backend() == "gpu"
     ia_impls = [n for n in ia.TABLE.names() if n not in ("auto", "reference")]
@@ -167,10 +167,10 @@ def training_rows(sz, reps):
 def _mixer(name, sz):
     from flax import nnx
 
-    import mixers.interdomain  # noqa: F401  (registration)
-    import mixers.softmax_attention  # noqa: F401
-    from mixers import registry
-    from mixers.base import MixerSpec
+    import mixerlab.mixers.interdomain  # noqa: F401  (registration)
+    import mixerlab.mixers.softmax_attention  # noqa: F401
+    from mixerlab.mixers import registry
+    from mixerlab.mixers.base import MixerSpec
 
     spec = MixerSpec(d_model=sz["d_model"], num_heads=sz["heads"], head_dim=sz["key_dim"],
                      value_head_dim=sz["value_dim"], layer_index=0, num_layers=1, dtype=jnp.bfloat16)

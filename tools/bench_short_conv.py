@@ -17,7 +17,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mixers import short_conv  # noqa: E402
+from mixerlab.mixers import short_conv  # noqa: E402
 
 
 def _median_ms(fn, args, reps):

@@ -18,7 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from training import storage  # noqa: E402
+from mixerlab.training import storage  # noqa: E402
 
 KERNEL_WORDS = ("delta_rule", "pallas", "mosaic", "triton")
 MATMUL_WORDS = ("dot", "gemm", "matmul", "convolution", "cublas", "cutlass", "einsum")

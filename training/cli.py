@@ -95,7 +95,7 @@ def _report_error(cfg, e: Exception) -> int:
         return 2
     ours = isinstance(e, FloatingPointError) or type(e).__module__.startswith(_OWN_PACKAGE)
     line = str(e) if ours or isinstance(e, ValueError) else short_error(e, limit=400)
-    from training import storage
+    from mixerlab.training import storage
 
     log_path = storage.join(storage.absolute(cfg.train.output_dir), LOG_NAME)
     entry = f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR train.py: {line}\n" + "".join(traceback.format_exception(e))

@@ -49,8 +49,8 @@ import pyarrow.compute  # makes pa.compute available
 import pyarrow.parquet as pq
 from grain.experimental import ConcatThenSplitIterDataset, InterleaveIterDataset
 
-from training import storage
-from training.tokenizer import _REPO_ROOT, Tokenizer, resolve_path
+from mixerlab.training import storage
+from mixerlab.training.tokenizer import _REPO_ROOT, Tokenizer, resolve_path
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 SHUFFLE_WINDOW_BLOCKS = 16  # row-group blocks whose documents are shuffled together
@@ -486,7 +486,7 @@ def train_iterator(cfg, tokenizer: Tokenizer, *, global_batch_size: int, seed: i
     if cfg.seq_len < 1:
         raise ValueError(f"data.seq_len: must be >= 1, got {cfg.seq_len}")
     if getattr(cfg, "format", "text") == "pretokenized":  # token shards instead of Parquet text
-        from training import pretokenized
+        from mixerlab.training import pretokenized
 
         return pretokenized.train_iterator(cfg, tokenizer, global_batch_size=global_batch_size, seed=seed,
                                            process_index=process_index, process_count=process_count)
@@ -534,7 +534,7 @@ def eval_batches(cfg, tokenizer: Tokenizer, *, batch_size: int, max_batches: int
     if batch_size < 1:
         raise ValueError(f"eval batch_size must be >= 1, got {batch_size}")
     if getattr(cfg, "format", "text") == "pretokenized":
-        from training import pretokenized
+        from mixerlab.training import pretokenized
 
         return pretokenized.eval_batches(cfg, tokenizer, batch_size=batch_size, max_batches=max_batches, path=path,
                                          key=key)

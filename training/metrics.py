@@ -7,7 +7,7 @@ import os
 
 import jax
 
-from training import storage
+from mixerlab.training import storage
 
 JSONL = "metrics.jsonl"
 TENSORBOARD = "tensorboard"

@@ -1,9 +1,9 @@
 """Corpus -> Parquet shards in FineWeb-Edu's ``text`` schema (train/ and val/), a manifest, and optionally
 pre-tokenised ArrayRecord shards.
 
-    python -m training.prepare_data --source SRC --out DIR [--text_column text] [--val_fraction 0.01]
+    python -m mixerlab.training.prepare_data --source SRC --out DIR [--text_column text] [--val_fraction 0.01]
         [--shard_docs 100000] [--row_group_docs 1000] [--max_docs N] [--tokenizer tokenizer.json --pretokenize]
-    python -m training.prepare_data --out DIR --tokenize_only --tokenizer tokenizer.json   # add tokens/ later
+    python -m mixerlab.training.prepare_data --out DIR --tokenize_only --tokenizer tokenizer.json   # add tokens/ later
 
 ``SRC`` is a Parquet or JSONL file (``.jsonl``/``.jsonl.gz``), a directory of them, a glob, or a HuggingFace
 dataset ``hf://OWNER/NAME?name=CONFIG&split=train`` (streamed through ``datasets``; needs the network). Files
@@ -291,7 +291,7 @@ def tokenizer_fingerprint(tokenizer, path: str | None) -> dict:
 
 # ----------------------------------------------------------------------------------------------- main
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m training.prepare_data", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m mixerlab.training.prepare_data", description=__doc__.split("\n\n")[0])
     ap.add_argument("--source", help="Parquet/JSONL file, directory, glob, or hf://OWNER/NAME?name=X")
     ap.add_argument("--out", required=True, help="output directory (local path or bucket URL)")
     ap.add_argument("--text_column", default="text")
@@ -350,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _load_tokenizer(args):
-    from training.tokenizer import load_tokenizer
+    from mixerlab.training.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(args.tokenizer_kind, args.tokenizer)

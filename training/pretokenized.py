@@ -1,6 +1,6 @@
 """The input pipeline over pre-tokenised ArrayRecord shards (``data.format: pretokenized``).
 
-``python -m training.prepare_data ... --pretokenize`` writes ``<out>/tokens/<split>/part-NNNNN.array_record``
+``python -m mixerlab.training.prepare_data ... --pretokenize`` writes ``<out>/tokens/<split>/part-NNNNN.array_record``
 (one record per document: its int32 token ids, then EOS) and an ``index.json`` listing the shards, the
 documents of every row group of the matching Parquet shard, and the tokenizer they were made with. Point
 ``data.train_path`` / ``data.val_path`` at such a directory.
@@ -21,8 +21,8 @@ import grain
 import numpy as np
 from grain.experimental import InterleaveIterDataset
 
-from training import data as data_lib
-from training.tokenizer import Tokenizer, resolve_path
+from mixerlab.training import data as data_lib
+from mixerlab.training.tokenizer import Tokenizer, resolve_path
 
 INDEX = "index.json"
 FORMAT = "mixerlab pretokenized"

@@ -15,7 +15,7 @@ import uuid
 
 import yaml
 
-from training import storage
+from mixerlab.training import storage
 
 
 class RunDirError(ValueError):

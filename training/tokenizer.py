@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Protocol, Sequence, runtime_checkable
 
-from training import storage
+from mixerlab.training import storage
 
 KINDS = ("byte", "hf", "sentencepiece")
 HF_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>")

@@ -1,6 +1,6 @@
 """Train a byte-level BPE tokenizer (HuggingFace ``tokenizers``) on a corpus.
 
-    python -m training.train_tokenizer --corpus <parquet/jsonl file, dir or glob> --vocab_size 32768 \\
+    python -m mixerlab.training.train_tokenizer --corpus <parquet/jsonl file, dir or glob> --vocab_size 32768 \\
         --out tokenizer.json [--text_column text] [--min_frequency 2] [--max_docs N]
 
 The tokenizer is the embedded corpus's recipe (data/embedded/README.md): ByteLevel pre-tokenizer without a
@@ -15,8 +15,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from training.prepare_data import PrepareError, epath, iter_documents
-from training.tokenizer import HF_EOS_CANDIDATES
+from mixerlab.training.prepare_data import PrepareError, epath, iter_documents
+from mixerlab.training.tokenizer import HF_EOS_CANDIDATES
 
 EOS_TOKEN = HF_EOS_CANDIDATES[0]  # "<|endoftext|>": the first end-of-text token the project's loader looks for
 MIN_VOCAB = 257  # 256 byte symbols + EOS

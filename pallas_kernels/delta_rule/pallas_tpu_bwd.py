@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.delta_rule.pallas_tpu import (F32, Chunk, Geometry, KernelConfig, _specs, bmm, bmm_tn,
+from mixerlab.pallas_kernels.delta_rule.pallas_tpu import (F32, Chunk, Geometry, KernelConfig, _specs, bmm, bmm_tn,
                                                   chunk_core, compiler_params, concat_cols, core_counts,
                                                   cross_blocks, cross_operands, fused_mm, iota2, leaf_diagonals,
                                                   leaf_iota, leaf_slices, mm, mm_f32, mm_nt, mm_tn, scratch,

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import common, dispatch
-from pallas_kernels.interdomain import decode, reference, xla
+from mixerlab.pallas_kernels import common, dispatch
+from mixerlab.pallas_kernels.interdomain import decode, reference, xla
 
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_SUB_CHUNK_SIZE = 8

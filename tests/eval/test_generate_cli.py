@@ -1,4 +1,4 @@
-"""``python -m eval.generate``: the command line over a stored run, for every registered mixer, and nucleus
+"""``python -m mixerlab.eval.generate``: the command line over a stored run, for every registered mixer, and nucleus
 (top-p) sampling against a numpy reference of the filtered distribution.
 
 Two runs: ``tiny_run`` (tests/eval/conftest.py: configs/tiny.yaml trained for 2 steps) proves the whole path
@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import yaml
 
-import mixers
-from eval.generate import filter_logits, main, read_prompts, sample
-from models.decoder import build_model
-from training.checkpoint import Checkpointer
-from training.config import load_config
-from training.tokenizer import load_tokenizer
+from mixerlab import mixers
+from mixerlab.eval.generate import filter_logits, main, read_prompts, sample
+from mixerlab.models.decoder import build_model
+from mixerlab.training.checkpoint import Checkpointer
+from mixerlab.training.config import load_config
+from mixerlab.training.tokenizer import load_tokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIXERS = mixers.registry.names()
@@ -75,7 +75,7 @@ def test_every_mixer_generates_through_the_command_line(hybrid_run, capsys):
 @pytest.mark.xdist_group("eval_tiny_run")
 def test_module_entry_point_prints_a_continuation(tiny_run):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "eval.generate", "--run", tiny_run, "--prompt", "The Python",
+    proc = subprocess.run([sys.executable, "-m", "mixerlab.eval.generate", "--run", tiny_run, "--prompt", "The Python",
                            "--max_new_tokens", "12", "--temperature", "0"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -86,7 +86,7 @@ def test_module_entry_point_prints_a_continuation(tiny_run):
 
 @pytest.mark.xdist_group("eval_tiny_run")
 def test_greedy_cli_equals_greedy_library_call(tiny_run, capsys):
-    from eval.checkpoint import load_run
+    from mixerlab.eval.checkpoint import load_run
 
     assert main(["--run", tiny_run, "--prompt", "def", "--max_new_tokens", "8", "--temperature", "0", "--step",
                  "1", "--no_stop"]) == 0
@@ -199,7 +199,7 @@ def test_filter_logits_matches_numpy_reference(temperature, top_k, top_p):
 def test_sampled_tokens_stay_in_the_nucleus_and_follow_it():
     """sample() on a model whose next-token logits do not depend on the input would need a model; instead the
     draw of the generation loop (_choose) is checked against the reference: support and frequencies."""
-    from eval.generate import _choose
+    from mixerlab.eval.generate import _choose
 
     logits = jnp.asarray(np.random.default_rng(3).normal(0, 1.5, (1, 12)).astype(np.float32))
     want = _reference_filtered_probs(np.asarray(logits), 1.0, 0, 0.7)[0]

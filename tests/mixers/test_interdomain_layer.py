@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import mixers.interdomain  # noqa: F401  (registration; the lead adds it to mixers/__init__.py)
-import mixers.s4d  # noqa: F401
-from mixers import registry
-from mixers.base import DynamicsParam, MixerSpec, SSMParam
+import mixerlab.mixers.interdomain  # noqa: F401  (registration; the lead adds it to mixers/__init__.py)
+from mixerlab import mixers
+import mixerlab.mixers.s4d  # noqa: F401
+from mixerlab.mixers import registry
+from mixerlab.mixers.base import DynamicsParam, MixerSpec, SSMParam
 
 SPEC = MixerSpec(d_model=64, num_heads=2, head_dim=32, value_head_dim=32, layer_index=0, num_layers=2)
 ALL_FLAGS = dict(num_modes=8, query_mlp_hidden=16, value_conv=True, d_skip=True, output_gate="silu",
@@ -154,7 +155,7 @@ def test_log_modulus_is_nonpositive_and_finite_for_any_parameters():
     """r = −exp(a_re)·exp(log_dt) with both logs smoothly capped: ≤ 0 and finite (and the phase and the ZOH
     gain finite) for every combination of extreme a_re and log_dt, including ±inf; the S4D initialisation is
     unchanged by the cap (exactly −exp(a_re)·exp(log_dt) in float32)."""
-    from mixers.s4d_core import S4DCore
+    from mixerlab.mixers.s4d_core import S4DCore
 
     core = S4DCore(1, 4, s4d_inv_n="2M", dt_min=1e-3, dt_max=1e-1, c_init="identity", c_lr_group="main",
                    rngs=nnx.Rngs(0))

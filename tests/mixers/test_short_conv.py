@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mixers.short_conv import ShortConv
+from mixerlab.mixers.short_conv import ShortConv
 
 K, C = 4, 3
 SEG = np.array([[1, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3, 3], [1, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4]], np.int32)
@@ -59,7 +59,7 @@ def test_prefill_cache_and_decode_continue_the_last_document():
 def test_custom_vjp_matches_autodiff_of_the_formula(activation, segments, length):
     """The conv's hand-written backward (recomputes the pre-activation, stores nothing in float32) against
     autodiff of the plain forward, in float64: dx, dW."""
-    from mixers import short_conv
+    from mixerlab.mixers import short_conv
 
     with jax.enable_x64(True):
         rng = np.random.default_rng(3)

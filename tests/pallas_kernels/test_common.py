@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import common, delta_rule, interdomain, vla
+from mixerlab.pallas_kernels import common, delta_rule, interdomain, vla
 
 
 def test_document_index_counts_boundaries_and_reused_ids():
@@ -80,7 +80,7 @@ def test_interdomain_rejects_a_positive_log_modulus():
 
 
 def test_xla_cpu_workaround_adds_the_flag_once_and_keeps_a_users_value():
-    from pallas_kernels import xla_cpu_workaround as w
+    from mixerlab.pallas_kernels import xla_cpu_workaround as w
 
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     import jaxlib

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from delta_rule_cases import gdn2_inputs, rel_rms_err, x64
-from pallas_kernels import delta_rule_step
-from pallas_kernels.delta_rule import api, decode_pallas_triton, reference
+from mixerlab.pallas_kernels import delta_rule_step
+from mixerlab.pallas_kernels.delta_rule import api, decode_pallas_triton, reference
 
 
 def _loop(inputs, steps, run):

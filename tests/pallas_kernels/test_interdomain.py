@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.interdomain import api as ia
+from mixerlab.pallas_kernels.interdomain import api as ia
 
 
 @contextlib.contextmanager
@@ -357,7 +357,7 @@ def test_log_modulus_outside_its_domain_is_rejected_eagerly_and_poisons_under_ji
     """r > 0 or non-finite: eagerly a ValueError naming the argument, the offending value, its index and the
     shape; under jit NaN outputs and states (no host sync); with MIXERLAB_CHECK_DOMAINS=1 the error at run
     time. The same for the decode steps and the S4D core."""
-    from pallas_kernels import common
+    from mixerlab.pallas_kernels import common
 
     args, kw, _ = _case(10, dtype=np.float32, selective=True, t=9)
     good = kw["log_modulus"]

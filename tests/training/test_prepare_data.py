@@ -9,10 +9,10 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from training import data as data_lib
-from training import prepare_data, train_tokenizer
-from training.config import load_config
-from training.tokenizer import load_tokenizer
+from mixerlab.training import data as data_lib
+from mixerlab.training import prepare_data, train_tokenizer
+from mixerlab.training.config import load_config
+from mixerlab.training.tokenizer import load_tokenizer
 
 SOURCE = "data/embedded/train/part-00000.parquet"
 
@@ -107,7 +107,7 @@ def test_hub_source_offline_gives_a_clear_error(tmp_path):
     """In a subprocess: the hub library reads its offline switch when it is imported."""
     pytest.importorskip("datasets")
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "training.prepare_data", "--source",
+    proc = subprocess.run([sys.executable, "-m", "mixerlab.training.prepare_data", "--source",
                            "hf://HuggingFaceFW/fineweb-edu?name=sample-10BT", "--out", str(tmp_path / "o"),
                            "--max_docs", "10", "--no_progress"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

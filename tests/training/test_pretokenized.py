@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from training import data as data_lib
-from training import prepare_data, pretokenized
-from training.config import load_config
-from training.tokenizer import ByteTokenizer, load_tokenizer
+from mixerlab.training import data as data_lib
+from mixerlab.training import prepare_data, pretokenized
+from mixerlab.training.config import load_config
+from mixerlab.training.tokenizer import ByteTokenizer, load_tokenizer
 
 TOKENIZER = "data/embedded/tokenizer.json"
 
@@ -130,7 +130,7 @@ def test_training_runs_on_token_shards_and_checkpoints_the_data_position(prepare
     stored with checkpoint 1 resumes a fresh iterator at the batch after the first one."""
     import orbax.checkpoint as ocp
 
-    from training.loop import _check_data, train
+    from mixerlab.training.loop import _check_data, train
 
     out = tmp_path / "run"
     cfg = load_config("configs/tiny.yaml", [

@@ -11,12 +11,12 @@ from fsspec.registry import _registry as FSSPEC_REGISTRY
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from training import checkpoint as checkpoint_lib
-from training import data as data_lib
-from training import loop, storage
-from training.config import load_config
-from training.run_dir import RunDirError
-from training.tokenizer import load_tokenizer
+from mixerlab.training import checkpoint as checkpoint_lib
+from mixerlab.training import data as data_lib
+from mixerlab.training import loop, storage
+from mixerlab.training.config import load_config
+from mixerlab.training.run_dir import RunDirError
+from mixerlab.training.tokenizer import load_tokenizer
 
 EMBEDDED = "data/embedded"
 
@@ -293,8 +293,8 @@ def test_staged_checkpoints_upload_manifest_last_and_an_unfinished_upload_is_nev
 
 
 def test_eval_finds_a_run_in_a_bucket_and_writes_its_outputs_there(gs):
-    from eval.checkpoint import resolve_run_dirs
-    from eval.report import write_json
+    from mixerlab.eval.checkpoint import resolve_run_dirs
+    from mixerlab.eval.report import write_json
 
     gs.pipe_file("/bkt/runs/a/config.yaml", b"model: {}\n")
     gs.pipe_file("/bkt/runs/a/checkpoints/2/meta/metadata", b"{}")

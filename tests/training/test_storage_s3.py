@@ -9,9 +9,9 @@ import signal
 import numpy as np
 import pytest
 
-from training import loop
-from training.config import load_config
-from training.loop import train
+from mixerlab.training import loop
+from mixerlab.training.config import load_config
+from mixerlab.training.loop import train
 
 
 
@@ -166,9 +166,9 @@ def _local_cfg(output_dir):
 
 
 def test_a_missing_bucket_is_named_with_the_config_key(s3):
-    from training import data as data_lib
-    from training.run_dir import RunDirError, check_writable
-    from training.storage import StorageError
+    from mixerlab.training import data as data_lib
+    from mixerlab.training.run_dir import RunDirError, check_writable
+    from mixerlab.training.storage import StorageError
 
     with pytest.raises(StorageError, match=r"data\.train_path: s3://no-such-bucket/corpus: the bucket "
                                            r"s3://no-such-bucket does not exist"):
@@ -184,8 +184,8 @@ def test_a_missing_bucket_is_named_with_the_config_key(s3):
 def test_missing_credentials_are_named_with_the_config_key(s3, monkeypatch):
     import s3fs
 
-    from training import data as data_lib
-    from training.storage import StorageError
+    from mixerlab.training import data as data_lib
+    from mixerlab.training.storage import StorageError
 
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(key)

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from training.config import ConfigError, load_config
+from mixerlab.training.config import ConfigError, load_config
 
 BLOCK = 32768  # the .wandb file is a LevelDB-style log: 32 KiB blocks of (crc32, length, type, data) records
 HEADER = 7  # ":W&B", magic 0xBEE1, version 1
@@ -60,7 +60,7 @@ def _history(path) -> dict:
 @pytest.mark.slow  # ~25 s: a 2-step training run (compile) and the W&B service start-up
 def test_offline_run_holds_the_logged_history(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb); W&B logging is optional")
-    from training.loop import train
+    from mixerlab.training.loop import train
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
