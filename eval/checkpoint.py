@@ -17,10 +17,10 @@ import os
 import jax
 from flax import nnx
 
-from models.decoder import Decoder, abstract_model, build_model
-from training.checkpoint import Checkpointer
-from training.config import Config, load_config
-from training.tokenizer import Tokenizer, load_tokenizer
+from mixerlab.models.decoder import Decoder, abstract_model, build_model
+from mixerlab.training.checkpoint import Checkpointer
+from mixerlab.training.config import Config, load_config
+from mixerlab.training.tokenizer import Tokenizer, load_tokenizer
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoints"

@@ -1,6 +1,6 @@
 """Copy task (VLA paper §5.2, Table 7: T = 64, ``x1…x31 SEP x1…x31 PAD``, loss on the copied half): mixer x seed.
 
-    python -m eval.copy_task --config configs/eval/copy.yaml --mixers softmax,linear_attention,deltanet,vla \\
+    python -m mixerlab.eval.copy_task --config configs/eval/copy.yaml --mixers softmax,linear_attention,deltanet,vla \\
         --seeds 42 --out runs/eval/copy
     ... --seq-len 64,128 train.steps=300    (several lengths; trailing section.key=value overrides)
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import sys
 
-from eval.mqar import _int_list, build_parser, prepare, run_and_report
-from eval.synthetic.sweep import Setting
+from mixerlab.eval.mqar import _int_list, build_parser, prepare, run_and_report
+from mixerlab.eval.synthetic.sweep import Setting
 
 
 def main(argv=None) -> list[dict]:

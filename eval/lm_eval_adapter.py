@@ -4,12 +4,12 @@ generate_until requests (lm_eval 0.4.13, pinned in requirements/cpu.lock; it nee
 Run it (same arguments as the ``lm_eval`` command; this entry point imports this module, which registers
 ``mixerlab``, then hands the arguments to lm_eval's own CLI):
 
-    python -m eval.lm_eval_adapter --model mixerlab --model_args checkpoint=runs/base --tasks lambada_openai
-    python -m eval.lm_eval_adapter run --model mixerlab --model_args checkpoint=runs/base,max_length=512 \\
+    python -m mixerlab.eval.lm_eval_adapter --model mixerlab --model_args checkpoint=runs/base --tasks lambada_openai
+    python -m mixerlab.eval.lm_eval_adapter run --model mixerlab --model_args checkpoint=runs/base,max_length=512 \\
         --include_path tests/eval/data --tasks mixerlab_tiny_choice
 
 The bare ``lm_eval`` command cannot find ``mixerlab``: lm_eval 0.4.13 discovers no external models (no entry
-points; ``--include_path`` only adds task YAML directories). From Python, ``import eval.lm_eval_adapter`` and
+points; ``--include_path`` only adds task YAML directories). From Python, ``import mixerlab.eval.lm_eval_adapter`` and
 call ``lm_eval.simple_evaluate(model="mixerlab", model_args="checkpoint=runs/base", ...)``.
 
 model_args: ``checkpoint`` (run directory or its checkpoints/ directory; required), ``step`` (default newest),
@@ -36,9 +36,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from eval.checkpoint import load_run
-from eval.generate import bucket, greedy_generate, sample
-from eval.perplexity import score_windows
+from mixerlab.eval.checkpoint import load_run
+from mixerlab.eval.generate import bucket, greedy_generate, sample
+from mixerlab.eval.perplexity import score_windows
 
 log = logging.getLogger(__name__)
 _SUPPORTED_GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "seed"}
@@ -177,7 +177,7 @@ def _table_headers_compat() -> None:
 
 if __name__ == "__main__":
     # Register the importable class (not this __main__ copy), then run lm_eval's CLI with our arguments.
-    import eval.lm_eval_adapter  # noqa: F401
+    import mixerlab.eval.lm_eval_adapter  # noqa: F401
     from lm_eval.__main__ import cli_evaluate
 
     _table_headers_compat()

@@ -1,11 +1,11 @@
 """MQAR capacity sweep: mixer x n x seed, a table, a JSON record and a capacity plot.
 
-    python -m eval.mqar --config configs/eval/mqar_vla.yaml \\
+    python -m mixerlab.eval.mqar --config configs/eval/mqar_vla.yaml \\
         --mixers softmax,linear_attention,deltanet,gdn2,muir,vla --n 4,8,16,24,32,48 --seeds 42 --out runs/eval/mqar_vla
-    python -m eval.mqar --config configs/eval/mqar_zoology.yaml --layout zoology --pairs 64:4,128:8,256:16 \\
+    python -m mixerlab.eval.mqar --config configs/eval/mqar_zoology.yaml --layout zoology --pairs 64:4,128:8,256:16 \\
         --mixers softmax,gdn2 --out runs/eval/mqar_zoology
     ... train.steps=500 task.seq_len=128     (trailing section.key=value overrides, as in train.py)
-    python -m eval.mqar --merge runs/a/results.json runs/b/results.json --out runs/eval/merged
+    python -m mixerlab.eval.mqar --merge runs/a/results.json runs/b/results.json --out runs/eval/merged
 
 --merge draws one table and capacity plot from the results.json of several sweeps (e.g. one process per
 mixer, run side by side on one GPU by tools/gpu_mqar_sweep.sh); it trains nothing.
@@ -24,10 +24,10 @@ import os
 import sys
 import time
 
-from eval.report import write_json
-from eval.synthetic import report
-from eval.synthetic.sweep import mqar_settings, run_sweep
-from eval.synthetic.task import load_eval_config
+from mixerlab.eval.report import write_json
+from mixerlab.eval.synthetic import report
+from mixerlab.eval.synthetic.sweep import mqar_settings, run_sweep
+from mixerlab.eval.synthetic.task import load_eval_config
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -140,7 +140,7 @@ def merge(paths: list[str], out: str, title: str = "MQAR") -> list[dict]:
 def main(argv=None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--merge" in argv:
-        m = argparse.ArgumentParser(prog="python -m eval.mqar --merge", description="merge sweep results")
+        m = argparse.ArgumentParser(prog="python -m mixerlab.eval.mqar --merge", description="merge sweep results")
         m.add_argument("--merge", nargs="+", required=True, metavar="RESULTS_JSON")
         m.add_argument("--out", required=True, help="output directory of the merged table and plots")
         m.add_argument("--title", default="MQAR vla_contiguous")

@@ -1,6 +1,6 @@
 """Validation loss, perplexity and bits per byte; length extrapolation; streaming through the decode state.
 
-    python -m eval.perplexity --run runs/base --data data/embedded/val [--context_multipliers 1,2,3.5]
+    python -m mixerlab.eval.perplexity --run runs/base --data data/embedded/val [--context_multipliers 1,2,3.5]
                               [--max_docs N] [--stream_tokens N] [--out_dir DIR]
 
 Documents: a Parquet file, directory or glob with a text column (``data.text_column``; resolved like
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eval.generate import decode_scan
+from mixerlab.eval.generate import decode_scan
 
 LN2 = math.log(2.0)
 
@@ -65,7 +65,7 @@ def iter_texts(path: str, text_column: str = "text") -> Iterator[str]:
         return
     import pyarrow.parquet as pq
 
-    from training.data import resolve_parquet_files
+    from mixerlab.training.data import resolve_parquet_files
 
     for f in resolve_parquet_files(path, "--data", text_column):
         pf = pq.ParquetFile(f)
@@ -283,7 +283,7 @@ def _multipliers(text: str) -> list[float]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m eval.perplexity", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mixerlab.eval.perplexity", description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True, help="run directory (train.output_dir) or its checkpoints/ directory")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     p.add_argument("--data", default=None, help="Parquet file/directory/glob or .txt file/glob "
@@ -313,7 +313,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def evaluate_run(args: argparse.Namespace) -> dict:
-    from eval.checkpoint import load_run, resolve_run_dirs
+    from mixerlab.eval.checkpoint import load_run, resolve_run_dirs
 
     run = load_run(args.run, args.step)
     cfg, tok, model = run.cfg, run.tokenizer, run.model
@@ -364,7 +364,7 @@ def main(argv=None) -> int:
     json_path, png_path = os.path.join(out_dir, "perplexity.json"), os.path.join(out_dir, "perplexity.png")
     with open(json_path, "w") as f:
         json.dump(report, f, indent=1)
-    from eval.plots import plot_perplexity_report
+    from mixerlab.eval.plots import plot_perplexity_report
 
     plot_perplexity_report(report, png_path, title=f"{','.join(report['mixers'])} — {os.path.basename(report['run'])} "
                                                    f"step {report['step']}")

@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import pallas_kernels
-from mixers.base import MixerSpec
-from mixers.gated_norm import GatedRMSNorm
-from mixers.gates import build_qkv, dense, split_heads
+from mixerlab import pallas_kernels
+from mixerlab.mixers.base import MixerSpec
+from mixerlab.mixers.gated_norm import GatedRMSNorm
+from mixerlab.mixers.gates import build_qkv, dense, split_heads
 
 
 QK_L2_EPS = 1e-6  # inside the sqrt, per head [FLA l2norm / use_qk_l2norm_in_kernel]

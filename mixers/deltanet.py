@@ -13,9 +13,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mixers.delta_common import DeltaMixer, DeltaOptions, Gates
-from mixers.gates import dense, split_heads
-from mixers.registry import register
+from mixerlab.mixers.delta_common import DeltaMixer, DeltaOptions, Gates
+from mixerlab.mixers.gates import dense, split_heads
+from mixerlab.mixers.registry import register
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mixers.base import DynamicsParam
+from mixerlab.mixers.base import DynamicsParam
 
 InitScheme = Literal["normal", "xavier_uniform"]
 XAVIER_GAIN = 2.0 ** -2.5
@@ -55,7 +55,7 @@ def build_qkv(layer: nnx.Module, spec, options, rngs: nnx.Rngs, *, conv_activati
     """The q, k, v projections (no bias) every recurrent mixer starts with, as ``layer.q_proj/k_proj/v_proj``,
     and with ``options.use_short_conv`` the causal depthwise convs ``layer.q_conv/k_conv/v_conv``
     (SiLU after the conv unless ``conv_activation=False``)."""
-    from mixers.short_conv import ShortConv
+    from mixerlab.mixers.short_conv import ShortConv
 
     d, H, Dk, Dv = spec.d_model, spec.num_heads, spec.head_dim, spec.value_head_dim
     kw = dict(init_scheme=options.init_scheme, std=spec.init_std, dtype=spec.dtype, rngs=rngs)

@@ -30,13 +30,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.interdomain import api as ia_op  # the module, whatever the package re-exports
-from mixers.base import DynamicsParam, MixerSpec
-from mixers.delta_common import l2_normalize
-from mixers.gates import dense, split_heads, zeros_like_linear
-from mixers.registry import register
-from mixers.s4d_core import BiasedShortConv, HeadInputNorm, S4DCore, rms
-from mixers.blocks import rotary
+from mixerlab.pallas_kernels.interdomain import api as ia_op  # the module, whatever the package re-exports
+from mixerlab.mixers.base import DynamicsParam, MixerSpec
+from mixerlab.mixers.delta_common import l2_normalize
+from mixerlab.mixers.gates import dense, split_heads, zeros_like_linear
+from mixerlab.mixers.registry import register
+from mixerlab.mixers.s4d_core import BiasedShortConv, HeadInputNorm, S4DCore, rms
+from mixerlab.mixers.blocks import rotary
 
 
 @dataclasses.dataclass(frozen=True)

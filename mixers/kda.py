@@ -19,10 +19,10 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from mixers.base import DynamicsParam
-from mixers.delta_common import DeltaMixer, DeltaOptions, Gates
-from mixers.gates import LowRank, a_log_init, dense, dt_bias_init, log_decay, split_heads
-from mixers.registry import register
+from mixerlab.mixers.base import DynamicsParam
+from mixerlab.mixers.delta_common import DeltaMixer, DeltaOptions, Gates
+from mixerlab.mixers.gates import LowRank, a_log_init, dense, dt_bias_init, log_decay, split_heads
+from mixerlab.mixers.registry import register
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import pallas_kernels
-from mixers.base import MixerSpec
-from mixers.gated_norm import GatedRMSNorm
-from mixers.gates import build_qkv, dense, split_heads
-from mixers.registry import register
+from mixerlab import pallas_kernels
+from mixerlab.mixers.base import MixerSpec
+from mixerlab.mixers.gated_norm import GatedRMSNorm
+from mixerlab.mixers.gates import build_qkv, dense, split_heads
+from mixerlab.mixers.registry import register
 
 
 

@@ -21,11 +21,11 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from mixers.base import DynamicsParam
-from mixers.delta_common import DeltaMixer, DeltaOptions, Gates
-from mixers.gates import (ReadoutGain, a_log_init, dense, dt_bias_init, log_decay, split_heads,
+from mixerlab.mixers.base import DynamicsParam
+from mixerlab.mixers.delta_common import DeltaMixer, DeltaOptions, Gates
+from mixerlab.mixers.gates import (ReadoutGain, a_log_init, dense, dt_bias_init, log_decay, split_heads,
                           zeros_like_linear)
-from mixers.registry import register
+from mixerlab.mixers.registry import register
 
 RANKS_DYNAMIC = (64, 64, 128, 128, 128)  # (r_f, r_b, r_g, r_w, r_q) [Muir, Fig. 3c and Table 2]
 RANKS_NO_Q = (64, 64, 128, 256, 0)  # Muir (no gamma) / (static gamma) [Muir, Table 2]

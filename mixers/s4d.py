@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.interdomain import api as ia_op  # the module, whatever the package re-exports
-from mixers.base import DynamicsParam, MixerSpec, SSMParam
-from mixers.gates import dense, split_heads
-from mixers.registry import register
-from mixers.s4d_core import BiasedShortConv, HeadInputNorm, S4DCore
-from mixers.blocks import rotary
+from mixerlab.pallas_kernels.interdomain import api as ia_op  # the module, whatever the package re-exports
+from mixerlab.mixers.base import DynamicsParam, MixerSpec, SSMParam
+from mixerlab.mixers.gates import dense, split_heads
+from mixerlab.mixers.registry import register
+from mixerlab.mixers.s4d_core import BiasedShortConv, HeadInputNorm, S4DCore
+from mixerlab.mixers.blocks import rotary
 
 
 @dataclasses.dataclass(frozen=True)

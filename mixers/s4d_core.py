@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.interdomain import api as ia_op  # the module, whatever the package re-exports
-from mixers.base import DynamicsParam, SSMParam
-from mixers.short_conv import ShortConv
+from mixerlab.pallas_kernels.interdomain import api as ia_op  # the module, whatever the package re-exports
+from mixerlab.mixers.base import DynamicsParam, SSMParam
+from mixerlab.mixers.short_conv import ShortConv
 
 
 class BiasedShortConv(nnx.Module):

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mixers.base import MixerSpec
-from mixers.blocks import normal, rotary
-from mixers.registry import register
-from pallas_kernels.attention import attention
+from mixerlab.mixers.base import MixerSpec
+from mixerlab.mixers.blocks import normal, rotary
+from mixerlab.mixers.registry import register
+from mixerlab.pallas_kernels.attention import attention
 
 
 @dataclasses.dataclass(frozen=True)

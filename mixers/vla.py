@@ -25,13 +25,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.delta_rule.api import delta_rule, delta_rule_step
-from mixers.base import DynamicsParam, MixerSpec
-from mixers.gated_norm import GatedRMSNorm
-from mixers.gates import build_qkv, dense, split_heads
-from mixers.registry import register
+from mixerlab.pallas_kernels.delta_rule.api import delta_rule, delta_rule_step
+from mixerlab.mixers.base import DynamicsParam, MixerSpec
+from mixerlab.mixers.gated_norm import GatedRMSNorm
+from mixerlab.mixers.gates import build_qkv, dense, split_heads
+from mixerlab.mixers.registry import register
 
-from pallas_kernels.vla import api as vla_api
+from mixerlab.pallas_kernels.vla import api as vla_api
 
 REFRESH_OFFSET = {"after_write": 0, "before_update": 1, "none": 0}
 

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mixers import registry
-from mixers.base import MixerSpec
-from mixers.blocks import normal
-from models.layers import MLP, RMSNorm, SwiGLU
-from models.sharding import constrain_batch
+from mixerlab.mixers import registry
+from mixerlab.mixers.base import MixerSpec
+from mixerlab.mixers.blocks import normal
+from mixerlab.models.layers import MLP, RMSNorm, SwiGLU
+from mixerlab.models.sharding import constrain_batch
 
 
 class Block(nnx.Module):

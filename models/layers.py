@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mixers.blocks import normal
+from mixerlab.mixers.blocks import normal
 
 
 class RMSNorm(nnx.Module):

@@ -28,9 +28,9 @@ import math
 
 from flax import nnx
 
-from mixers.base import DynamicsParam
-from mixers.gates import ReadoutGain
-from mixers.short_conv import ShortConvKernel
+from mixerlab.mixers.base import DynamicsParam
+from mixerlab.mixers.gates import ReadoutGain
+from mixerlab.mixers.short_conv import ShortConvKernel
 
 
 def is_matrix_param(var) -> bool:

@@ -1,12 +1,12 @@
 """Token-mixer ops (no Flax here). One folder per op; the math is in docs/math/.
 
 Note: the public functions share their folder's name (``pallas_kernels.delta_rule`` is the function);
-import implementation modules with ``from pallas_kernels.delta_rule import xla``.
+import implementation modules with ``from mixerlab.pallas_kernels.delta_rule import xla``.
 """
-from pallas_kernels.attention import attention
-from pallas_kernels.delta_rule import delta_rule, delta_rule_step, normalized_linear_attention
-from pallas_kernels.interdomain import interdomain, interdomain_step, s4d, s4d_step
-from pallas_kernels.vla.api import vla, vla_step
+from mixerlab.pallas_kernels.attention import attention
+from mixerlab.pallas_kernels.delta_rule import delta_rule, delta_rule_step, normalized_linear_attention
+from mixerlab.pallas_kernels.interdomain import interdomain, interdomain_step, s4d, s4d_step
+from mixerlab.pallas_kernels.vla.api import vla, vla_step
 
 __all__ = ["attention", "delta_rule", "delta_rule_step", "normalized_linear_attention", "interdomain",
            "interdomain_step", "s4d", "s4d_step", "vla", "vla_step"]

@@ -19,15 +19,25 @@ FORBIDDEN = {
 }
 
 
+def _package_of(module):
+    """The repository package a module name belongs to: mixerlab.models.decoder and models.decoder -> models."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "mixerlab" and len(parts) > 1 else parts[0]
+
+
 def _imports(path):
     """Top-level package names imported anywhere in the file (module level or inside functions)."""
     tree = ast.parse(open(path, encoding="utf-8").read(), path)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield alias.name.split(".")[0], node.lineno
+                yield _package_of(alias.name), node.lineno
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            yield node.module.split(".")[0], node.lineno
+            if node.module == "mixerlab":  # from mixerlab import models
+                for alias in node.names:
+                    yield alias.name, node.lineno
+            else:
+                yield _package_of(node.module), node.lineno
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -40,6 +50,27 @@ def test_layers_import_one_way(package):
                 bad += [f"{os.path.relpath(path, ROOT)}:{line} imports {top}"
                         for top, line in _imports(path) if top in FORBIDDEN[package]]
     assert not bad, f"{package} must not import {sorted(FORBIDDEN[package])}:\n" + "\n".join(bad)
+
+
+def _old_top_level_imports(path):
+    """Imports of the repository packages by their top-level names (they are mixerlab.<name>)."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    for node in ast.walk(tree):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+        for name in names:
+            if name.split(".")[0] in PACKAGES:
+                yield name, node.lineno
+
+
+def test_code_imports_the_packages_through_mixerlab():
+    # The wheel holds only mixerlab/...: a bare top-level name imports in a checkout but not once installed.
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "*.py"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    bad = [f"{rel}:{line} imports {name} (write mixerlab.{name})"
+           for rel in files if not rel.startswith("docs/benchmarks/raw/") and os.path.exists(os.path.join(ROOT, rel))
+           for name, line in _old_top_level_imports(os.path.join(ROOT, rel))]
+    assert not bad, "imports of the old top-level package names:\n" + "\n".join(bad)
 
 
 # Pointers users cannot follow: internal notes, their section numbers, internal work items.

@@ -44,9 +44,9 @@ def main(argv=None) -> None:
     p.add_argument("overrides", nargs="*", help="section.key=value config overrides, as in train.py")
     args = p.parse_args(argv)
 
-    from training import config as config_lib
-    from training.aot import compile_train_step
-    from training.tokenizer import load_tokenizer
+    from mixerlab.training import config as config_lib
+    from mixerlab.training.aot import compile_train_step
+    from mixerlab.training.tokenizer import load_tokenizer
 
     cfg = config_lib.load_config(args.config, args.overrides)
     vocab = cfg.model.vocab_size or load_tokenizer(cfg.data.tokenizer.kind, cfg.data.tokenizer.path).vocab_size

@@ -43,8 +43,8 @@ def _median_ms(fn, args, reps):
 
 
 def _fns(impl):
-    from pallas_kernels.attention import attention, pallas_triton
-    from pallas_kernels.common import document_index
+    from mixerlab.pallas_kernels.attention import attention, pallas_triton
+    from mixerlab.pallas_kernels.common import document_index
 
     if impl.startswith("triton:"):  # triton:bq,bk,bq_dkv,bkv_dkv,bq_dq,bkv_dq,warps — a block-size variant
         bq, bk, *bwd, warps = (int(x) for x in impl.split(":")[1].split(","))
@@ -65,7 +65,7 @@ def _fns(impl):
 
 
 def check(impls):
-    from pallas_kernels.attention import attention
+    from mixerlab.pallas_kernels.attention import attention
 
     q, k, v, g, seg = _inputs(2, 1000, 4, 128, seed=1)
     ref = attention(*(x.astype(jnp.float32) for x in (q, k, v)), segment_ids=seg, implementation="xla")

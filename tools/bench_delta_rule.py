@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels import delta_rule  # noqa: E402
+from mixerlab.pallas_kernels import delta_rule  # noqa: E402
 
 
 def make_inputs(batch, length, heads, dim, seed=0):

@@ -75,7 +75,7 @@ def gdn2_numpy(seed, b, t, h, dk, dv, initial_state=False):
 def ours_gdn2_fn(chunk, leaf, **overrides):
     """GDN-2 through our core: (q, k, v, g, b, w, s0, documents) -> (o, S_T); gates applied in the jit."""
     import jax.numpy as jnp
-    from pallas_kernels.delta_rule import pallas_triton
+    from mixerlab.pallas_kernels.delta_rule import pallas_triton
 
     def fn(q, k, v, g, b, w, s0, doc):
         scale = q.shape[-1] ** -0.5
@@ -148,8 +148,8 @@ def section_compile_probe(shape):
     """Compile and run every kernel once on its own (bf16 and f32), so a Triton failure names its kernel."""
     import jax
     import jax.numpy as jnp
-    from pallas_kernels import common
-    from pallas_kernels.delta_rule import pallas_triton as ptr
+    from mixerlab.pallas_kernels import common
+    from mixerlab.pallas_kernels.delta_rule import pallas_triton as ptr
 
     b, t, h, dk, dv = shape
     x = gdn2_numpy(7, b, t, h, dk, dv)
@@ -194,7 +194,7 @@ def section_correctness_reference(shape):
     """Ours vs our token-by-token reference (f32 HIGHEST einsums) on the same inputs, with documents."""
     import jax
     import jax.numpy as jnp
-    from pallas_kernels.delta_rule import pallas_triton, reference
+    from mixerlab.pallas_kernels.delta_rule import pallas_triton, reference
 
     b, t, h, dk, dv = shape
     x = gdn2_numpy(0, b, t, h, dk, dv, initial_state=True)
@@ -245,7 +245,7 @@ def section_fla_compare(shape, dtype_name):
     import jax.numpy as jnp
     import torch
     from fla.ops.gdn2 import chunk_gdn2
-    from pallas_kernels.delta_rule import reference
+    from mixerlab.pallas_kernels.delta_rule import reference
 
     b, t, h, dk, dv = shape
     x = gdn2_numpy(2, b, t, h, dk, dv, initial_state=True)
@@ -311,8 +311,8 @@ def section_time_ours(shape, reps, breakdown=False, **overrides):
     overrides = {**OVERRIDES, **overrides}
     import jax
     import jax.numpy as jnp
-    from pallas_kernels import common
-    from pallas_kernels.delta_rule import pallas_triton as ptr
+    from mixerlab.pallas_kernels import common
+    from mixerlab.pallas_kernels.delta_rule import pallas_triton as ptr
 
     b, t, h, dk, dv = shape
     x = gdn2_numpy(4, b, t, h, dk, dv)

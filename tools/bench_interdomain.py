@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels.interdomain import api as ia  # noqa: E402
+from mixerlab.pallas_kernels.interdomain import api as ia  # noqa: E402
 
 
 def _inputs(b, t, h, r, v, m, seed=0):

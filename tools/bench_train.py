@@ -55,12 +55,12 @@ def measure(config: str, overrides: list[str], steps: int, warmup: int, depth: i
     import jax
     import numpy as np
 
-    from training import config as config_lib
-    from training import data as data_lib
-    from training import flop_model
-    from training.loop import Trainer
-    from training.prefetch import DevicePrefetcher
-    from training.tokenizer import load_tokenizer
+    from mixerlab.training import config as config_lib
+    from mixerlab.training import data as data_lib
+    from mixerlab.training import flop_model
+    from mixerlab.training.loop import Trainer
+    from mixerlab.training.prefetch import DevicePrefetcher
+    from mixerlab.training.tokenizer import load_tokenizer
 
     cfg = config_lib.load_config(config, overrides)
     tokenizer = load_tokenizer(cfg.data.tokenizer.kind, cfg.data.tokenizer.path)

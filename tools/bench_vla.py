@@ -23,8 +23,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels.delta_rule.api import delta_rule  # noqa: E402
-from pallas_kernels.vla import api, xla  # noqa: E402
+from mixerlab.pallas_kernels.delta_rule.api import delta_rule  # noqa: E402
+from mixerlab.pallas_kernels.vla import api, xla  # noqa: E402
 
 
 def _xla_no_remat(q, k, v):

@@ -2,7 +2,7 @@
 # The MQAR capacity sweep of docs/evaluation.md on the GPU machine — one process per mixer, all at
 # once on the one GPU (the models are tiny: the GPU is mostly idle between kernel launches, and the 16 CPU
 # cores compile the per-n train steps in parallel). Each process writes OUT_DIR/<mixer>/results.json after every
-# run (a process stopped by the time limit keeps what it finished); at the end `python -m eval.mqar --merge`
+# run (a process stopped by the time limit keeps what it finished); at the end `python -m mixerlab.eval.mqar --merge`
 # draws the combined table and capacity plot in OUT_DIR, and OUT_DIR.tgz packs everything in one file (the
 # device tool returns only a few files per call).
 #   usage: [MQAR_OVERRIDES="train.steps=500 ..."] bash tools/gpu_mqar_sweep.sh OUT_DIR [MIXERS] [NS] [SEEDS] [SECONDS]
@@ -21,7 +21,7 @@ export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUF
 mkdir -p "$out"
 pids=()
 for mixer in ${mixers//,/ }; do
-  timeout -s INT "$seconds" python3 -m eval.mqar --config configs/eval/mqar_vla.yaml --mixers "$mixer" \
+  timeout -s INT "$seconds" python3 -m mixerlab.eval.mqar --config configs/eval/mqar_vla.yaml --mixers "$mixer" \
       --n "$ns" --seeds "$seeds" --out "$out/$mixer" ${MQAR_OVERRIDES:-} >"$out/$mixer.log" 2>&1 &
   pids+=($!)
 done
@@ -30,6 +30,6 @@ for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
 tail -n 12 "$out"/*.log
 files=()  # in the order of MIXERS; a mixer that finished no run has no file
 for mixer in ${mixers//,/ }; do [ -f "$out/$mixer/results.json" ] && files+=("$out/$mixer/results.json"); done
-python3 -m eval.mqar --merge "${files[@]}" --out "$out" || status=$?
+python3 -m mixerlab.eval.mqar --merge "${files[@]}" --out "$out" || status=$?
 tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"
 exit $status

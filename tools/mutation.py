@@ -93,7 +93,7 @@ def _env(copy_dir):
 
 def assert_copy_is_imported(copy_dir):
     """The tests must import the mutated copy: fail loudly if the packages resolve elsewhere."""
-    code = ("import pallas_kernels, training, mixers; "
+    code = ("from mixerlab import pallas_kernels, training, mixers; "
             "print(pallas_kernels.__file__, training.__file__, mixers.__file__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=copy_dir, env=_env(copy_dir), capture_output=True,
                          text=True, check=True).stdout

@@ -20,7 +20,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from pallas_kernels.delta_rule import flops_gpu  # noqa: E402
+from mixerlab.pallas_kernels.delta_rule import flops_gpu  # noqa: E402
 
 RAW = "docs/benchmarks/raw"
 FLA_ANCHORS = {"8x4096": 11.56, "2x16384": 12.68, "1x32768": 14.44}

@@ -20,8 +20,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels import common  # noqa: E402
-from pallas_kernels.delta_rule import pallas_triton as ptr  # noqa: E402
+from mixerlab.pallas_kernels import common  # noqa: E402
+from mixerlab.pallas_kernels.delta_rule import pallas_triton as ptr  # noqa: E402
 from bench_delta_rule_gpu import gdn2_numpy, time_jax  # noqa: E402
 
 

@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from pallas_kernels.delta_rule import pallas_tpu  # noqa: E402
+from mixerlab.pallas_kernels.delta_rule import pallas_tpu  # noqa: E402
 
 TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1"}
 # (chunk, leaf, d_k, d_v, dtype)
@@ -87,7 +87,7 @@ def compile_one(gen, chunk, leaf, dk, dv, dtype, backward, vmem_limit, shape=SHA
 def kernel_program(gen, chunk, leaf, dk, dv, dtype, which, vmem_limit, shape=SHAPE):
     """A program holding ONE kernel: the forward (``which="fwd"``) or the backward pallas_call, on the
     [B·H, T, D] layout the kernels see."""
-    from pallas_kernels.delta_rule import pallas_tpu_bwd
+    from mixerlab.pallas_kernels.delta_rule import pallas_tpu_bwd
 
     sharding = _mesh(gen)
     bh, t = shape["batch"] * shape["heads"], shape["length"]

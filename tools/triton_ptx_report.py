@@ -28,7 +28,7 @@ def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128)):
     import jax.numpy as jnp
     from jax._src.pallas.triton import pallas_call_registration as registration
 
-    from pallas_kernels.delta_rule import pallas_triton
+    from mixerlab.pallas_kernels.delta_rule import pallas_triton
 
     captured = {}
     lower = registration.lowering.lower_jaxpr_to_triton_module

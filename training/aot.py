@@ -15,7 +15,7 @@ import time
 import jax
 import numpy as np
 
-from training import flop_model
+from mixerlab.training import flop_model
 
 # HBM per chip (bytes), from the Cloud TPU documentation.
 HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
@@ -42,7 +42,7 @@ class CompileReport:
     def roofline_seconds(self) -> float | None:
         """max(compiler FLOPs / peak FLOP/s, compiler bytes / HBM bandwidth) per chip: a lower bound on the
         step time on this chip generation (the compiler counts each Pallas kernel by its CostEstimate)."""
-        from pallas_kernels.delta_rule.flops import PEAKS
+        from mixerlab.pallas_kernels.delta_rule.flops import PEAKS
 
         peak = PEAKS.get(chip_generation(self.topology))
         if peak is None or not self.compiler_flops_per_chip:
@@ -55,7 +55,7 @@ class CompileReport:
         return self.compiler_seconds or self.roofline_seconds
 
     def estimated_mfu(self) -> float | None:
-        from pallas_kernels.delta_rule.flops import PEAKS
+        from mixerlab.pallas_kernels.delta_rule.flops import PEAKS
 
         peak, seconds = PEAKS.get(chip_generation(self.topology)), self.estimated_seconds
         if peak is None or not seconds:
@@ -110,8 +110,8 @@ def compile_train_step(cfg, topology: str, vocab_size: int):
     ``compiled.as_text()`` is the per-chip program (tests look at its buffer shapes)."""
     from jax.experimental import topologies
 
-    from training import mesh as mesh_lib
-    from training.loop import Trainer
+    from mixerlab.training import mesh as mesh_lib
+    from mixerlab.training.loop import Trainer
 
     topo = topologies.get_topology_desc(topology, "tpu")
     mesh = mesh_lib.make_mesh(cfg, list(topo.devices))

@@ -228,7 +228,7 @@ class Checkpointer:
         wanted = {tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
                   for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
         if stored != wanted:
-            from training.run_dir import RunDirError
+            from mixerlab.training.run_dir import RunDirError
 
             missing, extra = sorted(wanted - stored), sorted(stored - wanted)
             show = lambda keys: ", ".join(".".join(k) for k in keys[:3]) + (" ..." if len(keys) > 3 else "")

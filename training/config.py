@@ -166,7 +166,7 @@ class Config:
         return self.model.layer_mixers
 
     def mixer_options(self, name: str):
-        from mixers import registry
+        from mixerlab.mixers import registry
 
         return self.mixers.get(name) or registry.get(name).options()
 
@@ -252,7 +252,7 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
 
 # --------------------------------------------------------------------------------------------- typing
 def from_dict(raw: dict) -> Config:
-    from mixers import registry
+    from mixerlab.mixers import registry
 
     if not isinstance(raw, dict):
         raise ConfigError(f"config must be a mapping, got {type(raw).__name__}")
@@ -363,7 +363,7 @@ def _coerce(tp, value, key: str):
 # --------------------------------------------------------------------------------------------- checks
 def validate(cfg: Config) -> None:
     """Cross-field checks: one ConfigError for the first impossible combination."""
-    from mixers import registry
+    from mixerlab.mixers import registry
 
     m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.optim
     positive = {

@@ -50,7 +50,7 @@ import pyarrow.compute  # makes pa.compute available
 import pyarrow.parquet as pq
 from grain.experimental import ConcatThenSplitIterDataset, InterleaveIterDataset
 
-from training.tokenizer import _REPO_ROOT, Tokenizer, resolve_path
+from mixerlab.training.tokenizer import _REPO_ROOT, Tokenizer, resolve_path
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 SHUFFLE_WINDOW_BLOCKS = 16  # row-group blocks whose documents are shuffled together

@@ -18,7 +18,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from pallas_kernels.delta_rule import flops as kernel_flops
+from mixerlab.pallas_kernels.delta_rule import flops as kernel_flops
 
 DELTA_FAMILY = {"linear_attention", "deltanet", "gated_deltanet", "kda", "gdn2", "muir"}
 

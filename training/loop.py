@@ -18,15 +18,15 @@ import optax
 import yaml
 from flax import nnx
 
-from models.decoder import Decoder, cross_entropy
-from training import data as data_lib
-from training import run_dir as run_dir_lib
-from training.checkpoint import Checkpointer
-from training import flop_model, mesh as mesh_lib
-from training.prefetch import DevicePrefetcher
-from training.metrics import MetricsWriter, plot_loss_curve
-from training.optim import make_optimizer, schedule
-from training.tokenizer import load_tokenizer
+from mixerlab.models.decoder import Decoder, cross_entropy
+from mixerlab.training import data as data_lib
+from mixerlab.training import run_dir as run_dir_lib
+from mixerlab.training.checkpoint import Checkpointer
+from mixerlab.training import flop_model, mesh as mesh_lib
+from mixerlab.training.prefetch import DevicePrefetcher
+from mixerlab.training.metrics import MetricsWriter, plot_loss_curve
+from mixerlab.training.optim import make_optimizer, schedule
+from mixerlab.training.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class _RunLog:
             else logging.NullHandler()
         self.handler.setLevel(logging.INFO)
         self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        logger = logging.getLogger("training")
+        logger = logging.getLogger("mixerlab.training")
         logger.addHandler(self.handler)
         if logger.getEffectiveLevel() > logging.INFO:
             logger.setLevel(logging.INFO)
@@ -262,7 +262,7 @@ class _RunLog:
         for name, propagate in self._propagate.items():
             logging.getLogger(name).removeHandler(self.handler)
             logging.getLogger(name).propagate = propagate
-        logging.getLogger("training").removeHandler(self.handler)
+        logging.getLogger("mixerlab.training").removeHandler(self.handler)
         self.handler.close()
 
 

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models.sharding import BATCH_AXES  # the input batch and the activations share these axes
+from mixerlab.models.sharding import BATCH_AXES  # the input batch and the activations share these axes
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import jax
 import optax
 from flax import nnx
 
-from mixers.base import DynamicsParam, SSMParam
+from mixerlab.mixers.base import DynamicsParam, SSMParam
 
 
 def schedule(cfg) -> optax.Schedule:

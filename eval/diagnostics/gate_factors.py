@@ -19,7 +19,7 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from eval.diagnostics.gate_hooks import delta_layers
+from mixerlab.eval.diagnostics.gate_hooks import delta_layers
 
 
 @dataclasses.dataclass
@@ -87,8 +87,8 @@ def _gdn2_factors(mixer) -> dict[str, GateFactor]:
 
 def gate_factors(mixer) -> dict[str, GateFactor]:
     """The gate projections of a Muir or GDN-2 layer, by gate name (f, b, g, w[, q])."""
-    from mixers.gdn2 import GDN2
-    from mixers.muir import Muir
+    from mixerlab.mixers.gdn2 import GDN2
+    from mixerlab.mixers.muir import Muir
 
     if isinstance(mixer, Muir):
         return _muir_factors(mixer)

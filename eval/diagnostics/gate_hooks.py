@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Optional
 
-from mixers.delta_common import DeltaMixer
+from mixerlab.mixers.delta_common import DeltaMixer
 
 GATE_FIELDS = {"f": "log_decay", "b": "erase", "g": "out_gate", "w": "write", "q": "q_gain"}
 

@@ -1,6 +1,6 @@
 """Gate diagnostics of a trained Muir or GDN-2 model (Muir Fig. 10, Tables 3, 19, 21):
 
-    python -m eval.diagnostics.muir_gates --run runs/<run> [--step N] [--batches 8] [--batch_size 8]
+    python -m mixerlab.eval.diagnostics.muir_gates --run runs/<run> [--step N] [--batches 8] [--batch_size 8]
 
 (a) SVD rank truncation: gate m's projection (the product W↓[:, m] W_m↑, ``gate_factors``) in every layer →
     its best rank-r approximation, bias kept, one gate at a time; ΔNLL(r) = NLL(r) − NLL(unchanged) on the
@@ -25,10 +25,10 @@ import sys
 import numpy as np
 from flax import nnx
 
-from eval import report
-from eval.diagnostics.gate_factors import gate_names, max_rank, truncate_gate
-from eval.diagnostics.gate_hooks import GATE_FIELDS
-from eval.diagnostics.nll import GateEvaluator, delta_nll, mean_nll
+from mixerlab.eval import report
+from mixerlab.eval.diagnostics.gate_factors import gate_names, max_rank, truncate_gate
+from mixerlab.eval.diagnostics.gate_hooks import GATE_FIELDS
+from mixerlab.eval.diagnostics.nll import GateEvaluator, delta_nll, mean_nll
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
@@ -151,8 +151,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=None, help="output directory (default <run>/diagnostics)")
     p.add_argument("--png", default=None, help="plot path (default <out>/muir_gates.png)")
     a = p.parse_args(argv)
-    from eval.checkpoint import load_run  # the only dependency on checkpoints
-    from training import data as data_lib
+    from mixerlab.eval.checkpoint import load_run  # the only dependency on checkpoints
+    from mixerlab.training import data as data_lib
 
     run = load_run(a.run, step=a.step)
     cfg = run.cfg

@@ -2,7 +2,7 @@
 (``row_energy_law``) against the recurrence run by the project's delta-rule op (Muir Table 6, top block:
 "single-head stationary row-energy verification", d_k = d_v = 64, μ = 0.60).
 
-    python -m eval.diagnostics.muir_row_energy --dk 64 --dv 64 --mu 0.6 --out runs/eval/muir_row_energy
+    python -m mixerlab.eval.diagnostics.muir_row_energy --dk 64 --dv 64 --mu 0.6 --out runs/eval/muir_row_energy
 
 Input model (stored with the results): keys k_t = (s ⊙ g_t)/‖s ⊙ g_t‖, g_t ~ N(0, I), channel scales
 s_j = j^(−key_power) randomly assigned to channels; values v_t ~ N(0, I); fixed gates: decays α_j = 1 − 10^{U}
@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval import report
-from eval.diagnostics.row_energy_law import (KeyMoments, decoupled_row_energy, erase_rate,
+from mixerlab.eval import report
+from mixerlab.eval.diagnostics.row_energy_law import (KeyMoments, decoupled_row_energy, erase_rate,
                                              normalized_gaussian_key_moments, stationary_row_energy,
                                              transition_matrix)
-from eval.diagnostics.trajectory import row_energy, state_trajectory
+from mixerlab.eval.diagnostics.trajectory import row_energy, state_trajectory
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eval.diagnostics.gate_hooks import delta_layers, gate_hooks
-from models.decoder import cross_entropy
+from mixerlab.eval.diagnostics.gate_hooks import delta_layers, gate_hooks
+from mixerlab.models.decoder import cross_entropy
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 

@@ -12,7 +12,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels
+from mixerlab import pallas_kernels
 
 
 def frobenius_norm(state_BHKV):

@@ -1,7 +1,7 @@
 """VLA state-norm and Jacobian diagnostics on random inputs, against linear attention and DeltaNet
 (the VLA paper, §4.1–§4.2 and §6.2; the Jacobian closed form in docs/math/vla.md, 'Jacobian norm').
 
-    python -m eval.diagnostics.vla_state --T 1000 --dk 32 --seeds 0,1,2 --inputs gaussian \
+    python -m mixerlab.eval.diagnostics.vla_state --T 1000 --dk 32 --seeds 0,1,2 --inputs gaussian \
         --out runs/eval/vla_state
 
 Input model (one head, d_k = d_v = d, one sequence per seed; printed and stored with the results):
@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval import report
-from eval.diagnostics.trajectory import state_trajectory
-from pallas_kernels.vla import jacobian_window_norm, vla_diagnostics
-from pallas_kernels.vla.api import DEFAULT_EPS, normalize
+from mixerlab.eval import report
+from mixerlab.eval.diagnostics.trajectory import state_trajectory
+from mixerlab.pallas_kernels.vla import jacobian_window_norm, vla_diagnostics
+from mixerlab.pallas_kernels.vla.api import DEFAULT_EPS, normalize
 
 INPUTS = {
     "gaussian": "k_t, v_t ~ N(0, I_d) i.i.d.",

@@ -8,11 +8,11 @@ Modules, one job each:
   scoring.py     RULER's string_match_all / string_match_part and prediction post-processing
   run.py         build the grid, generate with any generate_fn, score
   report.py      aggregates, markdown tables, JSON, heatmap PNG
-  cli.py         python -m eval.ruler
+  cli.py         python -m mixerlab.eval.ruler
 See docs/evaluation.md (RULER section).
 """
-from eval.ruler.generators import Sample, generate_sample
-from eval.ruler.scoring import string_match_all, string_match_part
-from eval.ruler.tasks import TASKS
+from mixerlab.eval.ruler.generators import Sample, generate_sample
+from mixerlab.eval.ruler.scoring import string_match_all, string_match_part
+from mixerlab.eval.ruler.tasks import TASKS
 
 __all__ = ["Sample", "generate_sample", "string_match_all", "string_match_part", "TASKS"]

@@ -1,6 +1,6 @@
-"""``python -m eval.ruler``: RULER-style evaluation of a training run's checkpoint.
+"""``python -m mixerlab.eval.ruler``: RULER-style evaluation of a training run's checkpoint.
 
-    python -m eval.ruler --run runs/base --tasks s_niah_1,s_niah_2,s_niah_3,mv_niah,mq_niah,vt \\
+    python -m mixerlab.eval.ruler --run runs/base --tasks s_niah_1,s_niah_2,s_niah_3,mv_niah,mq_niah,vt \\
         --lengths 256,512,1024 --depths 0,0.25,0.5,0.75,1 --samples 4 --out runs/eval/ruler
 
 The checkpoint is loaded with ``eval.checkpoint.load_run`` and continued with ``eval.generate.greedy_generate``
@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from eval.ruler import haystack, report, tasks
-from eval.ruler.run import evaluate
+from mixerlab.eval.ruler import haystack, report, tasks
+from mixerlab.eval.ruler.run import evaluate
 
 
 def _list_of(kind: Callable[[str], Any], flag: str):
@@ -52,7 +52,7 @@ def _task_option(text: str) -> tuple[str, str, Any]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eval.ruler", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m mixerlab.eval.ruler", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="training run directory (holds config.yaml and checkpoints/)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
@@ -78,8 +78,8 @@ def parser() -> argparse.ArgumentParser:
 
 def load_backend(run: str, step: int | None):
     """The run's loaded checkpoint and a ``generate_fn`` bound to its model."""
-    from eval.checkpoint import load_run
-    from eval.generate import greedy_generate
+    from mixerlab.eval.checkpoint import load_run
+    from mixerlab.eval.generate import greedy_generate
 
     loaded = load_run(run, step=step)
     return loaded, functools.partial(greedy_generate, loaded.model)

@@ -24,10 +24,10 @@ import math
 import random
 from typing import Any, Callable, Mapping
 
-from eval.ruler import haystack as hs
-from eval.ruler import tasks
-from eval.ruler.randstrings import UniqueDrawer
-from training.tokenizer import Tokenizer
+from mixerlab.eval.ruler import haystack as hs
+from mixerlab.eval.ruler import tasks
+from mixerlab.eval.ruler.randstrings import UniqueDrawer
+from mixerlab.training.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)

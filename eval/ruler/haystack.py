@@ -20,8 +20,8 @@ import dataclasses
 import functools
 import re
 
-from training.data import resolve_parquet_files
-from training.tokenizer import Tokenizer
+from mixerlab.training.data import resolve_parquet_files
+from mixerlab.training.tokenizer import Tokenizer
 
 NOISE_SENTENCES = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
                    "There and back again.")

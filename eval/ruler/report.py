@@ -10,8 +10,8 @@ import json
 import os
 from typing import Any, Iterable, Sequence
 
-from eval import report
-from eval.ruler import scoring
+from mixerlab.eval import report
+from mixerlab.eval.ruler import scoring
 
 DEPTH_WARNING = 0.1  # a (task, length) whose needles land further than this from the asked depth is flagged
 

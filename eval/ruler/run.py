@@ -9,10 +9,10 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Callable, Mapping, Sequence
 
-from eval.ruler import haystack as hs
-from eval.ruler import report, scoring, tasks
-from eval.ruler.generators import Sample, generate_sample
-from training.tokenizer import Tokenizer
+from mixerlab.eval.ruler import haystack as hs
+from mixerlab.eval.ruler import report, scoring, tasks
+from mixerlab.eval.ruler.generators import Sample, generate_sample
+from mixerlab.training.tokenizer import Tokenizer
 
 GenerateFn = Callable[..., list[list[int]]]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eval.synthetic.generators import IGNORE
+from mixerlab.eval.synthetic.generators import IGNORE
 
 
 class AccuracyCounter:

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from eval import report
+from mixerlab.eval import report
 
 
 def _group(records: list[dict], key: str = "accuracy") -> dict:

@@ -10,8 +10,8 @@ import dataclasses
 import time
 from typing import Callable
 
-from eval.synthetic.task import load_eval_config
-from eval.synthetic.train import train_on_task
+from mixerlab.eval.synthetic.task import load_eval_config
+from mixerlab.eval.synthetic.train import train_on_task
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,8 @@ from typing import Literal
 
 import numpy as np
 
-from eval.synthetic import generators
-from training import config as config_lib
+from mixerlab.eval.synthetic import generators
+from mixerlab.training import config as config_lib
 
 
 @dataclasses.dataclass(frozen=True)

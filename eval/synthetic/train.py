@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eval.synthetic.generators import IGNORE
-from eval.synthetic.metrics import AccuracyCounter
-from eval.synthetic.task import TaskConfig, generate, validate_task, with_task_schedule
-from training.loop import Trainer
+from mixerlab.eval.synthetic.generators import IGNORE
+from mixerlab.eval.synthetic.metrics import AccuracyCounter
+from mixerlab.eval.synthetic.task import TaskConfig, generate, validate_task, with_task_schedule
+from mixerlab.training.loop import Trainer
 
 TRAIN_STREAM, HELD_OUT_STREAM = 1, 2  # np.random.default_rng([seed, stream]): disjoint data streams
 

@@ -1,4 +1,4 @@
 """Causal softmax attention over packed documents: reference, dense XLA, splash (TPU) and flash (GPU) kernels."""
-from pallas_kernels.attention.api import attention
+from mixerlab.pallas_kernels.attention.api import attention
 
 __all__ = ["attention"]

@@ -20,8 +20,8 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from pallas_kernels import common, dispatch
-from pallas_kernels.attention import pallas_tpu, pallas_triton, reference
+from mixerlab.pallas_kernels import common, dispatch
+from mixerlab.pallas_kernels.attention import pallas_tpu, pallas_triton, reference
 
 OP = "attention"
 

@@ -11,7 +11,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import common
+from mixerlab.pallas_kernels import common
 
 BLOCK = 128  # the kernel's q and kv blocks are multiples of the 128-lane vreg width
 LANES = 128

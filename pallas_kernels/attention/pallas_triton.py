@@ -11,7 +11,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from pallas_kernels import common
+from mixerlab.pallas_kernels import common
 
 BLOCK = 128
 

@@ -11,8 +11,8 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from pallas_kernels import common, dispatch
-from pallas_kernels.delta_rule import decode, pallas_tpu, pallas_triton, reference, vjp, xla
+from mixerlab.pallas_kernels import common, dispatch
+from mixerlab.pallas_kernels.delta_rule import decode, pallas_tpu, pallas_triton, reference, vjp, xla
 
 DEFAULT_CHUNK_SIZE = {"tpu": 256}  # every other backend: 64
 DEFAULT_CHUNK_SIZE_OTHER = 64

@@ -16,7 +16,7 @@ Conventions (docs/flops.md):
   * Counts are leading terms as in Table 8 (e.g. forward substitution is C(d_k+d_v), exactly (C-1)(d_k+d_v)).
   * Table 8 is "given Λ": the MXU cumulative log-decay is a separate stage, outside the Table 8 rows.
 
-    python -m pallas_kernels.delta_rule.flops --chunk 256 --leaf 8 --dk 128 --dv 128 \\
+    python -m mixerlab.pallas_kernels.delta_rule.flops --chunk 256 --leaf 8 --dk 128 --dv 128 \\
         --batch 8 --seq 4096 --heads 16 --backward
 """
 from __future__ import annotations
@@ -326,7 +326,7 @@ def shape_parser(prog: str, description: str, chunk: int, leaf: int) -> argparse
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = shape_parser("python -m pallas_kernels.delta_rule.flops", __doc__.split("\n")[0], chunk=256, leaf=8)
+    p = shape_parser("python -m mixerlab.pallas_kernels.delta_rule.flops", __doc__.split("\n")[0], chunk=256, leaf=8)
     p.add_argument("--backward", action="store_true", help="also count the backward (fwd+bwd totals)")
     a = p.parse_args(argv)
     try:

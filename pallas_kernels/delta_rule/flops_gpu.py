@@ -15,7 +15,7 @@ kernels in ``pallas_kernels/delta_rule/pallas_triton.py`` execute:
   * exps (``kernel_exps``); other elementwise work (masks, products) is not counted.
 The Triton kernels declare these counts as their ``pl.CostEstimate``.
 
-    python -m pallas_kernels.delta_rule.flops_gpu [--chunk 64 --leaf 16 --dk 128 --dv 128 --block-k 32]
+    python -m mixerlab.pallas_kernels.delta_rule.flops_gpu [--chunk 64 --leaf 16 --dk 128 --dv 128 --block-k 32]
         [--measured docs/benchmarks/raw/delta_rule_h200_2026-11-30.json]
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import math
 import sys
 from typing import Sequence
 
-from pallas_kernels.delta_rule.flops import shape_parser
+from mixerlab.pallas_kernels.delta_rule.flops import shape_parser
 
 BF16_FLOPS = 790e12  # a large bf16 matmul measured on the H200; TF32 charged at half of it
 HBM_BYTES_S = 4.2e12  # measured device copy on the H200
@@ -91,7 +91,7 @@ def roofline_ms(counts, token_heads, chunk):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = shape_parser("python -m pallas_kernels.delta_rule.flops_gpu", __doc__.split("\n")[0],
+    p = shape_parser("python -m mixerlab.pallas_kernels.delta_rule.flops_gpu", __doc__.split("\n")[0],
                      chunk=64, leaf=16)
     p.add_argument("--block-k", type=int, default=32)
     p.add_argument("--sum-passes", type=int, default=1, choices=(1, 2))

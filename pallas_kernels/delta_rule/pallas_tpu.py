@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import common
+from mixerlab.pallas_kernels import common
 
 F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -523,7 +523,7 @@ def _chunked_fwd(q, k, e, v, log_decay, s_init, doc_col, doc_row, cfg):
 
 
 def _chunked_bwd(cfg, residuals, cotangents):
-    from pallas_kernels.delta_rule import pallas_tpu_bwd
+    from mixerlab.pallas_kernels.delta_rule import pallas_tpu_bwd
 
     q, k, e, v, log_decay, doc_col, doc_row, starts = residuals
     d_out, d_final = cotangents

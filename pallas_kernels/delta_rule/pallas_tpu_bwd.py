@@ -26,10 +26,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.delta_rule.pallas_tpu import (F32, Geometry, KernelConfig, _specs, chunk_core, compiler_params,
-                                                  concat_cols, core_counts, cross_mask, fused_mm, iota2,
-                                                  leaf_diagonals, mm, mm_f32, mm_nt, mm_tn,
-                                                  offset_place, scratch, upper_ones)
+from mixerlab.pallas_kernels.delta_rule.pallas_tpu import (
+    F32, Geometry, KernelConfig, _specs, chunk_core, compiler_params, concat_cols, core_counts, cross_mask, fused_mm,
+    iota2, leaf_diagonals, mm, mm_f32, mm_nt, mm_tn, offset_place, scratch, upper_ones)
 
 
 def _contract_tile(da_t, dm_t, q_t, k_t, e_t, log_decay_t, factors_t, g: Geometry, cdt):

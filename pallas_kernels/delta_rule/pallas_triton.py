@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import common
+from mixerlab.pallas_kernels import common
 
 try:  # Pallas' Triton backend (deprecated upstream since JAX 0.11 but present in 0.10.2 and 0.11.2)
     from jax.experimental.pallas import triton as pltriton
@@ -554,8 +554,8 @@ def _cost(cfg, kernel, batch_heads, n_chunks, save_matrices=True):
     FLOP and exp counts against the kernels' own jaxprs). The Triton lowering of JAX 0.10/0.11 drops it;
     interpret mode and tooling read it."""
     # imported here, not at the top: the package import must not load the FLOP CLIs, or
-    # `python -m pallas_kernels.delta_rule.flops_gpu` warns that the module was imported before it ran
-    from pallas_kernels.delta_rule import flops_gpu
+    # `python -m mixerlab.pallas_kernels.delta_rule.flops_gpu` warns that the module was imported before it ran
+    from mixerlab.pallas_kernels.delta_rule import flops_gpu
     operand_bytes = jnp.dtype(cfg.operand_dtype).itemsize
     sum_passes = 2 if cfg.resolved_decay_sums == "tf32x2" and not cfg.interpret else 1  # as _split
     counts = flops_gpu.kernel_counts(cfg.chunk, cfg.leaf, cfg.key_dim, cfg.value_dim, cfg.block_k, sum_passes,

@@ -22,8 +22,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.delta_rule import xla
-from pallas_kernels.delta_rule.xla import matmul, transpose
+from mixerlab.pallas_kernels.delta_rule import xla
+from mixerlab.pallas_kernels.delta_rule.xla import matmul, transpose
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))

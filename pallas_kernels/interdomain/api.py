@@ -24,8 +24,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import common, dispatch
-from pallas_kernels.interdomain import decode, reference, xla
+from mixerlab.pallas_kernels import common, dispatch
+from mixerlab.pallas_kernels.interdomain import decode, reference, xla
 
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_SUB_CHUNK_SIZE = 16

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.interdomain import decode
+from mixerlab.pallas_kernels.interdomain import decode
 
 
 def _reset(x, keep_B):

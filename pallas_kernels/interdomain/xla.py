@@ -43,8 +43,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import common
-from pallas_kernels.interdomain.decode import HIGHEST, split
+from mixerlab.pallas_kernels import common
+from mixerlab.pallas_kernels.interdomain.decode import HIGHEST, split
 
 
 def _ein(spec, *args):

@@ -1,4 +1,4 @@
 """Variational Linear Attention op: reference scan, chunkwise XLA form, decode step. See docs/vla.md."""
-from pallas_kernels.vla.api import initial_state, jacobian_window_norm, vla, vla_diagnostics, vla_step
+from mixerlab.pallas_kernels.vla.api import initial_state, jacobian_window_norm, vla, vla_diagnostics, vla_step
 
 __all__ = ["initial_state", "jacobian_window_norm", "vla", "vla_diagnostics", "vla_step"]

@@ -24,10 +24,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import common, dispatch
-from pallas_kernels.delta_rule.api import delta_rule
-from pallas_kernels.vla import decode, reference, xla
-from pallas_kernels.vla.reference import floored_norm
+from mixerlab.pallas_kernels import common, dispatch
+from mixerlab.pallas_kernels.delta_rule.api import delta_rule
+from mixerlab.pallas_kernels.vla import decode, reference, xla
+from mixerlab.pallas_kernels.vla.reference import floored_norm
 
 DEFAULT_LAMBDA0 = 0.1          # A₀ = I/λ₀ = 10 I              (VLA paper, Tables 3 and 6)
 DEFAULT_REFRESH_PERIOD = 20    # P                              (VLA paper, Tables 3 and 6)

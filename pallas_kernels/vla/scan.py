@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.vla.reference import floored_norm
+from mixerlab.pallas_kernels.vla.reference import floored_norm
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from pallas_kernels.vla.reference import floored_norm
-from pallas_kernels.vla.small_linalg import cholesky, solve_lower
+from mixerlab.pallas_kernels.vla.reference import floored_norm
+from mixerlab.pallas_kernels.vla.small_linalg import cholesky, solve_lower
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

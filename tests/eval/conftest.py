@@ -22,8 +22,8 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> str:
-    from training.config import load_config
-    from training.loop import train
+    from mixerlab.training.config import load_config
+    from mixerlab.training.loop import train
 
     out = tmp_path_factory.mktemp("eval_tiny_run") / "run"
     cfg = load_config(os.path.join(REPO_ROOT, "configs", "tiny.yaml"), [

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from eval.diagnostics import muir_row_energy, row_energy_law, vla_state
-from eval.diagnostics.gate_factors import gate_factors, truncate_gate
-from eval.diagnostics.muir_gates import freeze_sweep, truncation_sweep
-from eval.diagnostics.nll import GateEvaluator, mean_nll
-from eval.diagnostics.trajectory import frobenius_norm, state_trajectory
-from models.decoder import build_model
-from pallas_kernels import delta_rule
-from pallas_kernels.vla import initial_state, vla
-from training.config import load_config
+from mixerlab.eval.diagnostics import muir_row_energy, row_energy_law, vla_state
+from mixerlab.eval.diagnostics.gate_factors import gate_factors, truncate_gate
+from mixerlab.eval.diagnostics.muir_gates import freeze_sweep, truncation_sweep
+from mixerlab.eval.diagnostics.nll import GateEvaluator, mean_nll
+from mixerlab.eval.diagnostics.trajectory import frobenius_norm, state_trajectory
+from mixerlab.models.decoder import build_model
+from mixerlab.pallas_kernels import delta_rule
+from mixerlab.pallas_kernels.vla import initial_state, vla
+from mixerlab.training.config import load_config
 
 
 # ------------------------------------------------------------------------------------------------ VLA

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import mixers
-from eval.generate import bucket, decode_scan, greedy_generate, sample
-from models.decoder import build_model
-from training.config import load_config
+from mixerlab import mixers
+from mixerlab.eval.generate import bucket, decode_scan, greedy_generate, sample
+from mixerlab.models.decoder import build_model
+from mixerlab.training.config import load_config
 
 MIXERS = mixers.registry.names()
 VOCAB = 61

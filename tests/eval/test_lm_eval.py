@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import eval.lm_eval_adapter  # noqa: F401  (registers "mixerlab")
-from eval.checkpoint import load_run
-from eval.generate import greedy_generate
+import mixerlab.eval.lm_eval_adapter  # noqa: F401  (registers "mixerlab")
+from mixerlab import eval
+from mixerlab.eval.checkpoint import load_run
+from mixerlab.eval.generate import greedy_generate
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 

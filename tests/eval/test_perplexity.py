@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from eval import perplexity as ppl
-from eval.checkpoint import load_run
-from models.decoder import build_model
-from training.config import load_config
+from mixerlab.eval import perplexity as ppl
+from mixerlab.eval.checkpoint import load_run
+from mixerlab.models.decoder import build_model
+from mixerlab.training.config import load_config
 
 TOL = 1e-4
 tiny_group = pytest.mark.xdist_group("eval_tiny_run")

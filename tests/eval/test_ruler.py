@@ -9,11 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eval.ruler import cli, haystack, randstrings, report, scoring
-from eval.ruler.generators import generate_sample
-from eval.ruler.run import build_samples, evaluate, predict
-from eval.ruler.tasks import TASKS
-from training.tokenizer import load_tokenizer
+from mixerlab.eval.ruler import cli, haystack, randstrings, report, scoring
+from mixerlab.eval.ruler.generators import generate_sample
+from mixerlab.eval.ruler.run import build_samples, evaluate, predict
+from mixerlab.eval.ruler.tasks import TASKS
+from mixerlab.training.tokenizer import load_tokenizer
 
 NIAH_TASKS = ("s_niah_1", "s_niah_2", "s_niah_3", "mv_niah", "mq_niah")
 NEEDLE = re.compile(r"One of the special magic (?:numbers|uuids|words) for (\S+) is: (\S+)\.")
@@ -336,9 +336,9 @@ def test_aggregate_and_depth_warnings_on_hand_made_records():
 
 # ------------------------------------------------------------------------------------------------ end to end
 def test_end_to_end_on_a_tiny_random_model(tok):
-    generate = pytest.importorskip("eval.generate")
-    from models.decoder import build_model
-    from training.config import load_config
+    generate = pytest.importorskip("mixerlab.eval.generate")
+    from mixerlab.models.decoder import build_model
+    from mixerlab.training.config import load_config
 
     cfg = load_config("configs/tiny.yaml", ["model.mixer=softmax"])
     model = build_model(cfg, tok.vocab_size)

@@ -6,10 +6,10 @@ import os
 import numpy as np
 import pytest
 
-from eval.synthetic import generators as gen
-from eval.synthetic.generators import IGNORE, PAD, SEP
-from eval.synthetic.metrics import AccuracyCounter, recall_lags
-from eval.synthetic.task import TaskConfig, load_eval_config, validate_task
+from mixerlab.eval.synthetic import generators as gen
+from mixerlab.eval.synthetic.generators import IGNORE, PAD, SEP
+from mixerlab.eval.synthetic.metrics import AccuracyCounter, recall_lags
+from mixerlab.eval.synthetic.task import TaskConfig, load_eval_config, validate_task
 
 EVAL_CONFIGS = ["mqar_vla", "mqar_zoology", "copy", "muir_table7_mqar"]
 
@@ -235,7 +235,7 @@ def test_vla_config_is_the_papers_model():
     assert (o.lr, o.weight_decay, o.grad_clip, o.b1, o.b2) == (3e-4, 1e-2, 1.0, 0.9, 0.999)
     assert (cfg.train.batch_size, cfg.train.steps, o.warmup_steps) == (64, 2000, 200)
     assert task.layout == "vla_contiguous" and task.resolved_seq_len() == 3 * task.num_kv_pairs + 1
-    from mixers import registry
+    from mixerlab.mixers import registry
 
     for name in registry.names():  # every recurrent mixer with a short conv option has it on (docs/evaluation.md)
         opts = cfg.mixer_options(name)
@@ -248,7 +248,7 @@ def test_task_overrides_are_split_from_the_main_config():
                                                                  "model.mixer=gdn2", "task.lag_buckets=[0,8]"])
     assert task.num_kv_pairs == 16 and task.lag_buckets == (0, 8)
     assert cfg.train.steps == 50 and cfg.optim.warmup_steps == 5 and cfg.model.mixer == "gdn2"
-    from training.config import ConfigError
+    from mixerlab.training.config import ConfigError
 
     with pytest.raises(ConfigError, match="task.n_pairs: unknown key"):
         load_eval_config("configs/eval/mqar_vla.yaml", ["task.n_pairs=4"])
@@ -263,7 +263,7 @@ def test_task_overrides_are_split_from_the_main_config():
 
 
 def test_trainer_batch_masks_ignored_labels():
-    from eval.synthetic.train import trainer_batch
+    from mixerlab.eval.synthetic.train import trainer_batch
 
     b = gen.mqar_vla_contiguous(rng(), 3, num_kv_pairs=4)
     t = trainer_batch(b)
@@ -274,7 +274,7 @@ def test_trainer_batch_masks_ignored_labels():
 
 # --------------------------------------------------------------------------------------------- CLI
 def test_mqar_cli_writes_table_json_and_plots(tmp_path, capsys):
-    from eval import mqar
+    from mixerlab.eval import mqar
 
     out = tmp_path / "sweep"
     records = mqar.main(["--config", "configs/eval/mqar_vla.yaml", "--mixers", "softmax", "--n", "2,3",
@@ -292,7 +292,7 @@ def test_mqar_cli_writes_table_json_and_plots(tmp_path, capsys):
 
 
 def test_mqar_merge_joins_sweeps_and_names_bad_files(tmp_path, capsys):
-    from eval import mqar
+    from mixerlab.eval import mqar
 
     def sweep(name, mixer, accs):
         path = tmp_path / f"{name}.json"
@@ -320,7 +320,7 @@ def test_mqar_merge_joins_sweeps_and_names_bad_files(tmp_path, capsys):
 
 
 def test_table_and_plot_aggregate_over_seeds(tmp_path):
-    from eval.synthetic import report
+    from mixerlab.eval.synthetic import report
 
     records = [{"mixer": m, "setting": f"n={n}", "x": float(n), "seed": seed, "accuracy": acc,
                 "history": [{"step": 1, "accuracy": acc}]}
@@ -334,7 +334,7 @@ def test_table_and_plot_aggregate_over_seeds(tmp_path):
 
 
 def test_cli_errors_name_the_problem(tmp_path):
-    from eval import copy_task, mqar
+    from mixerlab.eval import copy_task, mqar
 
     with pytest.raises(SystemExit, match=r"num_kv_pairs: got 64.*\[1, 63\]"):
         mqar.main(["--config", "configs/eval/mqar_vla.yaml", "--mixers", "softmax", "--n", "4,64",
@@ -352,7 +352,7 @@ def test_cli_errors_name_the_problem(tmp_path):
 
 
 def test_copy_cli_runs(tmp_path):
-    from eval import copy_task
+    from mixerlab.eval import copy_task
 
     records = copy_task.main(["--config", "configs/eval/copy.yaml", "--mixers", "softmax", "--seq-len", "9",
                               "--out", str(tmp_path), "train.steps=3", "task.eval_every=2", "task.eval_batches=1",
@@ -375,7 +375,7 @@ EASY = ["model.vocab_size=32", "model.d_model=64", "model.num_heads=4", "model.h
 
 
 def train_easy_mqar(extra):
-    from eval.synthetic.train import train_on_task
+    from mixerlab.eval.synthetic.train import train_on_task
 
     cfg, task = load_eval_config("configs/eval/mqar_vla.yaml", EASY + extra)
     result = train_on_task(cfg, task)
@@ -406,8 +406,8 @@ def test_every_registered_mixer_trains_in_one_hybrid_model():
     The trainer only sees the decoder, so this covers any mixer a config line can pick. T = 24, not 3n+1 = 7:
     on CPU the vla train step has been seen to hang when the whole sequence fits in one A-pass chunk
     (T <= 20; docs/evaluation.md, Synthetic recall)."""
-    from mixers import registry
-    from eval.synthetic.train import train_on_task
+    from mixerlab.mixers import registry
+    from mixerlab.eval.synthetic.train import train_on_task
 
     names = registry.names()
     cfg, task = load_eval_config("configs/eval/mqar_vla.yaml", [

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import mixers  # noqa: F401  (registers every mixer)
-from mixers import registry
-from mixers.base import DynamicsParam, MixerSpec
+from mixerlab import mixers  # noqa: F401  (registers every mixer)
+from mixerlab.mixers import registry
+from mixerlab.mixers.base import DynamicsParam, MixerSpec
 
 D, H, DK, DV = 64, 2, 16, 32
 # The op runs eagerly with its default ("auto") implementation. Every test uses B = 2 and T in {TS, TL}, so the

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import mixers.interdomain  # noqa: F401  (registration; the lead adds it to mixers/__init__.py)
-import mixers.s4d  # noqa: F401
-from mixers import registry
-from mixers.base import DynamicsParam, MixerSpec, SSMParam
+import mixerlab.mixers.interdomain  # noqa: F401  (registration; the lead adds it to mixers/__init__.py)
+from mixerlab import mixers
+import mixerlab.mixers.s4d  # noqa: F401
+from mixerlab.mixers import registry
+from mixerlab.mixers.base import DynamicsParam, MixerSpec, SSMParam
 
 SPEC = MixerSpec(d_model=64, num_heads=2, head_dim=32, value_head_dim=32, layer_index=0, num_layers=2)
 ALL_FLAGS = dict(num_modes=8, query_mlp_hidden=16, value_conv=True, d_skip=True, output_gate="silu",

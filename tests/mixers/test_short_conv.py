@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mixers.short_conv import ShortConv
+from mixerlab.mixers.short_conv import ShortConv
 
 K, C = 4, 3
 SEG = np.array([[1, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3, 3], [1, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4]], np.int32)

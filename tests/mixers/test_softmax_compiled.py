@@ -11,8 +11,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 _SCRIPT = """
 import json, re, sys
-from training import config as config_lib
-from training.aot import compile_train_step
+from mixerlab.training import config as config_lib
+from mixerlab.training.aot import compile_train_step
 T = 1024
 cfg = config_lib.load_config("configs/tiny.yaml", [
     "model.mixer=softmax", "model.num_layers=1", "model.d_model=256", "model.num_heads=2", "model.ffn_dim=512",

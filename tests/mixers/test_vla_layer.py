@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import mixers.vla as vla_mixers
-from mixers import registry
-from mixers.base import DynamicsParam, MixerSpec
+import mixerlab.mixers.vla as vla_mixers
+from mixerlab.mixers import registry
+from mixerlab.mixers.base import DynamicsParam, MixerSpec
 
 SPEC = MixerSpec(d_model=64, num_heads=2, head_dim=32, value_head_dim=32, layer_index=0, num_layers=2)
 NAMES = ("vla", "paper_deltanet")

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import mixers
-from models.decoder import build_model
-from training.config import load_config
+from mixerlab import mixers
+from mixerlab.models.decoder import build_model
+from mixerlab.training.config import load_config
 
 MIXERS = mixers.registry.names()
 
@@ -35,7 +35,7 @@ def _packed(rng, lengths):
 
 
 def test_every_registered_mixer_implements_the_mixer_protocol():
-    from mixers.base import Mixer
+    from mixerlab.mixers.base import Mixer
 
     model = build_model(load_config("configs/tiny.yaml", ["model.num_layers=1"]), vocab_size=97, seed=1)
     assert isinstance(model.blocks[0].mixer, Mixer)

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import pytest
 
-import mixers.interdomain  # noqa: F401  (registration; the lead adds these to mixers/__init__.py)
-import mixers.s4d  # noqa: F401
-from models.decoder import abstract_model
-from models.param_count import count_params
-from training.config import load_config
+import mixerlab.mixers.interdomain  # noqa: F401  (registration; the lead adds these to mixers/__init__.py)
+import mixerlab.mixers.s4d  # noqa: F401
+from mixerlab.models.decoder import abstract_model
+from mixerlab.models.param_count import count_params
+from mixerlab.training.config import load_config
 
 TABLE3 = {  # scale: (softmax, IA, S4D-only)   [IA1 Table 3]
     "125m": (134_105_856, 135_416_208, 135_425_424),

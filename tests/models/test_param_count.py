@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-import mixers  # noqa: F401  (registration)
-from models.decoder import abstract_model
-from models.param_count import count_params, is_matrix_param
-from training.config import load_config
+from mixerlab import mixers  # noqa: F401  (registration)
+from mixerlab.models.decoder import abstract_model
+from mixerlab.models.param_count import count_params, is_matrix_param
+from mixerlab.training.config import load_config
 
 # config file -> (mixer+gates matrices, FFN matrices, embeddings + head, total matrices, table value in M)
 TABLE = {
@@ -96,9 +96,9 @@ def test_all_parameters_of_muir_166m():
 
 
 def test_rule_is_by_type():
-    from mixers.base import DynamicsParam
-    from mixers.gates import ReadoutGain
-    from mixers.short_conv import ShortConvKernel
+    from mixerlab.mixers.base import DynamicsParam
+    from mixerlab.mixers.gates import ReadoutGain
+    from mixerlab.mixers.short_conv import ShortConvKernel
 
     assert is_matrix_param(nnx.Param(jnp.zeros((3, 4))))
     assert not is_matrix_param(nnx.Param(jnp.zeros((4,))))  # bias / norm scale

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import delta_rule
+from mixerlab.pallas_kernels import delta_rule
 
 # One jitted entry for every test: each (shapes, dtypes, static tiling) compiles once per process.
 jit_delta_rule = jax.jit(delta_rule, static_argnames=("chunk_size", "leaf_size", "implementation"))

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import attention, common
-from pallas_kernels.attention import api, pallas_tpu, pallas_triton, reference
+from mixerlab.pallas_kernels import attention, common
+from mixerlab.pallas_kernels.attention import api, pallas_tpu, pallas_triton, reference
 
 
 def _inputs(seed, b, t, h, d, dtype):

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from delta_rule_cases import gdn2_inputs, max_rel_err, outputs_and_grads, rel_rms_err, x64
-from pallas_kernels.delta_rule import pallas_tpu
-from pallas_kernels.interdomain import api as ia
-from pallas_kernels.vla import api as vla_api
+from mixerlab.pallas_kernels.delta_rule import pallas_tpu
+from mixerlab.pallas_kernels.interdomain import api as ia
+from mixerlab.pallas_kernels.vla import api as vla_api
 
 # One jitted entry per op (eager dispatch compiles every primitive separately: slow on CPU).
 _vla = jax.jit(vla_api.vla, static_argnames=("chunk_size", "implementation"))

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import common, delta_rule, interdomain, vla
+from mixerlab.pallas_kernels import common, delta_rule, interdomain, vla
 
 
 def test_document_index_counts_boundaries_and_reused_ids():

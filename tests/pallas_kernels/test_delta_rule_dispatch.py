@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import delta_rule, delta_rule_step, dispatch, normalized_linear_attention
-from pallas_kernels.delta_rule import api
+from mixerlab.pallas_kernels import delta_rule, delta_rule_step, dispatch, normalized_linear_attention
+from mixerlab.pallas_kernels.delta_rule import api
 
 B, T, H, DK, DV = 1, 10, 2, 4, 3
 
@@ -30,7 +30,7 @@ def _call(**kw):
 
 def test_auto_picks_xla_on_cpu_and_logs_each_rejected_kernel_once(caplog):
     api.TABLE._logged.clear()  # other tests in this process may have logged these reasons already
-    with caplog.at_level(logging.INFO, logger="pallas_kernels.dispatch"):
+    with caplog.at_level(logging.INFO, logger="mixerlab.pallas_kernels.dispatch"):
         chosen = api.TABLE.choose("auto", _call(**_inputs()))
         again = api.TABLE.choose("auto", _call(**_inputs()))  # e.g. the next layer: no second log line
     assert chosen.name == again.name == "xla"

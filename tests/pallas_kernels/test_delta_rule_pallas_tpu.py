@@ -21,8 +21,8 @@ import pytest  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from delta_rule_cases import gdn2_inputs, rel_rms_err, segment_ids_from_lengths, x64  # noqa: E402
-from pallas_kernels.delta_rule import api, pallas_tpu  # noqa: E402
-from pallas_kernels.delta_rule import pallas_tpu_bwd  # noqa: E402,F401  (import check)
+from mixerlab.pallas_kernels.delta_rule import api, pallas_tpu  # noqa: E402
+from mixerlab.pallas_kernels.delta_rule import pallas_tpu_bwd  # noqa: E402,F401  (import check)
 
 NAMES = ("q", "k", "erase_key", "v", "log_decay", "initial_state")
 F32_TOL = 1e-4

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from delta_rule_cases import gdn2_inputs, rel_rms_err, x64
-from pallas_kernels.delta_rule import pallas_triton, reference
+from mixerlab.pallas_kernels.delta_rule import pallas_triton, reference
 
 NAMES = ("q", "k", "erase_key", "v", "log_decay", "initial_state")
 
@@ -131,7 +131,7 @@ def _call(**kw):
                 has_erase=True, decay="channel", has_initial_state=True, has_segments=False, chunk_size=64,
                 leaf_size=8, backend="gpu")
     base.update(kw)
-    from pallas_kernels.delta_rule.api import DeltaRuleCall
+    from mixerlab.pallas_kernels.delta_rule.api import DeltaRuleCall
     return DeltaRuleCall(**base)
 
 

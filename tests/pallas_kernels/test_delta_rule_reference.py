@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from delta_rule_cases import gdn2_inputs, jit_delta_rule, max_rel_err, x64
-from pallas_kernels import delta_rule_step, normalized_linear_attention
+from mixerlab.pallas_kernels import delta_rule_step, normalized_linear_attention
 
 TOL = 1e-12
 B, T, H, DK, DV = 2, 45, 2, 8, 6

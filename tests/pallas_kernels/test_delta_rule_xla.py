@@ -11,8 +11,8 @@ from jax.scipy.linalg import solve_triangular
 
 from delta_rule_cases import (documents_as_rows, gdn2_inputs, jit_delta_rule, max_rel_err, segment_ids_from_lengths,
                               x64)
-from pallas_kernels import common
-from pallas_kernels.delta_rule import xla
+from mixerlab.pallas_kernels import common
+from mixerlab.pallas_kernels.delta_rule import xla
 
 F64_TOL = 1e-10  # observed ≤ 1e-15
 

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from pallas_kernels.delta_rule import flops as F
+from mixerlab.pallas_kernels.delta_rule import flops as F
 
 DEFAULT = F.KernelConfig(256, 8, 128, 128)
 TREES = [(16, 2), (16, 4), (64, 8), (128, 16), (256, 8), (256, 4), (64, 64)]
@@ -193,7 +193,7 @@ def test_cli_rejects_bad_config(capsys):
 
 def test_cli_subprocess():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-m", "pallas_kernels.delta_rule.flops",
+    r = subprocess.run([sys.executable, "-m", "mixerlab.pallas_kernels.delta_rule.flops",
                         "--chunk", "128", "--leaf", "8"], cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "Table 8 MXU rows" in r.stdout

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import common
-from pallas_kernels.delta_rule import flops_gpu
-from pallas_kernels.delta_rule import pallas_triton as ptr
+from mixerlab.pallas_kernels import common
+from mixerlab.pallas_kernels.delta_rule import flops_gpu
+from mixerlab.pallas_kernels.delta_rule import pallas_triton as ptr
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RAW = ROOT / "docs/benchmarks/raw/delta_rule_h200_2026-11-30.json"

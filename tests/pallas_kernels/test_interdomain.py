@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.interdomain import api as ia
+from mixerlab.pallas_kernels.interdomain import api as ia
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.vla import api, reference, scan, xla
+from mixerlab.pallas_kernels.vla import api, reference, scan, xla
 
 
 # One jitted entry per function: eager op-by-op dispatch compiles every primitive separately (slow on CPU).

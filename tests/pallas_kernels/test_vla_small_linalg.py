@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.scipy.linalg import solve_triangular
 
-from pallas_kernels.vla import small_linalg
+from mixerlab.pallas_kernels.vla import small_linalg
 
 
 def _spd(key, shape, n, dtype):

@@ -37,12 +37,14 @@ def test_muir_166m_compiles_for_v5e_2x2_and_reports_memory():
 
 _SHAPES_SCRIPT = """
 import json, re, sys
-from training import config as config_lib
-from training.aot import compile_train_step
-import models.sharding
+from mixerlab.training import config as config_lib
+from mixerlab.training.aot import compile_train_step
+import mixerlab.models.sharding  # noqa: F401
+from mixerlab import models
 if sys.argv[1] == "unconstrained":  # the control: what XLA does without the activation constraints
     models.sharding.constrain_batch = lambda x: x
-    import models.decoder
+    import mixerlab.models.decoder  # noqa: F401
+    from mixerlab import models
     models.decoder.constrain_batch = lambda x: x
 cfg = config_lib.load_config("configs/tiny.yaml", ["mesh.data=1", "mesh.fsdp=-1", "train.batch_size=8",
                                                   "data.seq_len=128", "model.d_model=256", "model.ffn_dim=1024"])

@@ -1,7 +1,7 @@
 """Config loading: inheritance, dotted overrides, and one clear error per bad key/type/combination."""
 import pytest
 
-from training.config import Config, ConfigError, load_config
+from mixerlab.training.config import Config, ConfigError, load_config
 
 
 def test_base_config_loads_with_defaults():
@@ -60,7 +60,7 @@ def test_bad_config_is_one_clear_error(override, fragments):
 
 
 def test_grad_clip_null_turns_clipping_off():
-    from training.optim import make_optimizer
+    from mixerlab.training.optim import make_optimizer
 
     assert load_config("configs/tiny.yaml", ["optim.grad_clip=null"]).optim.grad_clip is None
     cfg = load_config("configs/tiny.yaml", ["optim.grad_clip=null"])
@@ -91,7 +91,7 @@ def test_base_yaml_spells_out_every_default():
     """configs/base.yaml is the documented list of keys: it must name every key with the code's default."""
     import yaml
 
-    from training.config import from_dict
+    from mixerlab.training.config import from_dict
 
     raw = yaml.safe_load(open("configs/base.yaml"))
     assert from_dict(raw).to_dict() == Config().to_dict()

@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from training import data
-from training.tokenizer import load_tokenizer
+from mixerlab.training import data
+from mixerlab.training.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 EMBEDDED = REPO / "data" / "embedded"
@@ -201,7 +201,7 @@ def test_hf_tokenizer_pipeline_on_embedded_corpus():
 
 
 def test_default_config_reads_the_embedded_corpus():
-    from training.config import DataConfig
+    from mixerlab.training.config import DataConfig
 
     cfg = DataConfig()
     tok = load_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.path)

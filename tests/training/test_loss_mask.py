@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.decoder import cross_entropy
-from training.data import _to_example
+from mixerlab.models.decoder import cross_entropy
+from mixerlab.training.data import _to_example
 
 
 def test_masked_positions_do_not_count():

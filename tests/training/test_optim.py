@@ -10,10 +10,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from mixers.base import DynamicsParam, SSMParam
-from models.decoder import Decoder
-from training.config import load_config
-from training.optim import make_optimizer, param_groups
+from mixerlab.mixers.base import DynamicsParam, SSMParam
+from mixerlab.models.decoder import Decoder
+from mixerlab.training.config import load_config
+from mixerlab.training.optim import make_optimizer, param_groups
 
 
 class _Kinds(nnx.Module):

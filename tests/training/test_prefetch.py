@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from training.prefetch import DevicePrefetcher
+from mixerlab.training.prefetch import DevicePrefetcher
 
 
 class _Counter:

@@ -16,12 +16,12 @@ import pyarrow.parquet as pq
 import pytest
 
 import train as train_cli
-from training import data as data_lib
-from training import loop
-from training.checkpoint import MANIFEST, Checkpointer
-from training.config import load_config
-from training.loop import train
-from training.run_dir import RunDirError
+from mixerlab.training import data as data_lib
+from mixerlab.training import loop
+from mixerlab.training.checkpoint import MANIFEST, Checkpointer
+from mixerlab.training.config import load_config
+from mixerlab.training.loop import train
+from mixerlab.training.run_dir import RunDirError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from training import loop
-from training.config import load_config
-from training.loop import train
+from mixerlab.training import loop
+from mixerlab.training.config import load_config
+from mixerlab.training.loop import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -7,17 +7,17 @@ import textwrap
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from training import mesh as mesh_lib
+from mixerlab.training import mesh as mesh_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     assert jax.device_count() == 8, jax.devices()
-    from training.config import load_config
-    from training.loop import Trainer
-    from training import mesh as mesh_lib, data as data_lib
-    from training.tokenizer import load_tokenizer
+    from mixerlab.training.config import load_config
+    from mixerlab.training.loop import Trainer
+    from mixerlab.training import mesh as mesh_lib, data as data_lib
+    from mixerlab.training.tokenizer import load_tokenizer
 
     def run(mesh_args, devices):
         cfg = load_config("configs/tiny.yaml", ["model.d_model=64", "train.batch_size=8", *mesh_args])

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from training.tokenizer import KINDS, load_tokenizer
+from mixerlab.training.tokenizer import KINDS, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "data" / "embedded" / "tokenizer.json"

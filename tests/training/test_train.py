@@ -6,10 +6,10 @@ import os
 import jax
 import pytest
 
-import mixers
+from mixerlab import mixers
 
-from training.config import load_config
-from training.loop import train
+from mixerlab.training.config import load_config
+from mixerlab.training.loop import train
 
 
 
@@ -19,9 +19,9 @@ def _cfg(tmp_path, name, *extra):
 
 def _trainer_and_batch(tmp_path, name, batch_size, *extra):
     """An initialised Trainer of the tiny config and its first global batch of ``batch_size`` rows."""
-    from training import data as data_lib
-    from training.loop import Trainer
-    from training.tokenizer import load_tokenizer
+    from mixerlab.training import data as data_lib
+    from mixerlab.training.loop import Trainer
+    from mixerlab.training.tokenizer import load_tokenizer
 
     cfg = _cfg(tmp_path, name, f"train.batch_size={batch_size}", *extra)
     tok = load_tokenizer(cfg.data.tokenizer.kind, cfg.data.tokenizer.path)
