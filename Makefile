@@ -64,7 +64,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 test: lint
-	$(PY) -m pytest -n 2 --dist loadgroup -q $(ARGS)
+	$(PY) -m pytest -n 2 --dist loadgroup -q --durations=25 $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
