@@ -14,6 +14,7 @@ from mixerlab.mixers.base import MixerSpec
 from mixerlab.mixers.blocks import normal
 from mixerlab.models.layers import MLP, RMSNorm, SwiGLU
 from mixerlab.models.sharding import constrain_batch
+from mixerlab.pallas_kernels.common import KERNEL_RESIDUALS
 
 
 class Block(nnx.Module):
@@ -44,6 +45,16 @@ class Block(nnx.Module):
         y, cache = self.mixer.decode(self.mixer_norm(x), cache, positions)
         x = x + y
         return x + self.ffn(self.ffn_norm(x)), cache
+
+
+_kernels = jax.checkpoint_policies.save_only_these_names(KERNEL_RESIDUALS)
+# model.remat -> what a block keeps for its backward pass (the rest is recomputed there); "mixer" is handled in Block
+REMAT_POLICIES = {
+    "block": None,  # only the block's input
+    "kernels": _kernels,  # + the mixer kernels' outputs and residuals: no kernel forward runs twice
+    "dots": jax.checkpoint_policies.save_from_both_policies(  # + every matmul output: recompute elementwise work
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _kernels),
+}
 
 
 class Decoder(nnx.Module):
@@ -79,10 +90,8 @@ class Decoder(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x = constrain_batch(self.embed(tokens_BT).astype(self.dtype))
         run = lambda block, h: block(h, segment_ids, positions, self.remat)
-        if self.remat == "block":  # keep only each block's input; recompute the block in the backward pass
-            run = nnx.remat(run)
-        elif self.remat == "dots":  # keep the matmul outputs too; recompute only the elementwise work
-            run = nnx.remat(run, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        if self.remat in REMAT_POLICIES:
+            run = nnx.remat(run, policy=REMAT_POLICIES[self.remat])
         for block in self.blocks:
             x = constrain_batch(run(block, x))
         return x

@@ -87,6 +87,20 @@ def check_segment_ids(op: str, segment_ids, batch: int, length: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# what a kernel keeps for its backward pass, named for rematerialisation policies
+
+KERNEL_RESIDUALS = "mixer_kernel_residuals"
+
+
+def keep_for_backward(tree):
+    """Tag a custom-VJP forward's outputs and residuals with :data:`KERNEL_RESIDUALS`, so that a remat policy
+    (``model.remat=kernels`` or ``dots``) can keep them: the backward pass then recomputes the cheap work of a
+    block (projections, convolutions, norms) but never runs a mixer kernel's forward a second time."""
+    from jax.ad_checkpoint import checkpoint_name
+    return jax.tree.map(lambda x: checkpoint_name(x, KERNEL_RESIDUALS), tree)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # value domains (λ ≤ 0, r ≤ 0, positive-definite A₀). Concrete values: a ValueError now. Under jit: the op's
 # outputs become NaN when the domain is violated (computed on the device: no host sync, so the training step
 # stays asynchronous; the trainer reports non-finite steps), and with MIXERLAB_CHECK_DOMAINS=1 a host

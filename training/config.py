@@ -61,8 +61,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     dtype: Literal["float32", "bfloat16"] = "float32"  # activation/compute dtype; parameters stay float32
-    remat: Literal["none", "block", "mixer", "dots"] = "none"  # activation checkpointing: per block, mixer only,
-    #                                  or per block keeping the matmul outputs ("dots")
+    remat: Literal["none", "block", "kernels", "dots", "mixer"] = "none"  # activation checkpointing, per block:
+    #   block: keep only its input; kernels: + the mixer kernels' outputs/residuals; dots: + every matmul output;
+    #   mixer: recompute only the token mixer
 
     @property
     def key_head_dim(self) -> int:

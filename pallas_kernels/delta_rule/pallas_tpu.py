@@ -544,6 +544,7 @@ def chunked(q, k, e, v, log_decay, s_init, doc_col, doc_row, cfg: KernelConfig):
 
 def _chunked_fwd(q, k, e, v, log_decay, s_init, doc_col, doc_row, cfg):
     out, starts, final = forward_call(cfg, q, k, e, v, log_decay, doc_col, doc_row, s_init)
+    out, starts, final = common.keep_for_backward((out, starts, final))
     return (out, final), (q, k, e, v, log_decay, doc_col, doc_row, starts)
 
 

@@ -764,6 +764,7 @@ def _delta_rule(cfg, q, k, erase, v, log_decay, state, document, carried):
 
 def _delta_rule_fwd(cfg, q, k, erase, v, log_decay, state, document, carried):
     out, final, saved = _forward(cfg, q, k, erase, v, log_decay, state, document, carried, for_backward=True)
+    out, final, saved = common.keep_for_backward((out, final, saved))
     return (out, final), (q, k, erase, v, log_decay, state, document, carried, *saved)
 
 

@@ -22,6 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mixerlab.pallas_kernels import common
 from mixerlab.pallas_kernels.delta_rule import xla
 from mixerlab.pallas_kernels.delta_rule.xla import matmul, transpose
 
@@ -37,6 +38,7 @@ def chunked_delta_rule(q, k, erase, v, log_decay, initial_BHKV, document_B1NC, c
 def _forward(q, k, erase, v, log_decay, initial_BHKV, document_B1NC, carry_document_B1N, leaf_size):
     out, final, starts = xla.chunked_forward(q, k, erase, v, log_decay, initial_BHKV, document_B1NC,
                                              carry_document_B1N, leaf_size)
+    out, final, starts = common.keep_for_backward((out, final, starts))
     return (out, final), (q, k, erase, v, log_decay, document_B1NC, carry_document_B1N, starts)
 
 

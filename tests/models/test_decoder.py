@@ -85,7 +85,7 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
 
 
-@pytest.mark.parametrize("remat", ["block", "mixer", "dots"])
+@pytest.mark.parametrize("remat", ["block", "kernels", "mixer", "dots"])
 def test_remat_changes_memory_not_math(remat):
     from flax import nnx
 
@@ -120,3 +120,22 @@ def test_dots_remat_recomputes_no_matmul_that_block_remat_recomputes():
 
     none, dots, block = dots_in_grad("none"), dots_in_grad("dots"), dots_in_grad("block")
     assert none < dots < block and block - dots > 2 * (dots - none), (none, dots, block)
+
+
+def test_kernels_remat_never_runs_a_mixer_kernel_forward_twice():
+    """remat=kernels (and dots) keep what the delta-rule kernel's custom VJP saves, so its forward (here the XLA
+    form's chunk-state scan, one per layer) is not rerun in the backward pass; remat=block reruns it."""
+    from flax import nnx
+
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 97, (2, 80)), jnp.int32)
+
+    def scans_in_grad(remat):
+        model = _model("gdn2", **{"model.remat": remat})
+        graphdef, state = nnx.split(model)
+
+        def f(state):
+            return jnp.mean(nnx.merge(graphdef, state)(tokens) ** 2)
+        return str(jax.make_jaxpr(jax.grad(f))(state)).count(" scan[")
+
+    none, kernels, dots, block = (scans_in_grad(r) for r in ("none", "kernels", "dots", "block"))
+    assert none == kernels == dots and block == none + 2, (none, kernels, dots, block)
