@@ -25,11 +25,13 @@ class SoftmaxOptions:
     rope_theta: RoPE base (10000, the Llama-2 value).
     implementation: the attention op's implementation: ``auto`` (splash attention on TPU, Pallas flash
         attention on GPU, dense ``xla`` elsewhere), or one forced: ``xla`` (dense, materialises T×T scores),
-        ``pallas_tpu``, ``pallas_triton``, ``cudnn`` (cuDNN with a dense T×T document mask), ``reference``.
+        ``pallas_tpu``, ``cudnn_packed`` (cuDNN flash attention over packed documents), ``pallas_triton``,
+        ``cudnn`` (cuDNN with a dense T×T document mask), ``reference``.
     """
 
     rope_theta: float = 10000.0
-    implementation: Literal["auto", "xla", "pallas_tpu", "pallas_triton", "cudnn", "reference"] = "auto"
+    implementation: Literal["auto", "xla", "pallas_tpu", "cudnn_packed", "pallas_triton", "cudnn",
+                            "reference"] = "auto"
 
 
 @register("softmax", SoftmaxOptions)

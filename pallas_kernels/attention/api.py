@@ -8,6 +8,8 @@ marked by ``segment_ids`` as everywhere in the project). Implementations:
   * ``xla`` — dense masked ``jax.nn.dot_product_attention``; materialises [B, H, T, T] scores: the portable
     fallback for CPU and short sequences;
   * ``pallas_tpu`` — splash attention (Mosaic), causal mask + segment ids, no T×T buffer;
+  * ``cudnn_packed`` — cuDNN flash attention over packed segments (GPU, compute capability ≥ 9.0): each
+    document is a segment, cross-document tiles are skipped, no T×T buffer;
   * ``pallas_triton`` — flash attention on GPU (Pallas' Triton backend) with segment ids, no T×T buffer;
   * ``cudnn`` — cuDNN's fused attention with the dense [B, 1, T, T] document mask (GPU; the mask is a T×T
     buffer): a baseline for benchmarks.
@@ -21,7 +23,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from mixerlab.pallas_kernels import common, dispatch
-from mixerlab.pallas_kernels.attention import pallas_tpu, pallas_triton, reference
+from mixerlab.pallas_kernels.attention import cudnn_packed, pallas_tpu, pallas_triton, reference
 
 OP = "attention"
 
@@ -66,6 +68,7 @@ TABLE = dispatch.OpTable(OP, fallback="xla")
 TABLE.register(dispatch.Implementation("reference", _run_reference))
 TABLE.register(dispatch.Implementation("xla", _run_xla))
 TABLE.register(dispatch.Implementation("pallas_tpu", pallas_tpu.run, pallas_tpu.supports, fast=True))
+TABLE.register(dispatch.Implementation("cudnn_packed", cudnn_packed.run, cudnn_packed.supports, fast=True))
 TABLE.register(dispatch.Implementation("pallas_triton", pallas_triton.run, pallas_triton.supports, fast=True))
 TABLE.register(dispatch.Implementation("cudnn", _run_cudnn, _needs_gpu))
 
@@ -79,7 +82,7 @@ def attention(q, k, v, *, segment_ids=None, scale: Optional[float] = None, imple
         t with seg[t] != seg[t−1], as in every op of this package). None = one document per row.
       scale: score scale; default 1/√D.
       implementation: "auto" (a Pallas kernel when the backend has one, else "xla") | "reference" | "xla" |
-        "pallas_tpu" | "pallas_triton" | "cudnn".
+        "pallas_tpu" | "cudnn_packed" | "pallas_triton" | "cudnn".
 
     Returns: o [B, T, H, D] in v's dtype.
     """
@@ -94,6 +97,6 @@ def attention(q, k, v, *, segment_ids=None, scale: Optional[float] = None, imple
     call = AttentionCall(b, t, h, d, jnp.dtype(q.dtype), dispatch.target_backend())
     impl = TABLE.choose(implementation, call)
     run = impl.run
-    if impl.name.startswith("pallas_"):
+    if impl.name.startswith("pallas_") or impl.name == "cudnn_packed":
         run = common.per_shard(run, h, ("tokens", "tokens", "tokens", "rows"), "tokens")
     return run(q, k, v, common.document_index(segment_ids, b, t), scale=float(scale))

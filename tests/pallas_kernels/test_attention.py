@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mixerlab.pallas_kernels import attention, common
-from mixerlab.pallas_kernels.attention import api, pallas_tpu, pallas_triton, reference
+from mixerlab.pallas_kernels.attention import api, cudnn_packed, pallas_tpu, pallas_triton, reference
 
 
 def _inputs(seed, b, t, h, d, dtype):
@@ -137,3 +137,26 @@ def test_splash_compiles_for_tpu(topology):
 def test_gpu_flash_matches_reference(dtype, out_tol, grad_tol):
     """Compiled on the GPU: T = 300 pads to 384; a document boundary on a block boundary."""
     _check_against_reference(pallas_triton.run, dtype, 300, 128, [(128, 100, 72), (300,)], out_tol, grad_tol)
+
+
+def test_cudnn_packed_segment_layout():
+    """Offsets/lengths of each document in cuDNN's packed convention (−1 padded), against a numpy count."""
+    rows = [[5, 5, 5, 7, 7, 9, 9, 9], [1] * 8, [0, 1, 2, 3, 3, 3, 3, 4]]
+    seqlen, offsets, count = cudnn_packed.segment_layout(jnp.asarray(rows, jnp.int32), 5)
+    assert count.tolist() == [3, 1, 5]
+    assert seqlen.tolist() == [[3, 2, 3, -1, -1], [8, -1, -1, -1, -1], [1, 1, 1, 4, 1]]
+    assert offsets.tolist() == [[0, 3, 5, -1, -1, -1], [0, -1, -1, -1, -1, -1], [0, 1, 2, 3, 7, -1]]
+    for row, lengths, starts in zip(rows, seqlen.tolist(), offsets.tolist()):  # the segments tile the row
+        kept = [n for n in lengths if n >= 0]
+        assert sum(kept) == len(row) and starts[:len(kept)] == list(np.cumsum([0] + kept[:-1]))
+    _, _, count = cudnn_packed.segment_layout(jnp.asarray(rows, jnp.int32), 2)
+    assert int(count.max()) == 5  # > 2: run() takes the flash kernel for such a batch
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype, out_tol, grad_tol", [(jnp.float16, 3e-3, 5e-3), (jnp.bfloat16, 2e-2, 3e-2)])
+@pytest.mark.parametrize("max_documents", [64, 2])  # 2 < 3 documents: the lax.cond fallback to flash attention
+def test_gpu_cudnn_packed_matches_reference(dtype, out_tol, grad_tol, max_documents):
+    run = lambda *a, scale: cudnn_packed.run(*a, scale=scale, max_documents=max_documents)  # noqa: E731
+    _check_against_reference(run, dtype, 300, 128, [(128, 100, 72), (300,)], out_tol, grad_tol)
