@@ -103,20 +103,25 @@ def test_remat_changes_memory_not_math(remat):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
+def _grad_jaxpr(mixer, remat, length):
+    """The jaxpr (as text) of the gradient of a small model's loss w.r.t. its parameters."""
+    from flax import nnx
+
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 97, (2, length)), jnp.int32)
+    graphdef, state = nnx.split(_model(mixer, **{"model.remat": remat}))
+
+    def f(state):
+        return jnp.mean(nnx.merge(graphdef, state)(tokens) ** 2)
+    return str(jax.make_jaxpr(jax.grad(f))(state))
+
+
 def test_dots_remat_recomputes_no_matmul_that_block_remat_recomputes():
     """remat=dots keeps the outputs of the weight matmuls (no batch dimensions): only the attention score
     matmuls (batched over B, H) are recomputed, far fewer than block remat recomputes."""
     from flax import nnx
 
-    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 97, (2, 16)), jnp.int32)
-
     def dots_in_grad(remat):
-        model = _model("softmax", **{"model.remat": remat})
-        graphdef, state = nnx.split(model)
-
-        def f(state):
-            return jnp.mean(nnx.merge(graphdef, state)(tokens) ** 2)
-        return str(jax.make_jaxpr(jax.grad(f))(state)).count("dot_general")
+        return _grad_jaxpr("softmax", remat, 16).count("dot_general")
 
     none, dots, block = dots_in_grad("none"), dots_in_grad("dots"), dots_in_grad("block")
     assert none < dots < block and block - dots > 2 * (dots - none), (none, dots, block)
@@ -125,17 +130,8 @@ def test_dots_remat_recomputes_no_matmul_that_block_remat_recomputes():
 def test_kernels_remat_never_runs_a_mixer_kernel_forward_twice():
     """remat=kernels (and dots) keep what the delta-rule kernel's custom VJP saves, so its forward (here the XLA
     form's chunk-state scan, one per layer) is not rerun in the backward pass; remat=block reruns it."""
-    from flax import nnx
-
-    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 97, (2, 80)), jnp.int32)
-
     def scans_in_grad(remat):
-        model = _model("gdn2", **{"model.remat": remat})
-        graphdef, state = nnx.split(model)
-
-        def f(state):
-            return jnp.mean(nnx.merge(graphdef, state)(tokens) ** 2)
-        return str(jax.make_jaxpr(jax.grad(f))(state)).count(" scan[")
+        return _grad_jaxpr("gdn2", remat, 80).count(" scan[")
 
     none, kernels, dots, block = (scans_in_grad(r) for r in ("none", "kernels", "dots", "block"))
     assert none == kernels == dots and block == none + 2, (none, kernels, dots, block)
