@@ -327,7 +327,11 @@ class _ParquetDocs(grain.MapDataset):
         if not self._infinite and not 0 <= index < self._n:
             raise IndexError(f"document index {index} out of range [0, {self._n})")
         gi, row = self._locate(int(index))
-        text = self._group_texts(gi)[row]
+        return self._document(self._group_texts(gi)[row])
+
+    @staticmethod
+    def _document(text):
+        """One cached row as the dataset's element (here: the text; a null cell is an empty document)."""
         return "" if text is None else str(text)
 
 

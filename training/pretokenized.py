@@ -153,13 +153,9 @@ class _TokenDocs(data_lib._ParquetDocs):
             self._cache_put(self._texts, gi, rows, self._window + 2)
         return rows
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return self.slice(index)
-        if not self._infinite and not 0 <= index < self._n:
-            raise IndexError(f"document index {index} out of range [0, {self._n})")
-        gi, row = self._locate(int(index))
-        return self._group_texts(gi)[row]
+    @staticmethod
+    def _document(tokens):  # the cached token array itself
+        return tokens
 
 
 def _as_tokens(tokens: np.ndarray) -> dict:
