@@ -199,28 +199,25 @@ def _url(path: str, fs_path: str) -> str:
     return f"{protocol(path)}://{fs_path.lstrip('/')}" if is_url(path) else fs_path
 
 
-def exists(path: str, key: str = "") -> bool:
+def _test(name: str, path: str, key: str) -> bool:
+    """``os.path.<name>`` for a local path, ``fs.<name>`` for a URL (exists / isdir / isfile)."""
     if not is_url(path):
-        return os.path.exists(_local(path))
+        return getattr(os.path, name)(_local(path))
     with errors(path, key):
         fs, p = _fs_path(path, key)
-        return bool(fs.exists(p))
+        return bool(getattr(fs, name)(p))
+
+
+def exists(path: str, key: str = "") -> bool:
+    return _test("exists", path, key)
 
 
 def isdir(path: str, key: str = "") -> bool:
-    if not is_url(path):
-        return os.path.isdir(_local(path))
-    with errors(path, key):
-        fs, p = _fs_path(path, key)
-        return bool(fs.isdir(p))
+    return _test("isdir", path, key)
 
 
 def isfile(path: str, key: str = "") -> bool:
-    if not is_url(path):
-        return os.path.isfile(_local(path))
-    with errors(path, key):
-        fs, p = _fs_path(path, key)
-        return bool(fs.isfile(p))
+    return _test("isfile", path, key)
 
 
 def listdir(path: str, key: str = "") -> list[str]:
