@@ -3,11 +3,17 @@ and the Pallas-Triton kernels (GPU), bf16 activations, float32 kernel, packed do
 median of ``--reps`` warm runs.
 
     python tools/bench_short_conv.py --shape 32x4096x1024 [--reps 20] [--check] [--config block_t=64 ...]
+    python tools/bench_short_conv.py --shape 32x4096x1024 --sweep     # pallas_triton only, a few block configs
 
 ``--check`` first compares pallas_triton with the xla custom VJP at the same shape and prints the max abs
 difference of y, dx and dW (and the largest |value| of each, for scale). ``--config`` passes Pallas-Triton
-block sizes (pallas_kernels/short_conv/pallas_triton.py, ``Config``). Off the GPU the pallas_triton row is
-skipped unless ``--interpret`` (a smoke test of this tool at a small shape, not a timing).
+block sizes (pallas_kernels/short_conv/pallas_triton.py, ``Config``); ``--sweep`` times pallas_triton with
+each config of ``SWEEP`` on top of ``--config`` (forward blocks first, then backward ones). Off the GPU the
+pallas_triton rows are skipped unless ``--interpret`` (a smoke test of this tool at a small shape, not a
+timing).
+
+The forward+backward column returns y as well as dx and dW: a jitted function returning only the gradients
+lets XLA drop the forward pass, since the custom backward needs only x and W.
 """
 from __future__ import annotations
 
@@ -27,6 +33,11 @@ import numpy as np  # noqa: E402
 from mixerlab.pallas_kernels.short_conv import pallas_triton, reference, xla  # noqa: E402
 
 BF16 = jnp.dtype(jnp.bfloat16)
+SWEEP = [  # each on top of the defaults (and of --config)
+    {}, dict(block_t=16), dict(block_t=64), dict(block_c=256, warps=8), dict(block_t=64, warps=8),
+    dict(bwd_block_c=128), dict(bwd_block_t=16), dict(bwd_block_t=16, bwd_block_c=128, bwd_warps=8),
+    dict(bwd_warps=2), dict(bwd_steps=8), dict(bwd_steps=128),
+]
 
 
 def _median_ms(fn, args, reps):
@@ -62,6 +73,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--check", action="store_true", help="compare pallas_triton with xla before timing")
     p.add_argument("--config", nargs="*", default=[], help="pallas_triton Config fields, name=value")
+    p.add_argument("--sweep", action="store_true", help="time pallas_triton with each config of SWEEP")
     p.add_argument("--interpret", action="store_true",
                    help="off the GPU: run pallas_triton in interpret mode (a smoke test of this tool, not a timing)")
     a = p.parse_args(argv)
@@ -83,12 +95,14 @@ def main(argv=None):
     def custom(x, w):
         return xla.causal_conv(x, w, seg, True, BF16)
 
-    def triton(x, w):
-        return pallas_triton.run(x, w, seg, True, BF16, **overrides)
+    def triton(x, w, **extra):
+        return pallas_triton.run(x, w, seg, True, BF16, **(overrides | extra))
 
     rows = [("autodiff", autodiff), ("xla custom VJP", custom)]
     with_triton = on_gpu or a.interpret
-    if with_triton:
+    if with_triton and a.sweep:
+        rows = [(f"pallas_triton {extra or 'defaults'}", functools.partial(triton, **extra)) for extra in SWEEP]
+    elif with_triton:
         rows.append(("pallas_triton" + ("" if on_gpu else " (interpret)"), triton))
     else:
         print(f"(backend {jax.default_backend()!r}: the pallas_triton row needs a GPU and is skipped)")

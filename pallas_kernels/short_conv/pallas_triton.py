@@ -40,10 +40,16 @@ MAX_KERNEL_SIZE = 8  # the backward keeps 2K − 1 shifted x blocks live
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    block_t: int = 64  # forward: tokens per program
-    block_c: int = 128  # channels per program (both kernels)
-    bwd_block_t: int = 16  # backward: tokens per step (2K − 1 blocks of BT × BC live in registers)
-    bwd_steps: int = 16  # backward: steps per program; fewer dW partial rows, fewer programs
+    """Blocks and warps. Defaults from ptxas on sm_90a at 32×4096×1024 bf16, K 4, with segments
+    (``tools/triton_ptx_report.py --op short_conv``): forward 32 × 128 uses 127 registers per thread (64 × 128:
+    255, two CTAs per SM); backward 8 × 64 uses 92 (8 × 128: 179; 16 × 128: 255 and spills). None spill.
+    Timings on the GPU decide; ``tools/bench_short_conv.py --sweep`` compares a few."""
+
+    block_t: int = 32  # forward: tokens per program
+    block_c: int = 128  # forward: channels per program
+    bwd_block_t: int = 8  # backward: tokens per step (2K − 1 shifted x blocks of BT × BC are live)
+    bwd_block_c: int = 64  # backward: channels per program
+    bwd_steps: int = 32  # backward: steps per program (fewer dW partial rows: B · T / (BT · S) of them)
     warps: int = 4
     bwd_warps: int = 4
     interpret: bool = False
@@ -54,18 +60,20 @@ def _pow2(n) -> bool:
 
 
 def make_config(length: int, channels: int, *, interpret: bool = False, **overrides) -> Config:
-    """The default blocks shrunk to the next power of two of small T and C (a 37-token, 96-channel call runs one
-    64 × 128 program, not more), then ``overrides`` (any :class:`Config` field), checked."""
+    """The default blocks (and backward steps) shrunk to the next power of two of small T and C, then
+    ``overrides`` (any :class:`Config` field), checked."""
     names = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(overrides) - names)
     if unknown:
         raise ValueError(f"short_conv pallas_triton: unknown config field(s) {unknown}; valid: {sorted(names)}")
     t2, c2 = pl.next_power_of_2(max(length, 1)), pl.next_power_of_2(max(channels, 1))
     base = Config()
-    cfg = Config(block_t=min(base.block_t, t2), block_c=min(base.block_c, c2),
-                 bwd_block_t=min(base.bwd_block_t, t2), bwd_steps=base.bwd_steps, interpret=interpret)
+    bwd_block_t = min(base.bwd_block_t, t2)
+    cfg = Config(block_t=min(base.block_t, t2), block_c=min(base.block_c, c2), bwd_block_t=bwd_block_t,
+                 bwd_block_c=min(base.bwd_block_c, c2), bwd_steps=min(base.bwd_steps, t2 // bwd_block_t),
+                 interpret=interpret)
     cfg = dataclasses.replace(cfg, **overrides)
-    for name in ("block_t", "block_c", "bwd_block_t", "bwd_steps", "warps", "bwd_warps"):
+    for name in ("block_t", "block_c", "bwd_block_t", "bwd_block_c", "bwd_steps", "warps", "bwd_warps"):
         if not _pow2(getattr(cfg, name)):
             raise ValueError(f"short_conv pallas_triton: {name}={getattr(cfg, name)!r}; expected a power of two "
                              f"(Triton block shapes and warp counts)")
@@ -99,12 +107,12 @@ def _index(i: int):
 
 
 def _load_block(ref, b, rows, cols, ok):
-    """ref[b, rows, cols] as float32 ([BT, BC]); zero where ``ok`` is false. The indices are clamped into the
-    array so that no address (and no interpreter gather) leaves it; the mask drops the clamped entries."""
-    length, channels = ref.shape[1], ref.shape[2]
-    r = jnp.clip(rows, 0, length - 1)[:, None]
-    c = jnp.clip(cols, 0, channels - 1)[None, :]
-    return pltriton.load(ref.at[b, r, c], mask=ok, other=0.0).astype(F32)
+    """ref[b, rows, cols] as float32 ([BT, BC]); zero where ``ok`` is false. Row indices are clamped into the
+    array (a shifted block starts before token 0; the mask drops those rows). Column indices are not: a clamp
+    would hide their contiguity from Triton and split the vector loads into scalar ones, and columns past C
+    are masked (never read on the GPU; the interpreter's gather clamps them)."""
+    r = jnp.clip(rows, 0, ref.shape[1] - 1)[:, None]
+    return pltriton.load(ref.at[b, r, cols[None, :]], mask=ok, other=0.0).astype(F32)
 
 
 def _load_segments(ref, b, rows):
@@ -114,8 +122,7 @@ def _load_segments(ref, b, rows):
 
 def _load_taps(w_ref, cols, col_ok, kernel_size):
     """W's K rows for these channels, float32 [BC] each (zero past C)."""
-    c = jnp.clip(cols, 0, w_ref.shape[1] - 1)
-    return [pltriton.load(w_ref.at[_index(r), c], mask=col_ok, other=0.0).astype(F32)
+    return [pltriton.load(w_ref.at[_index(r), cols], mask=col_ok, other=0.0).astype(F32)
             for r in range(kernel_size)]
 
 
@@ -185,16 +192,18 @@ def _backward_kernel(x_ref, w_ref, dy_ref, *refs, activation, has_segments, bloc
         pltriton.store(dx_ref.at[b, pl.ds(t0, block_t), pl.ds(c0, block_c)], d_x.astype(dx_ref.dtype),
                        mask=store_ok)
         new_d_w = []
-        for i in range(k):  # dW[K−1−i] += Σ_t x_{t−i} [seg_{t−i} = seg_t] d_t
+        for i in range(k):  # dW[K−1−i] += x_{t−i} [seg_{t−i} = seg_t] d_t, summed over t after the loop
             term = x[-i] if not has_segments else jnp.where(same(-i, 0)[:, None], x[-i], 0.0)
-            new_d_w.append(d_w[i] + jnp.sum(term * d_acc[0], axis=0))
+            new_d_w.append(d_w[i] + term * d_acc[0])
         return tuple(new_d_w)
 
-    zeros = tuple(jnp.zeros((block_c,), F32) for _ in range(k))
+    # [BT, BC] accumulators, one reduction over tokens at the end (not one cross-warp reduction per step)
+    zeros = tuple(jnp.zeros((block_t, block_c), F32) for _ in range(k))
     d_w = jax.lax.fori_loop(0, steps, step, zeros)
     row = b * groups + g
     for i in range(k):
-        pltriton.store(dw_ref.at[row, _index(k - 1 - i), pl.ds(c0, block_c)], d_w[i], mask=col_ok)
+        pltriton.store(dw_ref.at[row, _index(k - 1 - i), pl.ds(c0, block_c)], jnp.sum(d_w[i], axis=0),
+                       mask=col_ok)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -230,10 +239,10 @@ def _backward(cfg, x, w, seg, dy, activation):
     b, t, c = x.shape
     k = w.shape[0]
     per_program = cfg.bwd_block_t * cfg.bwd_steps
-    grid = (b, pl.cdiv(t, per_program), pl.cdiv(c, cfg.block_c))
+    grid = (b, pl.cdiv(t, per_program), pl.cdiv(c, cfg.bwd_block_c))
     has_segments = seg is not None
     kernel = functools.partial(_backward_kernel, activation=activation, has_segments=has_segments,
-                               block_t=cfg.bwd_block_t, block_c=cfg.block_c, steps=cfg.bwd_steps, groups=grid[1])
+                               block_t=cfg.bwd_block_t, block_c=cfg.bwd_block_c, steps=cfg.bwd_steps, groups=grid[1])
     n = b * t * c
     partial_rows = b * grid[1]
     recompute = (2 * k * k + 3 * k + 6 * k) * n if activation else 0  # a_{t+i}, sigmoid, SiLU' per i
@@ -275,7 +284,8 @@ _causal_conv.defvjp(_causal_conv_fwd, _causal_conv_bwd)
 def run(x_BTC, w_KC, segment_ids_BT, activation: bool, out_dtype, *, interpret: bool = False, **overrides):
     """x [B, T, C] (float32 / bfloat16 / float16), W [K, C] (read as float32), segment ids [B, T] int or None.
     Returns y [B, T, C] in ``out_dtype``; differentiable in x and W (custom VJP: dx in x's dtype, dW in W's).
-    ``overrides``: :class:`Config` fields (block_t, block_c, bwd_block_t, bwd_steps, warps, bwd_warps)."""
+    ``overrides``: :class:`Config` fields (block_t, block_c, bwd_block_t, bwd_block_c, bwd_steps, warps,
+    bwd_warps)."""
     cfg = make_config(x_BTC.shape[1], x_BTC.shape[2], interpret=interpret, **overrides)
     seg = None if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
     return _causal_conv(cfg, x_BTC, w_KC, seg, bool(activation), jnp.dtype(out_dtype))

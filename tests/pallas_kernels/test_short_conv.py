@@ -18,7 +18,7 @@ import pytest
 from delta_rule_cases import x64
 from mixerlab.pallas_kernels.short_conv import api, pallas_triton, reference
 
-SMALL_BLOCKS = dict(block_t=16, block_c=32, bwd_block_t=8, bwd_steps=4)  # many programs, partial edge blocks
+SMALL_BLOCKS = dict(block_t=16, block_c=32, bwd_block_t=8, bwd_block_c=32, bwd_steps=4)  # many programs, edges
 
 
 def _inputs(seed, b, t, c, k, segments):
@@ -72,8 +72,8 @@ def _check(got, want, tol, dw_tol=None):
 
 
 @pytest.mark.parametrize("b, t, c, k, activation, segments, config", [
-    (2, 37, 96, 4, True, True, {}),               # default blocks: one program per row, T and C below the block
-    (2, 300, 200, 3, False, True, SMALL_BLOCKS),  # 19 × 7 forward blocks, 10 backward groups, edge blocks
+    (2, 37, 96, 4, True, True, {}),               # default blocks: edge blocks in T and C, one backward group
+    (2, 300, 200, 3, False, True, SMALL_BLOCKS),  # 19 × 7 forward blocks, 10 × 7 backward programs
     (2, 300, 200, 2, True, False, SMALL_BLOCKS),  # no segments
     (1, 3, 5, 4, True, True, {}),                 # T < K: taps that reach before the row's start
 ])
@@ -137,13 +137,31 @@ def test_bad_arguments_name_the_argument(args, match):
                         call["activation"], call["out_dtype"])
 
 
+@pytest.mark.parametrize("segments", [True, False])
+def test_forward_and_backward_lower_to_two_triton_calls_for_cuda_on_cpu(segments):
+    """The Pallas-to-Triton lowering accepts the kernels (power-of-two blocks, gathers, masks, the backward's
+    loop) at an odd shape: one forward and one backward custom call."""
+    s = jax.ShapeDtypeStruct
+    specs = [s((2, 300, 200), jnp.bfloat16), s((4, 200), jnp.float32)] + ([s((2, 300), jnp.int32)] if segments else [])
+
+    def loss(x, w, *seg):
+        return jnp.sum(pallas_triton.run(x, w, seg[0] if seg else None, True, jnp.bfloat16).astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2
+
+
 def test_config_rejects_blocks_that_are_not_powers_of_two():
     with pytest.raises(ValueError, match="block_c=96.*power of two"):
         pallas_triton.make_config(100, 96, block_c=96)
     with pytest.raises(ValueError, match="unknown config field"):
         pallas_triton.make_config(100, 96, chunk=64)
-    assert pallas_triton.make_config(37, 96).block_t == 64 and pallas_triton.make_config(37, 96).block_c == 128
-    assert pallas_triton.make_config(5, 3).block_t == 8 and pallas_triton.make_config(5, 3).block_c == 4
+    cfg = pallas_triton.make_config(4096, 1024)
+    assert (cfg.block_t, cfg.block_c, cfg.bwd_block_t, cfg.bwd_block_c, cfg.bwd_steps) == (32, 128, 8, 64, 32)
+    cfg = pallas_triton.make_config(37, 96)  # shrunk to T's and C's next power of two
+    assert (cfg.block_t, cfg.block_c, cfg.bwd_block_t, cfg.bwd_block_c, cfg.bwd_steps) == (32, 128, 8, 64, 8)
+    cfg = pallas_triton.make_config(5, 3)
+    assert (cfg.block_t, cfg.block_c, cfg.bwd_block_t, cfg.bwd_block_c, cfg.bwd_steps) == (8, 4, 8, 4, 1)
 
 
 # ---------------------------------------------------------------------------------------------------------
