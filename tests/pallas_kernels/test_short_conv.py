@@ -10,6 +10,11 @@ rtol 1e-4 (float32 partial sums of float32 products: dW is never rounded to bflo
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,6 +154,39 @@ def test_forward_and_backward_lower_to_two_triton_calls_for_cuda_on_cpu(segments
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+_PER_SHARD = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import jax, jax.numpy as jnp, numpy as np
+    from mixerlab.pallas_kernels.short_conv import api, xla
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "tensor"))
+    rng = np.random.default_rng(0)
+    x, r = (jnp.asarray(rng.normal(size=(4, 40, 8)), jnp.float32) for _ in range(2))
+    w = jnp.asarray(rng.normal(size=(4, 8)), jnp.float32)
+    seg = jnp.asarray(np.cumsum(rng.random((4, 40)) < 0.2, axis=1), jnp.int32)
+    f32 = jnp.dtype(jnp.float32)
+    want = jax.grad(lambda x, w: jnp.sum(xla.causal_conv(x, w, seg, True, f32) * r), (0, 1))(x, w)
+    for channels in (8, 7):  # 8: channels split over "tensor"; 7 does not divide: channels replicated
+        loss = lambda x, w: jnp.sum(api._per_shard(xla.causal_conv, channels)(x, w, seg, True, f32) * r)
+        with jax.set_mesh(mesh):
+            got = jax.jit(jax.grad(loss, (0, 1)))(x, w)
+        for g, e in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-5)
+    print("ok")
+""")
+
+
+def test_per_shard_run_sums_dw_over_the_batch_shards():
+    """Under a 2 × 2 (data, tensor) mesh of CPU devices the per-shard wrapper the kernels run in gives the
+    unsharded dx and dW (shard_map's transpose sums dW over the batch shards), with channels split over
+    "tensor" and with channels that do not divide it. The XLA implementation stands in for the kernel."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", _PER_SHARD], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
 
 
 def test_config_rejects_blocks_that_are_not_powers_of_two():
