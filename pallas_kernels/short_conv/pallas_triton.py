@@ -14,9 +14,9 @@ It recomputes a at t..t+K−1 from the 2K−1 shifted x blocks t−(K−1)..t+K�
 stored), and sums the dW terms of its S blocks in float32 registers; the [B · T/(BT·S), K, C] float32
 partial sums are added up by XLA afterwards (deterministic, no atomics).
 
-Loads that reach outside the array use gather indices clamped into it plus a mask (a negative ``pl.ds`` start is
-clamped by the interpreter, which would shift the block), stores use ``pl.ds`` with a mask, so T and C need
-not be multiples of the blocks. Block shapes are powers of two (Triton).
+Shifted loads are gathers with row indices clamped into the array plus a mask (the interpreter clamps a
+negative ``pl.ds`` start, which would shift the block); stores use ``pl.ds`` with a mask, so T and C need not
+be multiples of the blocks. Block shapes are powers of two (Triton).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ MAX_KERNEL_SIZE = 8  # the backward keeps 2K − 1 shifted x blocks live
 class Config:
     """Blocks and warps. Defaults from ptxas on sm_90a at 32×4096×1024 bf16, K 4, with segments
     (``tools/triton_ptx_report.py --op short_conv``): forward 32 × 128 uses 127 registers per thread (64 × 128:
-    255, two CTAs per SM); backward 8 × 64 uses 92 (8 × 128: 179; 16 × 128: 255 and spills). None spill.
+    255, two CTAs per SM); backward 8 × 64 uses 90 (8 × 128: 168; 16 × 128: 255 and 8 bytes spilled).
     Timings on the GPU decide; ``tools/bench_short_conv.py --sweep`` compares a few."""
 
     block_t: int = 32  # forward: tokens per program
