@@ -292,7 +292,7 @@ MUTANTS = [
       "the GPU backward kernel's dx gathers output gradients from the next document",
       (SC_OP,)),
     M("short_conv_triton_bwd_dw_wrong_token", "pallas_kernels/short_conv/pallas_triton.py",
-      "jnp.sum(term * d_acc[0], axis=0)", "jnp.sum(term * d_acc[i], axis=0)",
+      "new_d_w.append(d_w[i] + term * d_acc[0])", "new_d_w.append(d_w[i] + term * d_acc[i])",
       "the GPU backward kernel's dW pairs x_{t−i} with d_{t+i} instead of d_t",
       (SC_OP,)),
     M("decode_triton_state_not_decayed", "pallas_kernels/delta_rule/decode_pallas_triton.py",
