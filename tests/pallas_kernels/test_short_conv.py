@@ -4,9 +4,10 @@ are not multiples of the blocks, T < K, kernel sizes 2–4, float32 and bfloat16
 checks. GPU (``-m gpu``, skipped elsewhere): the compiled kernels at a medium shape.
 
 Tolerances, against float64 on the same rounded inputs (|y|, |dx| = O(1)–O(10), |dW| = O(10)–O(100)):
-float32 atol 5e-5 (float32 sums of ≤ K² products; dW sums over B·T tokens); bfloat16 x, y and dx rtol 1e-2 +
-atol 1e-2 (one bfloat16 rounding of the stored output, half an ulp = 2^-9 relative, plus float32 sums) and dW
-rtol 1e-4 (float32 partial sums of float32 products: dW is never rounded to bfloat16).
+float32 atol 5e-5 (float32 sums of ≤ K² products; dW sums ≤ 600 tokens here); bfloat16 x, y and dx rtol 1e-2
++ atol 1e-2 (one bfloat16 rounding of the stored output, half an ulp = 2^-9 relative, plus float32 sums); dW
+with bfloat16 inputs, and on the GPU (4000 tokens per channel, approximate exp) in both dtypes, rtol 1e-4 +
+atol 1e-4 (float32 partial sums of float32 products: dW is never rounded to bfloat16).
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def _kernel(x, w, seg, cotangent, activation, dtype, **config):
 
 F32_TOL = dict(rtol=0, atol=5e-5)
 BF16_TOL = dict(rtol=1e-2, atol=1e-2)
-BF16_DW_TOL = dict(rtol=1e-4, atol=1e-4)
+DW_TOL = dict(rtol=1e-4, atol=1e-4)
 
 
 def _check(got, want, tol, dw_tol=None):
@@ -94,7 +95,7 @@ def test_bfloat16_inputs_match_float64_reference():
     x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
     cotangent = np.asarray(jnp.asarray(cotangent, jnp.bfloat16).astype(jnp.float32))
     got = _kernel(x, w, seg, cotangent, True, jnp.bfloat16, **SMALL_BLOCKS)
-    _check(got, _reference(x, w, seg, cotangent, True), BF16_TOL, BF16_DW_TOL)
+    _check(got, _reference(x, w, seg, cotangent, True), BF16_TOL, DW_TOL)
 
 
 def test_segments_isolate_documents():
@@ -210,13 +211,14 @@ gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GP
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("dtype, tol, dw_tol", [(jnp.float32, F32_TOL, None), (jnp.bfloat16, BF16_TOL, BF16_DW_TOL)])
-def test_gpu_compiled_kernels_match_reference(dtype, tol, dw_tol):
-    """The compiled kernels (default blocks) at a medium shape with packed documents, odd T and C."""
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, F32_TOL), (jnp.bfloat16, BF16_TOL)])
+def test_gpu_compiled_kernels_match_reference(dtype, tol):
+    """The compiled kernels (default blocks) at a medium shape with packed documents, odd T and C. dW sums 4000
+    tokens per channel (|dW| ≈ 60): relative tolerance 1e-4 in both dtypes (float32 sums, approximate exp)."""
     x, w, cotangent, seg = _inputs(11, 4, 1000, 384 + 96, 4, True)
     x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
     cotangent = np.asarray(jnp.asarray(cotangent, dtype).astype(jnp.float32))
     run = lambda x, w, seg, act, out: api.causal_conv(x, w, seg, act, out, implementation="pallas_triton")  # noqa
     got = jax.jit(lambda x, w, c: _value_and_grads(run, x, w, seg, c, True, dtype)
                   )(jnp.asarray(x, dtype), jnp.asarray(w), jnp.asarray(cotangent))
-    _check(_f64(got), _reference(x, w, seg, cotangent, True), tol, dw_tol)
+    _check(_f64(got), _reference(x, w, seg, cotangent, True), tol, DW_TOL)
