@@ -76,14 +76,12 @@ def _per_shard(run, channels: int):
     (data, fsdp), channels over tensor when they divide. shard_map's transpose sums dW over the shards."""
     import jax
 
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
+    axes = common.mesh_axes(channels)
+    if axes is None:
         return run
     from jax.sharding import PartitionSpec as P
 
-    names = mesh.axis_names
-    batch = tuple(a for a in ("data", "fsdp") if a in names) or None
-    chan = "tensor" if "tensor" in names and channels % mesh.shape["tensor"] == 0 else None
+    mesh, batch, chan = axes
 
     def wrapped(x, w, seg, activation, out_dtype):
         specs = (P(batch, None, chan), P(None, chan)) + ((P(batch, None),) if seg is not None else ())
