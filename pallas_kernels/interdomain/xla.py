@@ -315,6 +315,18 @@ def interdomain_chunked(q, k, v, log_modulus, phase, gain, readout, key_state, v
     return o, final[..., :r_dim], final[..., r_dim:]
 
 
+def chunk_start_states(k, v, log_modulus, phase, gain, key_state, value_state, document_BT, *, chunk_size):
+    """Passes (i) and (ii) alone, for a kernel that runs pass (iii) itself: the key and value states before
+    every chunk ([B,H,N,2M,R], [B,H,N,2M,Dv]) and the final states. k, v, log_modulus [B,T,H,*] in the compute
+    dtype (T need not be a multiple of the chunk); differentiable (plain JAX)."""
+    r_dim = k.shape[-1]
+    (kc, vc), r, doc, carry_doc, pad = _prepare([k, v], log_modulus, document_BT, chunk_size)
+    _, eend, chunk_decay = _decays(r, phase, doc, carry_doc, pad)
+    state = jnp.concatenate([key_state, value_state], axis=-1)
+    starts, final = _scan_states(jnp.concatenate([kc, vc], axis=-1), eend, chunk_decay, state, _split_gain(gain))
+    return starts[..., :r_dim], starts[..., r_dim:], final[..., :r_dim], final[..., r_dim:]
+
+
 def s4d_chunked(z, log_modulus, phase, gain, readout, state, document_BT, *, chunk_size, sub_chunk_size):
     """Same contract as ``reference.s4d_reference``; sub-chunks as ``interdomain_chunked``."""
     t = z.shape[1]

@@ -1,0 +1,491 @@
+"""Interdomain attention on GPU through Pallas' Triton backend: pass (iii) of the chunked form (the outputs of
+every chunk from its chunk-start states) as one kernel per chunk, forward and custom-VJP backward
+(docs/math/interdomain.md, 'Chunked form', 'Gradients'; docs/kernels_gpu.md, 'Interdomain attention').
+
+Passes (i) and (ii) (chunk-local end states, the serial scan over the chunk boundaries) stay in XLA
+(``xla.chunk_start_states``): O(T·M·(R + Dv)) work with one small matmul per chunk. Pass (iii) is where the
+pure-JAX form spends its time and memory (it materialises b ⊙ F and b ⊙ D per chunk); here everything of a
+chunk stays on chip:
+
+  forward   ``outputs``  grid (B, H, N)   o [K, Dv] of one chunk and head
+  backward  ``grads``    grid (B, H, N)   dq, dk, dv, dr (per token), the chunk-start state cotangents, and
+                                          per-chunk partial sums of dθ, db, dĜ (reduced by XLA afterwards)
+
+Per chunk (K tokens, M complex modes, all complex tiles as separate Re / Im [K, M] tiles, 2-D only):
+
+    e^{ℓ_s} = exp(r(−1, s]) e^{iθ(s+1)}        (carried-in document rows only)
+    a_s     = e^{ℓ_s} ⊙ (X̂ᵏ₀ q_s) + b ⊙ Σ_{j≤s} Sc[s, j] D[s, j],     Sc = q kᵀ ⊙ 1[same document]
+    ω_s     = Ĝ â_s
+    o_s     = Re(conj(ω_s) ⊙ e^{ℓ_s}) X̂ᵛ₀ + Σ_j P[s, j] v_j,     P[s, j] = Re Σ_m conj(ω_sm) b_m D[s, j, m]
+
+D[s, j] = exp(r(j, s]) e^{iθ(s−j)} (K×K×M) is never formed. Like the delta rule's boundary pivots
+(docs/math/delta_rule.md), every strictly lower pair (s > j) belongs to one level of a binary pivot tree:
+the node of size 2h whose right half holds s and left half holds j, pivot p = the left half's last token, and
+
+    D[s, j] = f_ℓ[s] · f_ℓ[j],   f_ℓ[s] = exp(r(p, s]) e^{iθ(s−p)} (right half),  exp(r(s, p]) e^{iθ(p−s)} (left)
+
+with both factors decays (every exponent a sum of r ≤ 0 over a half-node: no overflow, no cancellation, a
+factor underflows only where the true decay is below the float range). Per level ℓ = 0 … log2 K − 1 the
+pair sums are two real GEMMs:  Σ_j Sc D b = f_ℓ ⊙ ((Sc ⊙ pairs_ℓ) · (b ⊙ f_ℓ))  and
+P_ℓ = Re((conj(ω) ⊙ f_ℓ) · (b ⊙ f_ℓ)ᵀ) ⊙ pairs_ℓ; the diagonal (D = 1) is added directly. The range sums
+r(·, ·] are 0/1 matmuls (exact weights, f32 at float32 accuracy); phases are integer offsets (the row sums of
+those 0/1 matrices) times θ, never a cumsum of θ.
+
+Numerics: state, accumulation, decays and range sums in f32; the matmul operands in the caller's dtype
+(bf16 inputs: bf16 tensor-core GEMMs with f32 accumulation; f32 inputs: ``Config.precision``, "tf32" one
+tensor-core pass by default on the GPU, "highest" float32-accurate as three TF32 passes).
+
+``sub_chunk_size`` of the op does not apply (the pivot tree replaces the sub-chunks; accuracy does not depend
+on it either way).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from mixerlab.pallas_kernels import common
+from mixerlab.pallas_kernels.interdomain import xla
+
+try:  # Pallas' Triton backend (deprecated upstream since JAX 0.11 but present in 0.10.2 and 0.11.2)
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover
+    pltriton = None
+
+F32 = jnp.float32
+SUPPORTED_CHUNKS = (16, 32, 64, 128)
+MAX_HEAD_DIM = 256
+MAX_MODES = 128
+_MIN_DIM = 16  # tl.dot needs every matmul dimension ≥ 16
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    chunk: int
+    key_dim: int
+    value_dim: int
+    modes: int
+    operand_dtype: jnp.dtype  # matmul operands (the caller's q, k, v dtype)
+    precision: str = "tf32"  # GEMMs with f32 operands (f32 inputs): "tf32" | "highest"
+    warps_forward: int = 8
+    warps_backward: int = 8
+    interpret: bool = False
+
+    @property
+    def levels(self):
+        """Levels of the pivot tree (half sizes 1, 2, …, K/2)."""
+        return int(math.log2(self.chunk))
+
+    @property
+    def f32_precision(self):
+        """"tf32": one TF32 tensor-core pass; "highest": float32-accurate (three TF32 passes on the GPU,
+        plain f32 in interpret mode)."""
+        if self.interpret:
+            return jax.lax.Precision.HIGHEST
+        if self.precision == "highest":
+            return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+        return jax.lax.Precision.DEFAULT
+
+    @property
+    def sum_precision(self):
+        """Range sums (0/1 weights times r): always float32-accurate, the decays' exponents depend on them."""
+        return jax.lax.Precision.HIGHEST if self.interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
+def _pow2(x: int) -> bool:
+    return x >= 1 and x & (x - 1) == 0
+
+
+def make_config(chunk, key_dim, value_dim, modes, operand_dtype, *, interpret=False, **overrides):
+    base = dict(chunk=chunk, key_dim=key_dim, value_dim=value_dim, modes=modes,
+                operand_dtype=jnp.dtype(operand_dtype), precision="highest" if interpret else "tf32",
+                interpret=interpret)
+    base.update(overrides)
+    cfg = Config(**base)
+    if cfg.precision not in ("tf32", "highest"):
+        raise ValueError(f"interdomain pallas_triton: precision={cfg.precision!r}; expected 'tf32' or 'highest'")
+    if not _pow2(cfg.chunk):
+        raise ValueError(f"interdomain pallas_triton: chunk={cfg.chunk} must be a power of two")
+    return cfg
+
+
+def supports(call) -> Optional[str]:
+    """``None`` when this kernel can serve ``call`` (an ``api.InterdomainCall``), else the reason."""
+    if call.op != "interdomain":
+        return f"only the interdomain op has a Pallas-Triton kernel (not {call.op!r}; it runs on 'xla')"
+    if getattr(call, "backend", None) != "gpu":
+        return f"the Pallas-Triton kernel runs on GPU only (backend is {call.backend!r})"
+    if pltriton is None:
+        return "jax.experimental.pallas.triton is not available in this JAX"
+    if call.chunk_size not in SUPPORTED_CHUNKS:
+        return f"chunk_size={call.chunk_size} not in {SUPPORTED_CHUNKS}"
+    for name, d, top in (("key_dim", call.key_dim, MAX_HEAD_DIM), ("value_dim", call.value_dim, MAX_HEAD_DIM),
+                         ("modes", call.modes, MAX_MODES)):
+        if not _pow2(d) or d < _MIN_DIM or d > top:
+            return f"{name}={d}: needs a power of two in [{_MIN_DIM}, {top}]"
+    if jnp.dtype(call.dtype) not in _DTYPES:
+        return f"dtype {jnp.dtype(call.dtype).name} not supported (float32, bfloat16, float16)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tile math (traced inside the kernels; only 2-D tiles and ops with Triton lowerings). Complex tiles are
+# (Re, Im) pairs of [K, M] f32 tiles.
+
+
+def _iota(shape, dim):
+    return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _matmul(a, b, trans_a, trans_b, precision):
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
+
+
+def _dot(a, b, cfg, *, trans_a=False, trans_b=False):
+    """Matmul with f32 accumulation; operands in the operand dtype (f32 at ``cfg.precision``)."""
+    od = cfg.operand_dtype
+    if od == jnp.dtype(F32):
+        return _matmul(a.astype(F32), b.astype(F32), trans_a, trans_b, cfg.f32_precision)
+    return _matmul(a.astype(od), b.astype(od), trans_a, trans_b, None)
+
+
+def _range_sums(weights, x, cfg, *, trans=False):
+    """weights · x (or weightsᵀ · x) for a 0/1 [K, K] matrix, float32-accurate."""
+    return _matmul(weights, x, trans, False, cfg.sum_precision)
+
+
+def _cmul(a_re, a_im, b_re, b_im):
+    return a_re * b_re - a_im * b_im, a_re * b_im + a_im * b_re
+
+
+def _conj_mul(w_re, w_im, f_re, f_im):
+    """conj(w) ⊙ f."""
+    return w_re * f_re + w_im * f_im, w_re * f_im - w_im * f_re
+
+
+def _polar(log_amp, offset, theta):
+    """exp(log_amp) e^{i·offset·θ}: offset [K, 1] integers (exact in f32), θ [M]."""
+    amp = jnp.exp(log_amp)
+    angle = offset * theta[None, :]
+    return amp * jnp.cos(angle), amp * jnp.sin(angle)
+
+
+class _Masks:
+    """Masks of one chunk, built where they are used (properties), so no [K, K] mask stays live in loops."""
+
+    def __init__(self, doc, carry, k):
+        self.doc, self.carry, self.k = doc, carry, k
+
+    def _ij(self):
+        return _iota((self.k, self.k), 0), _iota((self.k, self.k), 1)
+
+    @property
+    def same_doc(self):
+        return self.doc[:, None] == self.doc[None, :]
+
+    @property
+    def eye(self):
+        i, j = self._ij()
+        return i == j
+
+    @property
+    def strict(self):
+        i, j = self._ij()
+        return (i > j) & self.same_doc
+
+    @property
+    def carried(self):
+        return (self.doc == self.carry)[:, None]
+
+    @property
+    def upto(self):
+        """0/1 [K, K]: row s selects the tokens 0..s."""
+        i, j = self._ij()
+        return jnp.where(j <= i, 1.0, 0.0).astype(F32)
+
+
+def _level(k, level):
+    """Level ``level`` of the pivot tree (half size h = 2^level; may be traced). Returns
+      pairs [K, K] bool: (s, j) with s in the right and j in the left half of the same node of size 2h;
+      sums  [K, K] 0/1: row s selects r(p, s] (right half) or r(s, p] (left half), p the node's pivot."""
+    i = _iota((k, k), 0)
+    j = _iota((k, k), 1)
+    half_i = jax.lax.shift_right_logical(i, level)
+    half_j = jax.lax.shift_right_logical(j, level)
+    right = (half_i & 1) == 1
+    pairs = ((half_i >> 1) == (half_j >> 1)) & right & ((half_j & 1) == 0)
+    sums = jnp.where((half_i == half_j) & jnp.where(right, j <= i, j > i), 1.0, 0.0).astype(F32)
+    return pairs, sums
+
+
+def _level_factor(sums, r, theta, cfg):
+    """f_ℓ (complex [K, M]): exp(sums · r) e^{iθ·offset}; the offset (s − p or p − s) is the number of tokens
+    in the row's range, i.e. the row sum of ``sums``."""
+    return _polar(_range_sums(sums, r, cfg), jnp.sum(sums, axis=1)[:, None], theta)
+
+
+def _carry_in(r, theta, masks, cfg):
+    """e^{ℓ_s} = exp(r(−1, s]) e^{iθ(s+1)} on the carried-in document's rows (0 elsewhere)."""
+    upto = masks.upto
+    e_re, e_im = _polar(_range_sums(upto, r, cfg), jnp.sum(upto, axis=1)[:, None], theta)
+    carried = masks.carried
+    return jnp.where(carried, e_re, 0.0), jnp.where(carried, e_im, 0.0)
+
+
+@dataclasses.dataclass
+class _Tile:
+    """One chunk of one head: the kernel's loaded inputs."""
+    q: jax.Array  # [K, R] operand dtype
+    k: jax.Array  # [K, R]
+    v: jax.Array  # [K, Dv]
+    r: jax.Array  # [K, M] f32
+    theta: jax.Array  # [M]
+    b_re: jax.Array  # [M]
+    b_im: jax.Array
+    g: tuple  # Ĝ blocks (rr, ri, ir, ii), each [M, M]: ω_re = a_re G_rrᵀ + a_im G_riᵀ, ...
+    xk: tuple  # chunk-start key state (Re, Im) [M, R]
+    xv: tuple  # chunk-start value state (Re, Im) [M, Dv]
+    masks: _Masks
+
+
+def _scores(t, cfg):
+    """Sc = q kᵀ on strictly lower same-document pairs [K, K], and its diagonal q_s · k_s [K]."""
+    s = _dot(t.q, t.k, cfg, trans_b=True)
+    diag = jnp.sum(t.q.astype(F32) * t.k.astype(F32), axis=1)
+    return jnp.where(t.masks.strict, s, 0.0), diag
+
+
+def _key_read(t, scores, diag, cfg):
+    """b ⊙ Σ_{j≤s} Sc[s, j] D[s, j] (complex [K, M]) through the pivot tree."""
+    k = cfg.chunk
+
+    def level(lv, acc):
+        pairs, sums = _level(k, lv)
+        f_re, f_im = _level_factor(sums, t.r, t.theta, cfg)
+        c_re, c_im = _cmul(t.b_re[None, :], t.b_im[None, :], f_re, f_im)
+        s_l = jnp.where(pairs, scores, 0.0)
+        u_re, u_im = _dot(s_l, c_re, cfg), _dot(s_l, c_im, cfg)
+        d_re, d_im = _cmul(f_re, f_im, u_re, u_im)
+        return acc[0] + d_re, acc[1] + d_im
+
+    init = (diag[:, None] * t.b_re[None, :], diag[:, None] * t.b_im[None, :])
+    return jax.lax.fori_loop(0, cfg.levels, level, init)
+
+
+def _readout(a_re, a_im, g, cfg):
+    """ω = Ĝ â per row (complex [K, M] from the four [M, M] blocks of Ĝ)."""
+    g_rr, g_ri, g_ir, g_ii = g
+    w_re = _dot(a_re, g_rr, cfg, trans_b=True) + _dot(a_im, g_ri, cfg, trans_b=True)
+    w_im = _dot(a_re, g_ir, cfg, trans_b=True) + _dot(a_im, g_ii, cfg, trans_b=True)
+    return w_re, w_im
+
+
+def _pair_weights(t, w_re, w_im, cfg):
+    """P[s, j] = Re Σ_m conj(ω_sm) b_m D[s, j, m] on same-document pairs j ≤ s: [K, K] f32."""
+    k = cfg.chunk
+    same = t.masks.same_doc
+
+    def level(lv, p):
+        pairs, sums = _level(k, lv)
+        f_re, f_im = _level_factor(sums, t.r, t.theta, cfg)
+        c_re, c_im = _cmul(t.b_re[None, :], t.b_im[None, :], f_re, f_im)
+        h_re, h_im = _conj_mul(w_re, w_im, f_re, f_im)
+        p_l = _dot(h_re, c_re, cfg, trans_b=True) - _dot(h_im, c_im, cfg, trans_b=True)
+        return p + jnp.where(pairs & same, p_l, 0.0)
+
+    diag = jnp.sum(w_re * t.b_re[None, :] + w_im * t.b_im[None, :], axis=1)
+    return jax.lax.fori_loop(0, cfg.levels, level, jnp.where(t.masks.eye, diag[:, None], 0.0))
+
+
+def _query_state(t, cfg):
+    """Carried part of â: e^{ℓ} ⊙ (X̂ᵏ₀ q) with (e^{ℓ}, X̂ᵏ₀ q) returned for the backward."""
+    e = _carry_in(t.r, t.theta, t.masks, cfg)
+    y = (_dot(t.q, t.xk[0], cfg, trans_b=True), _dot(t.q, t.xk[1], cfg, trans_b=True))
+    return _cmul(*e, *y), e, y
+
+
+def forward_tile(t: _Tile, cfg):
+    """o [K, Dv] f32 of one chunk and head."""
+    (a0_re, a0_im), e, _ = _query_state(t, cfg)
+    scores, diag = _scores(t, cfg)
+    w_re, w_im = _key_read(t, scores, diag, cfg)
+    om_re, om_im = _readout(a0_re + w_re, a0_im + w_im, t.g, cfg)
+    g_re, g_im = _conj_mul(om_re, om_im, *e)
+    carried = _dot(g_re, t.xv[0], cfg) - _dot(g_im, t.xv[1], cfg)
+    return carried + _dot(_pair_weights(t, om_re, om_im, cfg), t.v, cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pallas_call wrappers (inputs padded to a multiple of the chunk)
+
+
+def _load_tile(cfg, q_ref, k_ref, v_ref, r_ref, theta_ref, gain_ref, readout_ref, xk_ref, xv_ref, doc_ref,
+               carry_ref):
+    m = cfg.modes
+    lo, hi = pl.ds(0, m), pl.ds(m, m)
+    return _Tile(q=q_ref[...], k=k_ref[...], v=v_ref[...], r=r_ref[...].astype(F32), theta=theta_ref[...],
+                 b_re=gain_ref[lo], b_im=gain_ref[hi],
+                 g=(readout_ref[lo, lo], readout_ref[lo, hi], readout_ref[hi, lo], readout_ref[hi, hi]),
+                 xk=(xk_ref[lo, :], xk_ref[hi, :]), xv=(xv_ref[lo, :], xv_ref[hi, :]),
+                 masks=_Masks(doc_ref[...], carry_ref[...], cfg.chunk))
+
+
+def _forward_kernel(cfg):
+    def kernel(*refs):
+        *in_refs, o_ref = refs
+        o_ref[...] = forward_tile(_load_tile(cfg, *in_refs), cfg).astype(o_ref.dtype)
+
+    return kernel
+
+
+def _token_spec(cfg, width):
+    """[B, T, H, width] read per chunk: block [K, width] at (b, n, h)."""
+    return pl.BlockSpec((None, cfg.chunk, None, width), lambda b, h, n: (b, n, h, 0))
+
+
+def _chunk_spec(*tail):
+    """[B, H, N, *tail] per chunk."""
+    return pl.BlockSpec((None, None, None, *tail), lambda b, h, n: (b, h, n, *([0] * len(tail))))
+
+
+def _head_spec(*tail):
+    """[H, *tail] per head."""
+    return pl.BlockSpec((None, *tail), lambda b, h, n: (h, *([0] * len(tail))))
+
+
+def _in_specs(cfg):
+    c, m, r, dv = cfg.chunk, cfg.modes, cfg.key_dim, cfg.value_dim
+    return [_token_spec(cfg, r), _token_spec(cfg, r), _token_spec(cfg, dv), _token_spec(cfg, m), _head_spec(m),
+            _head_spec(2 * m), _head_spec(2 * m, 2 * m), _chunk_spec(2 * m, r), _chunk_spec(2 * m, dv),
+            pl.BlockSpec((None, c), lambda b, h, n: (b, n)), pl.BlockSpec((None, None), lambda b, h, n: (b, n))]
+
+
+def _params(cfg, warps):
+    if cfg.interpret or pltriton is None:
+        return None
+    return pltriton.CompilerParams(num_warps=warps, num_stages=1)
+
+
+def flop_counts(cfg):
+    """(forward, backward) FLOPs, transcendentals and HBM bytes per chunk and head, as the kernels execute
+    them (full masked tiles; range sums counted once though they run as three TF32 passes on the GPU)."""
+    k, m, r, dv, lv = cfg.chunk, cfg.modes, cfg.key_dim, cfg.value_dim, cfg.levels
+    kkm, kmm = 2 * k * k * m, 2 * k * m * m
+    od = jnp.dtype(cfg.operand_dtype).itemsize
+    # forward: Sc, X̂ᵏ₀ q, carry-in sums, key-read levels (sums + 2 GEMMs), Ĝ, carried value, P levels, P v
+    fwd = (2 * k * k * r + 2 * 2 * k * r * m + kkm + lv * 3 * kkm + 4 * kmm + 2 * 2 * k * m * dv
+           + lv * 3 * kkm + 2 * k * k * dv)
+    fwd_exp = 3 * k * m * (1 + 2 * lv)
+    inputs = k * (2 * r + dv) * od + k * m * 4 + 2 * m * (r + dv) * 4 + (4 * m * m + 3 * m) * 4
+    fwd_bytes = inputs + k * dv * od
+    # backward: the forward up to ω again, then per level P (2), dh (2), dc (2), dr (1) and Sc c (2), dS (2),
+    # dc (2), dr (1) GEMMs; the state and readout cotangents
+    bwd = (fwd - lv * 3 * kkm - 2 * k * k * dv + 2 * k * k * dv * 2 + 2 * 2 * k * m * dv + lv * 16 * kkm
+           + 4 * kmm * 2 + 2 * 2 * k * m * r + 2 * k * k * r * 2 + 2 * k * r * m * 2)
+    bwd_exp = 3 * k * m * (1 + 3 * lv)
+    bwd_bytes = inputs + k * dv * od + k * (2 * r + dv) * od + k * m * 4 + (3 * m + 4 * m * m) * 4 \
+        + 2 * m * (r + dv) * 4
+    return (fwd, fwd_exp, fwd_bytes), (bwd, bwd_exp, bwd_bytes)
+
+
+def _cost(cfg, which, programs):
+    flops, exps, nbytes = flop_counts(cfg)[which]
+    return pl.CostEstimate(flops=int(programs * flops), transcendentals=int(programs * exps),
+                           bytes_accessed=int(programs * nbytes))
+
+
+def _forward(cfg, q, k, v, r, phase, gain, readout, xk, xv, doc, carry):
+    b, t, h, _ = q.shape
+    grid = (b, h, t // cfg.chunk)
+    return pl.pallas_call(
+        _forward_kernel(cfg), out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype), grid=grid,
+        in_specs=_in_specs(cfg), out_specs=_token_spec(cfg, cfg.value_dim), interpret=cfg.interpret,
+        compiler_params=_params(cfg, cfg.warps_forward), cost_estimate=_cost(cfg, 0, b * h * grid[2]),
+        name="interdomain_outputs")(q, k, v, r, phase, gain, readout, xk, xv, doc, carry)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pure-JAX twin of the kernel (the same tile math, vmapped over batch, heads and chunks): the backward of the
+# first version and a check of the tile math without Pallas
+
+
+def _tiles_jax(cfg, q, k, v, r, phase, gain, readout, xk, xv, doc, carry, fn, *extra):
+    m = cfg.modes
+    chunks = [xla.to_chunks(x, cfg.chunk) for x in (q, k, v, r, *extra)]  # [B, H, N, K, *]
+    doc_c = doc.reshape(doc.shape[0], -1, cfg.chunk)
+
+    def one(q_, k_, v_, r_, theta, gain_, readout_, xk_, xv_, doc_, carry_, *extra_):
+        t = _Tile(q=q_, k=k_, v=v_, r=r_.astype(F32), theta=theta, b_re=gain_[:m], b_im=gain_[m:],
+                  g=(readout_[:m, :m], readout_[:m, m:], readout_[m:, :m], readout_[m:, m:]),
+                  xk=(xk_[:m], xk_[m:]), xv=(xv_[:m], xv_[m:]), masks=_Masks(doc_, carry_, cfg.chunk))
+        return fn(t, cfg, *extra_)
+
+    n_extra = (0,) * len(extra)
+    per_chunk = jax.vmap(one, (0, 0, 0, 0, None, None, None, 0, 0, 0, 0, *n_extra))
+    per_head = jax.vmap(per_chunk, (0, 0, 0, 0, 0, 0, 0, 0, 0, None, None, *n_extra))
+    per_row = jax.vmap(per_head, (0, 0, 0, 0, None, None, None, 0, 0, 0, 0, *n_extra))
+    q_, k_, v_, r_, *extra_c = chunks
+    return per_row(q_, k_, v_, r_, phase, gain, readout, xk, xv, doc_c, carry, *extra_c)
+
+
+def outputs_jax(cfg, q, k, v, r, phase, gain, readout, xk, xv, doc, carry):
+    """``_forward`` in plain JAX: o [B, T, H, Dv] f32."""
+    return xla.from_chunks(_tiles_jax(cfg, q, k, v, r, phase, gain, readout, xk, xv, doc, carry, forward_tile))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# custom VJP
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _outputs(cfg, q, k, v, r, phase, gain, readout, xk, xv, doc, carry):
+    return _forward(cfg, q, k, v, r, phase, gain, readout, xk, xv, doc, carry)
+
+
+def _outputs_fwd(cfg, *args):
+    out = common.keep_for_backward(_forward(cfg, *args))
+    return out, common.keep_for_backward(args)
+
+
+def _outputs_bwd(cfg, residuals, d_out):
+    *diff, doc, carry = residuals
+    _, vjp = jax.vjp(lambda *a: outputs_jax(cfg, *a, doc, carry), *diff)
+    grads = vjp(d_out.astype(F32))
+    return (*grads, None, None)
+
+
+_outputs.defvjp(_outputs_fwd, _outputs_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# public entry (the op's impl.run contract)
+
+
+def run(q, k, v, log_modulus, phase, gain, readout, key_state, value_state, document_BT, *, chunk_size,
+        sub_chunk_size=None, interpret=False, **overrides):
+    """q, k [B, T, H, R], v [B, T, H, Dv] in the caller's dtype (bf16 runs bf16 GEMM operands); log_modulus
+    [B, T, H, M], phase [H, M], gain [H, 2M], readout [H, 2M, 2M], states [B, H, 2M, R] / [B, H, 2M, Dv] in
+    float32; document_BT [B, T] int. Returns (o [B, T, H, Dv] in v's dtype, key state, value state float32).
+    Differentiable (custom VJP). ``overrides``: :class:`Config` fields (precision, warps_*)."""
+    del sub_chunk_size  # the pivot tree replaces the sub-chunks
+    b, t, h, r_dim = q.shape
+    cfg = make_config(chunk_size, r_dim, v.shape[-1], phase.shape[-1], v.dtype, interpret=interpret, **overrides)
+    ct = log_modulus.dtype
+    xk, xv, key, value = xla.chunk_start_states(k.astype(ct), v.astype(ct), log_modulus, phase, gain, key_state,
+                                                value_state, document_BT, chunk_size=chunk_size)
+    padded = [common.pad_time(x, chunk_size) for x in (q, k, v, log_modulus)]
+    document = common.pad_time(document_BT.astype(jnp.int32), chunk_size, mode="edge")
+    _, carried = common.chunk_documents(document, chunk_size)
+    out = _outputs(cfg, *padded, phase, gain, readout, xk, xv, document, carried)
+    return out[:, :t], key, value
