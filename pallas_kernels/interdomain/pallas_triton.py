@@ -326,6 +326,116 @@ def forward_tile(t: _Tile, cfg):
     return carried + _dot(_pair_weights(t, om_re, om_im, cfg), t.v, cfg)
 
 
+def _factor_grads(sums, f_re, f_im, df_re, df_im, cfg):
+    """Cotangents of r [K, M] and θ [M] through f = exp(sums · r) e^{iθ·offset} given df: the log-amplitude
+    cotangent Re(conj(f) df) goes back through the range sums (their transpose: every r_τ in the row's range
+    receives it), the phase cotangent Im(conj(f) df) is multiplied by the integer offset and summed."""
+    d_log = df_re * f_re + df_im * f_im
+    d_angle = df_im * f_re - df_re * f_im
+    offset = jnp.sum(sums, axis=1)[:, None]
+    return _range_sums(sums, d_log, cfg, trans=True), jnp.sum(offset * d_angle, axis=0)
+
+
+def _gain_grads(dc_re, dc_im, f_re, f_im, b_re, b_im):
+    """c = b ⊙ f: (df_re, df_im, db_re [M], db_im [M]) from dc."""
+    df_re = dc_re * b_re[None, :] + dc_im * b_im[None, :]
+    df_im = dc_im * b_re[None, :] - dc_re * b_im[None, :]
+    return df_re, df_im, jnp.sum(dc_re * f_re + dc_im * f_im, axis=0), jnp.sum(dc_im * f_re - dc_re * f_im, axis=0)
+
+
+def backward_tile(t: _Tile, d_out, cfg):
+    """Cotangents of one chunk and head from dO [K, Dv] (docs/math/interdomain.md, 'Gradients'): a dict with
+    q, k, v [K, ·]; r [K, M]; theta [M]; b_re, b_im [M]; g (rr, ri, ir, ii) [M, M]; xk, xv (Re, Im)."""
+    k_len = cfg.chunk
+    same = t.masks.same_doc
+    b_re, b_im = t.b_re, t.b_im
+    # the forward again up to ω
+    (a0_re, a0_im), (e_re, e_im), (y_re, y_im) = _query_state(t, cfg)
+    scores, diag = _scores(t, cfg)
+    w_re, w_im = _key_read(t, scores, diag, cfg)
+    a_re, a_im = a0_re + w_re, a0_im + w_im
+    om_re, om_im = _readout(a_re, a_im, t.g, cfg)
+    # o = Re(conj(ω) ⊙ e^{ℓ}) X̂ᵛ₀ + P v
+    g_re, g_im = _conj_mul(om_re, om_im, e_re, e_im)
+    dxv = (_dot(g_re, d_out, cfg, trans_a=True), -_dot(g_im, d_out, cfg, trans_a=True))
+    dg_re, dg_im = _dot(d_out, t.xv[0], cfg, trans_b=True), -_dot(d_out, t.xv[1], cfg, trans_b=True)
+    d_pairs = _dot(d_out, t.v, cfg, trans_b=True)  # dP [K, K]
+    dp_diag = jnp.sum(jnp.where(t.masks.eye, d_pairs, 0.0), axis=1)[:, None]
+    dom_re = dp_diag * b_re[None, :] + dg_re * e_re + dg_im * e_im
+    dom_im = dp_diag * b_im[None, :] + dg_re * e_im - dg_im * e_re
+    de_re = dg_re * om_re - dg_im * om_im
+    de_im = dg_re * om_im + dg_im * om_re
+    db = (jnp.sum(dp_diag * om_re, axis=0), jnp.sum(dp_diag * om_im, axis=0))
+
+    def value_level(lv, acc):
+        p, dom_re, dom_im, db_re, db_im, dr, dth = acc
+        pairs, sums = _level(k_len, lv)
+        f_re, f_im = _level_factor(sums, t.r, t.theta, cfg)
+        c_re, c_im = _cmul(b_re[None, :], b_im[None, :], f_re, f_im)
+        h_re, h_im = _conj_mul(om_re, om_im, f_re, f_im)
+        mask = pairs & same
+        p = p + jnp.where(mask, _dot(h_re, c_re, cfg, trans_b=True) - _dot(h_im, c_im, cfg, trans_b=True), 0.0)
+        dp_l = jnp.where(mask, d_pairs, 0.0)
+        dh_re, dh_im = _dot(dp_l, c_re, cfg), -_dot(dp_l, c_im, cfg)
+        dc_re, dc_im = _dot(dp_l, h_re, cfg, trans_a=True), -_dot(dp_l, h_im, cfg, trans_a=True)
+        dom_re = dom_re + dh_re * f_re + dh_im * f_im
+        dom_im = dom_im + dh_re * f_im - dh_im * f_re
+        df_re, df_im, db_l_re, db_l_im = _gain_grads(dc_re, dc_im, f_re, f_im, b_re, b_im)
+        df_re = df_re + dh_re * om_re - dh_im * om_im
+        df_im = df_im + dh_re * om_im + dh_im * om_re
+        dr_l, dth_l = _factor_grads(sums, f_re, f_im, df_re, df_im, cfg)
+        return p, dom_re, dom_im, db_re + db_l_re, db_im + db_l_im, dr + dr_l, dth + dth_l
+
+    diag_p = jnp.sum(om_re * b_re[None, :] + om_im * b_im[None, :], axis=1)
+    zeros_km = jnp.zeros_like(t.r)
+    init = (jnp.where(t.masks.eye, diag_p[:, None], 0.0), dom_re, dom_im, *db, zeros_km, jnp.zeros_like(t.theta))
+    p, dom_re, dom_im, db_re, db_im, dr, dth = jax.lax.fori_loop(0, cfg.levels, value_level, init)
+    dv = _dot(p, d_out, cfg, trans_a=True)
+    # ω = Ĝ â
+    g_rr, g_ri, g_ir, g_ii = t.g
+    da_re = _dot(dom_re, g_rr, cfg) + _dot(dom_im, g_ir, cfg)
+    da_im = _dot(dom_re, g_ri, cfg) + _dot(dom_im, g_ii, cfg)
+    dg = (_dot(dom_re, a_re, cfg, trans_a=True), _dot(dom_re, a_im, cfg, trans_a=True),
+          _dot(dom_im, a_re, cfg, trans_a=True), _dot(dom_im, a_im, cfg, trans_a=True))
+    # carried part e^{ℓ} ⊙ (X̂ᵏ₀ q)
+    dy_re = da_re * e_re + da_im * e_im
+    dy_im = da_im * e_re - da_re * e_im
+    de_re = de_re + da_re * y_re + da_im * y_im
+    de_im = de_im + da_im * y_re - da_re * y_im
+    dq = _dot(dy_re, t.xk[0], cfg) + _dot(dy_im, t.xk[1], cfg)
+    dxk = (_dot(dy_re, t.q, cfg, trans_a=True), _dot(dy_im, t.q, cfg, trans_a=True))
+    dr_e, dth_e = _factor_grads(t.masks.upto, e_re, e_im, de_re, de_im, cfg)  # e = 0 off the carried rows
+    dr, dth = dr + dr_e, dth + dth_e
+    # in-chunk part: the diagonal (D = 1), then the pivot levels
+    d_diag = jnp.sum(da_re * b_re[None, :] + da_im * b_im[None, :], axis=1)[:, None]
+    db_re = db_re + jnp.sum(diag[:, None] * da_re, axis=0)
+    db_im = db_im + jnp.sum(diag[:, None] * da_im, axis=0)
+
+    def key_level(lv, acc):
+        d_scores, db_re, db_im, dr, dth = acc
+        pairs, sums = _level(k_len, lv)
+        f_re, f_im = _level_factor(sums, t.r, t.theta, cfg)
+        c_re, c_im = _cmul(b_re[None, :], b_im[None, :], f_re, f_im)
+        s_l = jnp.where(pairs, scores, 0.0)
+        u_re, u_im = _dot(s_l, c_re, cfg), _dot(s_l, c_im, cfg)
+        du_re, du_im = _conj_mul(f_re, f_im, da_re, da_im)  # conj(f) ⊙ da
+        d_scores = d_scores + jnp.where(pairs, _dot(du_re, c_re, cfg, trans_b=True)
+                                        + _dot(du_im, c_im, cfg, trans_b=True), 0.0)
+        dc_re, dc_im = _dot(s_l, du_re, cfg, trans_a=True), _dot(s_l, du_im, cfg, trans_a=True)
+        df_re, df_im, db_l_re, db_l_im = _gain_grads(dc_re, dc_im, f_re, f_im, b_re, b_im)
+        df_re = df_re + da_re * u_re + da_im * u_im
+        df_im = df_im + da_im * u_re - da_re * u_im
+        dr_l, dth_l = _factor_grads(sums, f_re, f_im, df_re, df_im, cfg)
+        return d_scores, db_re + db_l_re, db_im + db_l_im, dr + dr_l, dth + dth_l
+
+    init = (jnp.zeros((k_len, k_len), F32), db_re, db_im, dr, dth)
+    d_scores, db_re, db_im, dr, dth = jax.lax.fori_loop(0, cfg.levels, key_level, init)
+    d_scores = jnp.where(t.masks.strict, d_scores, 0.0)
+    dq = dq + _dot(d_scores, t.k, cfg) + d_diag * t.k.astype(F32)
+    dk = _dot(d_scores, t.q, cfg, trans_a=True) + d_diag * t.q.astype(F32)
+    return dict(q=dq, k=dk, v=dv, r=dr, theta=dth, b_re=db_re, b_im=db_im, g=dg, xk=dxk, xv=dxv)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # pallas_call wrappers (inputs padded to a multiple of the chunk)
 
@@ -345,6 +455,27 @@ def _forward_kernel(cfg):
     def kernel(*refs):
         *in_refs, o_ref = refs
         o_ref[...] = forward_tile(_load_tile(cfg, *in_refs), cfg).astype(o_ref.dtype)
+
+    return kernel
+
+
+def _backward_kernel(cfg):
+    m = cfg.modes
+    lo, hi = pl.ds(0, m), pl.ds(m, m)
+
+    def kernel(*refs):
+        in_refs, d_out_ref = refs[:11], refs[11]
+        dq_ref, dk_ref, dv_ref, dr_ref, dth_ref, db_ref, dg_ref, dxk_ref, dxv_ref = refs[12:]
+        g = backward_tile(_load_tile(cfg, *in_refs), d_out_ref[...], cfg)
+        for ref, name in ((dq_ref, "q"), (dk_ref, "k"), (dv_ref, "v"), (dr_ref, "r"), (dth_ref, "theta")):
+            ref[...] = g[name].astype(ref.dtype)
+        db_ref[lo] = g["b_re"]
+        db_ref[hi] = g["b_im"]
+        for (rows, cols), block in zip(((lo, lo), (lo, hi), (hi, lo), (hi, hi)), g["g"]):
+            dg_ref[rows, cols] = block
+        for ref, (re, im) in ((dxk_ref, g["xk"]), (dxv_ref, g["xv"])):
+            ref[lo, :] = re
+            ref[hi, :] = im
 
     return kernel
 
@@ -415,33 +546,29 @@ def _forward(cfg, q, k, v, r, phase, gain, readout, xk, xv, doc, carry):
         name="interdomain_outputs")(q, k, v, r, phase, gain, readout, xk, xv, doc, carry)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# pure-JAX twin of the kernel (the same tile math, vmapped over batch, heads and chunks): the backward of the
-# first version and a check of the tile math without Pallas
-
-
-def _tiles_jax(cfg, q, k, v, r, phase, gain, readout, xk, xv, doc, carry, fn, *extra):
-    m = cfg.modes
-    chunks = [xla.to_chunks(x, cfg.chunk) for x in (q, k, v, r, *extra)]  # [B, H, N, K, *]
-    doc_c = doc.reshape(doc.shape[0], -1, cfg.chunk)
-
-    def one(q_, k_, v_, r_, theta, gain_, readout_, xk_, xv_, doc_, carry_, *extra_):
-        t = _Tile(q=q_, k=k_, v=v_, r=r_.astype(F32), theta=theta, b_re=gain_[:m], b_im=gain_[m:],
-                  g=(readout_[:m, :m], readout_[:m, m:], readout_[m:, :m], readout_[m:, m:]),
-                  xk=(xk_[:m], xk_[m:]), xv=(xv_[:m], xv_[m:]), masks=_Masks(doc_, carry_, cfg.chunk))
-        return fn(t, cfg, *extra_)
-
-    n_extra = (0,) * len(extra)
-    per_chunk = jax.vmap(one, (0, 0, 0, 0, None, None, None, 0, 0, 0, 0, *n_extra))
-    per_head = jax.vmap(per_chunk, (0, 0, 0, 0, 0, 0, 0, 0, 0, None, None, *n_extra))
-    per_row = jax.vmap(per_head, (0, 0, 0, 0, None, None, None, 0, 0, 0, 0, *n_extra))
-    q_, k_, v_, r_, *extra_c = chunks
-    return per_row(q_, k_, v_, r_, phase, gain, readout, xk, xv, doc_c, carry, *extra_c)
-
-
-def outputs_jax(cfg, q, k, v, r, phase, gain, readout, xk, xv, doc, carry):
-    """``_forward`` in plain JAX: o [B, T, H, Dv] f32."""
-    return xla.from_chunks(_tiles_jax(cfg, q, k, v, r, phase, gain, readout, xk, xv, doc, carry, forward_tile))
+def _backward(cfg, q, k, v, r, phase, gain, readout, xk, xv, doc, carry, d_out):
+    """(dq, dk, dv, dr, dθ, db, dĜ, dX̂ᵏ₀, dX̂ᵛ₀); the per-head parameter cotangents summed over the
+    per-chunk partials of the kernel."""
+    b, t, h, _ = q.shape
+    n = t // cfg.chunk
+    c, m, r_dim, dv = cfg.chunk, cfg.modes, cfg.key_dim, cfg.value_dim
+    shape = jax.ShapeDtypeStruct
+    out_shape = (shape(q.shape, q.dtype), shape(k.shape, k.dtype), shape(v.shape, v.dtype), shape(r.shape, F32),
+                 shape((b, h, n, m), F32), shape((b, h, n, 2 * m), F32), shape((b, h, n, 2 * m, 2 * m), F32),
+                 shape(xk.shape, F32), shape(xv.shape, F32))
+    out_specs = (_token_spec(cfg, r_dim), _token_spec(cfg, r_dim), _token_spec(cfg, dv), _token_spec(cfg, m),
+                 _chunk_spec(m), _chunk_spec(2 * m), _chunk_spec(2 * m, 2 * m), _chunk_spec(2 * m, r_dim),
+                 _chunk_spec(2 * m, dv))
+    grads = pl.pallas_call(
+        _backward_kernel(cfg), out_shape=out_shape, grid=(b, h, n),
+        in_specs=_in_specs(cfg) + [_token_spec(cfg, dv)], out_specs=out_specs, interpret=cfg.interpret,
+        compiler_params=_params(cfg, cfg.warps_backward), cost_estimate=_cost(cfg, 1, b * h * n),
+        name="interdomain_outputs_bwd")(q, k, v, r, phase, gain, readout, xk, xv, doc, carry, d_out)
+    dq, dk, dv_, dr, dth, db, dg, dxk, dxv = grads
+    del c
+    return (dq, dk, dv_, dr.astype(r.dtype), jnp.sum(dth, axis=(0, 2)).astype(phase.dtype),
+            jnp.sum(db, axis=(0, 2)).astype(gain.dtype), jnp.sum(dg, axis=(0, 2)).astype(readout.dtype),
+            dxk.astype(xk.dtype), dxv.astype(xv.dtype))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -459,10 +586,7 @@ def _outputs_fwd(cfg, *args):
 
 
 def _outputs_bwd(cfg, residuals, d_out):
-    *diff, doc, carry = residuals
-    _, vjp = jax.vjp(lambda *a: outputs_jax(cfg, *a, doc, carry), *diff)
-    grads = vjp(d_out.astype(F32))
-    return (*grads, None, None)
+    return (*_backward(cfg, *residuals, d_out.astype(residuals[2].dtype)), None, None)
 
 
 _outputs.defvjp(_outputs_fwd, _outputs_bwd)
