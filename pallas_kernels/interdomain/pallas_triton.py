@@ -243,20 +243,44 @@ def _carry_in(r, theta, masks, cfg):
     return jnp.where(carried, e_re, 0.0), jnp.where(carried, e_im, 0.0)
 
 
-@dataclasses.dataclass
 class _Tile:
-    """One chunk of one head: the kernel's loaded inputs."""
-    q: jax.Array  # [K, R] operand dtype
-    k: jax.Array  # [K, R]
-    v: jax.Array  # [K, Dv]
-    r: jax.Array  # [K, M] f32
-    theta: jax.Array  # [M]
-    b_re: jax.Array  # [M]
-    b_im: jax.Array
-    g: tuple  # Ĝ blocks (rr, ri, ir, ii), each [M, M]: ω_re = a_re G_rrᵀ + a_im G_riᵀ, ...
-    xk: tuple  # chunk-start key state (Re, Im) [M, R]
-    xv: tuple  # chunk-start value state (Re, Im) [M, Dv]
-    masks: _Masks
+    """One chunk of one head: the kernel's input refs, read where they are used (every property is a fresh
+    load), so that no input tile stays live in registers across the level loops."""
+
+    def __init__(self, cfg, q, k, v, r, theta, gain, readout, xk, xv, doc, carry):
+        self.m = cfg.modes
+        self._q, self._k, self._v, self._r, self._theta = q, k, v, r, theta
+        self._gain, self._readout, self._xk, self._xv = gain, readout, xk, xv
+        self.masks = _Masks(doc[...], carry[...], cfg.chunk)
+
+    def _halves(self):
+        return pl.ds(0, self.m), pl.ds(self.m, self.m)
+
+    q = property(lambda self: self._q[...])  # [K, R] operand dtype
+    k = property(lambda self: self._k[...])  # [K, R]
+    v = property(lambda self: self._v[...])  # [K, Dv]
+    r = property(lambda self: self._r[...].astype(F32))  # [K, M]
+    theta = property(lambda self: self._theta[...])  # [M]
+    b_re = property(lambda self: self._gain[self._halves()[0]])  # [M]
+    b_im = property(lambda self: self._gain[self._halves()[1]])
+
+    @property
+    def g(self):
+        """Ĝ blocks (rr, ri, ir, ii), each [M, M]: ω_re = a_re G_rrᵀ + a_im G_riᵀ, ω_im = a_re G_irᵀ + a_im G_iiᵀ."""
+        lo, hi = self._halves()
+        return tuple(self._readout[rows, cols] for rows, cols in ((lo, lo), (lo, hi), (hi, lo), (hi, hi)))
+
+    @property
+    def xk(self):
+        """Chunk-start key state (Re, Im) [M, R]."""
+        lo, hi = self._halves()
+        return self._xk[lo, :], self._xk[hi, :]
+
+    @property
+    def xv(self):
+        """Chunk-start value state (Re, Im) [M, Dv]."""
+        lo, hi = self._halves()
+        return self._xv[lo, :], self._xv[hi, :]
 
 
 def _scores(t, cfg):
@@ -308,22 +332,27 @@ def _pair_weights(t, w_re, w_im, cfg):
     return jax.lax.fori_loop(0, cfg.levels, level, jnp.where(t.masks.eye, diag[:, None], 0.0))
 
 
-def _query_state(t, cfg):
-    """Carried part of â: e^{ℓ} ⊙ (X̂ᵏ₀ q) with (e^{ℓ}, X̂ᵏ₀ q) returned for the backward."""
-    e = _carry_in(t.r, t.theta, t.masks, cfg)
-    y = (_dot(t.q, t.xk[0], cfg, trans_b=True), _dot(t.q, t.xk[1], cfg, trans_b=True))
-    return _cmul(*e, *y), e, y
+def _state_read(t, cfg):
+    """X̂ᵏ₀ q per row (complex [K, M])."""
+    xk_re, xk_im = t.xk
+    return _dot(t.q, xk_re, cfg, trans_b=True), _dot(t.q, xk_im, cfg, trans_b=True)
+
+
+def _query(t, cfg):
+    """â (complex [K, M]): the carried part e^{ℓ} ⊙ (X̂ᵏ₀ q) plus the in-chunk part."""
+    scores, diag = _scores(t, cfg)
+    w_re, w_im = _key_read(t, scores, diag, cfg)
+    a0_re, a0_im = _cmul(*_carry_in(t.r, t.theta, t.masks, cfg), *_state_read(t, cfg))
+    return a0_re + w_re, a0_im + w_im
 
 
 def forward_tile(t: _Tile, cfg):
     """o [K, Dv] f32 of one chunk and head."""
-    (a0_re, a0_im), e, _ = _query_state(t, cfg)
-    scores, diag = _scores(t, cfg)
-    w_re, w_im = _key_read(t, scores, diag, cfg)
-    om_re, om_im = _readout(a0_re + w_re, a0_im + w_im, t.g, cfg)
-    g_re, g_im = _conj_mul(om_re, om_im, *e)
-    carried = _dot(g_re, t.xv[0], cfg) - _dot(g_im, t.xv[1], cfg)
-    return carried + _dot(_pair_weights(t, om_re, om_im, cfg), t.v, cfg)
+    om_re, om_im = _readout(*_query(t, cfg), t.g, cfg)
+    o = _dot(_pair_weights(t, om_re, om_im, cfg), t.v, cfg)
+    g_re, g_im = _conj_mul(om_re, om_im, *_carry_in(t.r, t.theta, t.masks, cfg))  # e^{ℓ} again: fewer live tiles
+    xv_re, xv_im = t.xv
+    return o + _dot(g_re, xv_re, cfg) - _dot(g_im, xv_im, cfg)
 
 
 def _factor_grads(sums, f_re, f_im, df_re, df_im, cfg):
@@ -345,26 +374,18 @@ def _gain_grads(dc_re, dc_im, f_re, f_im, b_re, b_im):
 
 def backward_tile(t: _Tile, d_out, cfg):
     """Cotangents of one chunk and head from dO [K, Dv] (docs/math/interdomain.md, 'Gradients'): a dict with
-    q, k, v [K, ·]; r [K, M]; theta [M]; b_re, b_im [M]; g (rr, ri, ir, ii) [M, M]; xk, xv (Re, Im)."""
+    q, k, v [K, ·]; r [K, M]; theta [M]; b_re, b_im [M]; g (rr, ri, ir, ii) [M, M]; xk, xv (Re, Im).
+    The carry-in factor e^{ℓ}, X̂ᵏ₀ q and the scores are recomputed where needed rather than kept live."""
     k_len = cfg.chunk
     same = t.masks.same_doc
     b_re, b_im = t.b_re, t.b_im
     # the forward again up to ω
-    (a0_re, a0_im), (e_re, e_im), (y_re, y_im) = _query_state(t, cfg)
-    scores, diag = _scores(t, cfg)
-    w_re, w_im = _key_read(t, scores, diag, cfg)
-    a_re, a_im = a0_re + w_re, a0_im + w_im
+    a_re, a_im = _query(t, cfg)
     om_re, om_im = _readout(a_re, a_im, t.g, cfg)
-    # o = Re(conj(ω) ⊙ e^{ℓ}) X̂ᵛ₀ + P v
-    g_re, g_im = _conj_mul(om_re, om_im, e_re, e_im)
-    dxv = (_dot(g_re, d_out, cfg, trans_a=True), -_dot(g_im, d_out, cfg, trans_a=True))
-    dg_re, dg_im = _dot(d_out, t.xv[0], cfg, trans_b=True), -_dot(d_out, t.xv[1], cfg, trans_b=True)
+    # o = P v + Re(conj(ω) ⊙ e^{ℓ}) X̂ᵛ₀: first P (its diagonal, then the pivot levels)
     d_pairs = _dot(d_out, t.v, cfg, trans_b=True)  # dP [K, K]
     dp_diag = jnp.sum(jnp.where(t.masks.eye, d_pairs, 0.0), axis=1)[:, None]
-    dom_re = dp_diag * b_re[None, :] + dg_re * e_re + dg_im * e_im
-    dom_im = dp_diag * b_im[None, :] + dg_re * e_im - dg_im * e_re
-    de_re = dg_re * om_re - dg_im * om_im
-    de_im = dg_re * om_im + dg_im * om_re
+    dom_re, dom_im = dp_diag * b_re[None, :], dp_diag * b_im[None, :]
     db = (jnp.sum(dp_diag * om_re, axis=0), jnp.sum(dp_diag * om_im, axis=0))
 
     def value_level(lv, acc):
@@ -387,29 +408,40 @@ def backward_tile(t: _Tile, d_out, cfg):
         return p, dom_re, dom_im, db_re + db_l_re, db_im + db_l_im, dr + dr_l, dth + dth_l
 
     diag_p = jnp.sum(om_re * b_re[None, :] + om_im * b_im[None, :], axis=1)
-    zeros_km = jnp.zeros_like(t.r)
-    init = (jnp.where(t.masks.eye, diag_p[:, None], 0.0), dom_re, dom_im, *db, zeros_km, jnp.zeros_like(t.theta))
+    init = (jnp.where(t.masks.eye, diag_p[:, None], 0.0), dom_re, dom_im, *db, jnp.zeros_like(t.r),
+            jnp.zeros_like(t.theta))
     p, dom_re, dom_im, db_re, db_im, dr, dth = jax.lax.fori_loop(0, cfg.levels, value_level, init)
     dv = _dot(p, d_out, cfg, trans_a=True)
+    # the carried value part Re(conj(ω) ⊙ e^{ℓ}) X̂ᵛ₀
+    e_re, e_im = _carry_in(t.r, t.theta, t.masks, cfg)
+    g_re, g_im = _conj_mul(om_re, om_im, e_re, e_im)
+    xv_re, xv_im = t.xv
+    dxv = (_dot(g_re, d_out, cfg, trans_a=True), -_dot(g_im, d_out, cfg, trans_a=True))
+    dg_re, dg_im = _dot(d_out, xv_re, cfg, trans_b=True), -_dot(d_out, xv_im, cfg, trans_b=True)
+    dom_re = dom_re + dg_re * e_re + dg_im * e_im
+    dom_im = dom_im + dg_re * e_im - dg_im * e_re
+    de_re = dg_re * om_re - dg_im * om_im
+    de_im = dg_re * om_im + dg_im * om_re
     # ω = Ĝ â
     g_rr, g_ri, g_ir, g_ii = t.g
     da_re = _dot(dom_re, g_rr, cfg) + _dot(dom_im, g_ir, cfg)
     da_im = _dot(dom_re, g_ri, cfg) + _dot(dom_im, g_ii, cfg)
     dg = (_dot(dom_re, a_re, cfg, trans_a=True), _dot(dom_re, a_im, cfg, trans_a=True),
           _dot(dom_im, a_re, cfg, trans_a=True), _dot(dom_im, a_im, cfg, trans_a=True))
-    # carried part e^{ℓ} ⊙ (X̂ᵏ₀ q)
+    # carried key part e^{ℓ} ⊙ (X̂ᵏ₀ q)
+    y_re, y_im = _state_read(t, cfg)
     dy_re = da_re * e_re + da_im * e_im
     dy_im = da_im * e_re - da_re * e_im
     de_re = de_re + da_re * y_re + da_im * y_im
     de_im = de_im + da_im * y_re - da_re * y_im
-    dq = _dot(dy_re, t.xk[0], cfg) + _dot(dy_im, t.xk[1], cfg)
-    dxk = (_dot(dy_re, t.q, cfg, trans_a=True), _dot(dy_im, t.q, cfg, trans_a=True))
+    xk_re, xk_im = t.xk
+    dq = _dot(dy_re, xk_re, cfg) + _dot(dy_im, xk_im, cfg)
+    q = t.q
+    dxk = (_dot(dy_re, q, cfg, trans_a=True), _dot(dy_im, q, cfg, trans_a=True))
     dr_e, dth_e = _factor_grads(t.masks.upto, e_re, e_im, de_re, de_im, cfg)  # e = 0 off the carried rows
     dr, dth = dr + dr_e, dth + dth_e
     # in-chunk part: the diagonal (D = 1), then the pivot levels
     d_diag = jnp.sum(da_re * b_re[None, :] + da_im * b_im[None, :], axis=1)[:, None]
-    db_re = db_re + jnp.sum(diag[:, None] * da_re, axis=0)
-    db_im = db_im + jnp.sum(diag[:, None] * da_im, axis=0)
 
     def key_level(lv, acc):
         d_scores, db_re, db_im, dr, dth = acc
@@ -428,11 +460,15 @@ def backward_tile(t: _Tile, d_out, cfg):
         dr_l, dth_l = _factor_grads(sums, f_re, f_im, df_re, df_im, cfg)
         return d_scores, db_re + db_l_re, db_im + db_l_im, dr + dr_l, dth + dth_l
 
+    scores, diag = _scores(t, cfg)
+    db_re = db_re + jnp.sum(diag[:, None] * da_re, axis=0)
+    db_im = db_im + jnp.sum(diag[:, None] * da_im, axis=0)
     init = (jnp.zeros((k_len, k_len), F32), db_re, db_im, dr, dth)
     d_scores, db_re, db_im, dr, dth = jax.lax.fori_loop(0, cfg.levels, key_level, init)
     d_scores = jnp.where(t.masks.strict, d_scores, 0.0)
-    dq = dq + _dot(d_scores, t.k, cfg) + d_diag * t.k.astype(F32)
-    dk = _dot(d_scores, t.q, cfg, trans_a=True) + d_diag * t.q.astype(F32)
+    k, q = t.k, t.q
+    dq = dq + _dot(d_scores, k, cfg) + d_diag * k.astype(F32)
+    dk = _dot(d_scores, q, cfg, trans_a=True) + d_diag * q.astype(F32)
     return dict(q=dq, k=dk, v=dv, r=dr, theta=dth, b_re=db_re, b_im=db_im, g=dg, xk=dxk, xv=dxv)
 
 
@@ -440,21 +476,10 @@ def backward_tile(t: _Tile, d_out, cfg):
 # pallas_call wrappers (inputs padded to a multiple of the chunk)
 
 
-def _load_tile(cfg, q_ref, k_ref, v_ref, r_ref, theta_ref, gain_ref, readout_ref, xk_ref, xv_ref, doc_ref,
-               carry_ref):
-    m = cfg.modes
-    lo, hi = pl.ds(0, m), pl.ds(m, m)
-    return _Tile(q=q_ref[...], k=k_ref[...], v=v_ref[...], r=r_ref[...].astype(F32), theta=theta_ref[...],
-                 b_re=gain_ref[lo], b_im=gain_ref[hi],
-                 g=(readout_ref[lo, lo], readout_ref[lo, hi], readout_ref[hi, lo], readout_ref[hi, hi]),
-                 xk=(xk_ref[lo, :], xk_ref[hi, :]), xv=(xv_ref[lo, :], xv_ref[hi, :]),
-                 masks=_Masks(doc_ref[...], carry_ref[...], cfg.chunk))
-
-
 def _forward_kernel(cfg):
     def kernel(*refs):
         *in_refs, o_ref = refs
-        o_ref[...] = forward_tile(_load_tile(cfg, *in_refs), cfg).astype(o_ref.dtype)
+        o_ref[...] = forward_tile(_Tile(cfg, *in_refs), cfg).astype(o_ref.dtype)
 
     return kernel
 
@@ -466,7 +491,7 @@ def _backward_kernel(cfg):
     def kernel(*refs):
         in_refs, d_out_ref = refs[:11], refs[11]
         dq_ref, dk_ref, dv_ref, dr_ref, dth_ref, db_ref, dg_ref, dxk_ref, dxv_ref = refs[12:]
-        g = backward_tile(_load_tile(cfg, *in_refs), d_out_ref[...], cfg)
+        g = backward_tile(_Tile(cfg, *in_refs), d_out_ref[...], cfg)
         for ref, name in ((dq_ref, "q"), (dk_ref, "k"), (dv_ref, "v"), (dr_ref, "r"), (dth_ref, "theta")):
             ref[...] = g[name].astype(ref.dtype)
         db_ref[lo] = g["b_re"]
