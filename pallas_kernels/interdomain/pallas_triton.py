@@ -77,6 +77,7 @@ class Config:
     modes: int
     operand_dtype: jnp.dtype  # matmul operands (the caller's q, k, v dtype)
     precision: str = "tf32"  # GEMMs with f32 operands (f32 inputs): "tf32" | "highest"
+    range_sums: str = "auto"  # the 0/1 range-sum matmuls: "tf32x3" | "tf32" | "auto" (see sum_precision)
     warps_forward: int = 8
     warps_backward: int = 8
     interpret: bool = False
@@ -97,9 +98,23 @@ class Config:
         return jax.lax.Precision.DEFAULT
 
     @property
+    def resolved_range_sums(self):
+        """"auto": "tf32" with 16-bit operands, else "tf32x3"."""
+        if self.range_sums != "auto":
+            return self.range_sums
+        return "tf32" if self.operand_dtype.itemsize == 2 else "tf32x3"
+
+    @property
     def sum_precision(self):
-        """Range sums (0/1 weights times r): always float32-accurate, the decays' exponents depend on them."""
-        return jax.lax.Precision.HIGHEST if self.interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+        """Range sums (0/1 weights, exact in TF32, times r or a cotangent): "tf32x3" is float32-accurate;
+        "tf32" is one tensor-core pass on operands rounded to the nearest TF32 (2⁻¹¹ relative per term: a
+        decay e^{Σr} then errs by at most |Σr|·2⁻¹¹·e^{Σr} ≤ 2⁻¹¹/e ≈ 1.8e-4, under a bf16 operand's 2⁻⁹);
+        interpret mode: plain f32."""
+        if self.interpret:
+            return jax.lax.Precision.HIGHEST
+        if self.resolved_range_sums == "tf32":
+            return jax.lax.Precision.DEFAULT
+        return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
 def _pow2(x: int) -> bool:
@@ -114,6 +129,9 @@ def make_config(chunk, key_dim, value_dim, modes, operand_dtype, *, interpret=Fa
     cfg = Config(**base)
     if cfg.precision not in ("tf32", "highest"):
         raise ValueError(f"interdomain pallas_triton: precision={cfg.precision!r}; expected 'tf32' or 'highest'")
+    if cfg.range_sums not in ("auto", "tf32", "tf32x3"):
+        raise ValueError(f"interdomain pallas_triton: range_sums={cfg.range_sums!r}; expected 'auto', 'tf32' or "
+                         "'tf32x3'")
     if not _pow2(cfg.chunk):
         raise ValueError(f"interdomain pallas_triton: chunk={cfg.chunk} must be a power of two")
     return cfg
@@ -160,8 +178,16 @@ def _dot(a, b, cfg, *, trans_a=False, trans_b=False):
     return _matmul(a.astype(od), b.astype(od), trans_a, trans_b, None)
 
 
+def _to_tf32(x):
+    """x rounded to the nearest TF32 value (low 13 mantissa bits cleared), exact as a tensor-core operand."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jax.lax.bitcast_convert_type((bits + 4096) & jnp.int32(-8192), F32)
+
+
 def _range_sums(weights, x, cfg, *, trans=False):
-    """weights · x (or weightsᵀ · x) for a 0/1 [K, K] matrix, float32-accurate."""
+    """weights · x (or weightsᵀ · x) for a 0/1 [K, K] matrix at ``cfg.sum_precision``."""
+    if not cfg.interpret and cfg.resolved_range_sums == "tf32":
+        x = _to_tf32(x)
     return _matmul(weights, x, trans, False, cfg.sum_precision)
 
 
@@ -535,7 +561,7 @@ def _params(cfg, warps):
 
 def flop_counts(cfg):
     """(forward, backward) FLOPs, transcendentals and HBM bytes per chunk and head, as the kernels execute
-    them (full masked tiles; range sums counted once though they run as three TF32 passes on the GPU)."""
+    them (full masked tiles; a range sum counted once, though with "tf32x3" it runs as three TF32 passes)."""
     k, m, r, dv, lv = cfg.chunk, cfg.modes, cfg.key_dim, cfg.value_dim, cfg.levels
     kkm, kmm = 2 * k * k * m, 2 * k * m * m
     od = jnp.dtype(cfg.operand_dtype).itemsize

@@ -143,6 +143,22 @@ def test_interpret_bf16_operands():
     _check(got, _reference(args, document, weights), tol=3e-2, grad_tol=5e-2)
 
 
+def test_config_and_tf32_rounding():
+    cfg = pallas_triton.make_config(64, 64, 64, 64, jnp.bfloat16)
+    assert cfg.levels == 6 and cfg.resolved_range_sums == "tf32" and cfg.precision == "tf32"
+    assert pallas_triton.make_config(64, 64, 64, 64, jnp.float32).resolved_range_sums == "tf32x3"
+    for bad in (dict(precision="fp8"), dict(range_sums="bf16")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            pallas_triton.make_config(64, 64, 64, 64, jnp.float32, **bad)
+    with pytest.raises(ValueError, match="chunk=48"):
+        pallas_triton.make_config(48, 64, 64, 64, jnp.float32)
+    r = -jnp.asarray(np.random.default_rng(0).exponential(2.0, size=(64, 32)), jnp.float32)
+    rounded = np.asarray(pallas_triton._to_tf32(r), np.float64)
+    assert np.all(np.asarray(jax.lax.bitcast_convert_type(pallas_triton._to_tf32(r), jnp.int32)) & 8191 == 0)
+    rel = np.abs(rounded - np.asarray(r, np.float64)) / np.abs(np.asarray(r, np.float64))
+    assert 2.0 ** -14 < rel.max() <= 2.0 ** -11, rel.max()  # rounded to nearest, not truncated or untouched
+
+
 # ---------------------------------------------------------------------------------------------------------
 # supports, dispatch, lowering
 
