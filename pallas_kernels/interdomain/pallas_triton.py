@@ -78,6 +78,7 @@ class Config:
     operand_dtype: jnp.dtype  # matmul operands (the caller's q, k, v dtype)
     precision: str = "tf32"  # GEMMs with f32 operands (f32 inputs): "tf32" | "highest"
     range_sums: str = "auto"  # the 0/1 range-sum matmuls: "tf32x3" | "tf32" | "auto" (see sum_precision)
+    block_m: int = 32  # modes per pass of every kernel (per-mode tiles are [K, BM])
     warps_forward: int = 8
     warps_backward: int = 8
     interpret: bool = False
@@ -124,7 +125,7 @@ def _pow2(x: int) -> bool:
 def make_config(chunk, key_dim, value_dim, modes, operand_dtype, *, interpret=False, **overrides):
     base = dict(chunk=chunk, key_dim=key_dim, value_dim=value_dim, modes=modes,
                 operand_dtype=jnp.dtype(operand_dtype), precision="highest" if interpret else "tf32",
-                interpret=interpret)
+                block_m=min(32, modes), interpret=interpret)
     base.update(overrides)
     cfg = Config(**base)
     if cfg.precision not in ("tf32", "highest"):
@@ -134,6 +135,9 @@ def make_config(chunk, key_dim, value_dim, modes, operand_dtype, *, interpret=Fa
                          "'tf32x3'")
     if not _pow2(cfg.chunk):
         raise ValueError(f"interdomain pallas_triton: chunk={cfg.chunk} must be a power of two")
+    if not _pow2(cfg.block_m) or cfg.modes % cfg.block_m:
+        raise ValueError(f"interdomain pallas_triton: block_m={cfg.block_m} must be a power of two dividing "
+                         f"modes={cfg.modes}")
     return cfg
 
 
@@ -269,120 +273,34 @@ def _carry_in(r, theta, masks, cfg):
     return jnp.where(carried, e_re, 0.0), jnp.where(carried, e_im, 0.0)
 
 
-class _Tile:
-    """One chunk of one head: the kernel's input refs, read where they are used (every property is a fresh
-    load), so that no input tile stays live in registers across the level loops."""
-
-    def __init__(self, cfg, q, k, v, r, theta, gain, readout, xk, xv, doc, carry):
-        self.m = cfg.modes
-        self._q, self._k, self._v, self._r, self._theta = q, k, v, r, theta
-        self._gain, self._readout, self._xk, self._xv = gain, readout, xk, xv
-        self.masks = _Masks(doc[...], carry[...], cfg.chunk)
-
-    def _halves(self):
-        return pl.ds(0, self.m), pl.ds(self.m, self.m)
-
-    q = property(lambda self: self._q[...])  # [K, R] operand dtype
-    k = property(lambda self: self._k[...])  # [K, R]
-    v = property(lambda self: self._v[...])  # [K, Dv]
-    r = property(lambda self: self._r[...].astype(F32))  # [K, M]
-    theta = property(lambda self: self._theta[...])  # [M]
-    b_re = property(lambda self: self._gain[self._halves()[0]])  # [M]
-    b_im = property(lambda self: self._gain[self._halves()[1]])
-
-    @property
-    def g(self):
-        """Ĝ blocks (rr, ri, ir, ii), each [M, M]: ω_re = a_re G_rrᵀ + a_im G_riᵀ, ω_im = a_re G_irᵀ + a_im G_iiᵀ."""
-        lo, hi = self._halves()
-        return tuple(self._readout[rows, cols] for rows, cols in ((lo, lo), (lo, hi), (hi, lo), (hi, hi)))
-
-    @property
-    def xk(self):
-        """Chunk-start key state (Re, Im) [M, R]."""
-        lo, hi = self._halves()
-        return self._xk[lo, :], self._xk[hi, :]
-
-    @property
-    def xv(self):
-        """Chunk-start value state (Re, Im) [M, Dv]."""
-        lo, hi = self._halves()
-        return self._xv[lo, :], self._xv[hi, :]
+def _scores(q, k, masks, cfg):
+    """Sc = q kᵀ on strictly lower same-document pairs [K, K], and its diagonal q_s · k_s [K, 1]."""
+    s = _dot(q, k, cfg, trans_b=True)
+    diag = jnp.sum(q.astype(F32) * k.astype(F32), axis=1)[:, None]
+    return jnp.where(masks.strict, s, 0.0), diag
 
 
-def _scores(t, cfg):
-    """Sc = q kᵀ on strictly lower same-document pairs [K, K], and its diagonal q_s · k_s [K]."""
-    s = _dot(t.q, t.k, cfg, trans_b=True)
-    diag = jnp.sum(t.q.astype(F32) * t.k.astype(F32), axis=1)
-    return jnp.where(t.masks.strict, s, 0.0), diag
+class _Modes:
+    """One block of BM modes: its column slices (Re, Im) of the stacked 2M axis and its loaded per-mode inputs."""
 
+    def __init__(self, mb, cfg, r_ref, theta_ref, gain_ref):
+        bm, m = cfg.block_m, cfg.modes
+        self.re = pl.ds(pl.multiple_of(mb * bm, bm), bm)
+        self.im = pl.ds(pl.multiple_of(m + mb * bm, bm), bm)
+        self.r = r_ref[:, self.re].astype(F32)  # [K, BM]
+        self.theta = theta_ref[self.re]  # [BM]
+        self.b_re, self.b_im = gain_ref[self.re][None, :], gain_ref[self.im][None, :]  # [1, BM]
 
-def _key_read(t, scores, diag, cfg):
-    """b ⊙ Σ_{j≤s} Sc[s, j] D[s, j] (complex [K, M]) through the pivot tree."""
-    k = cfg.chunk
+    def factor(self, sums, cfg):
+        return _level_factor(sums, self.r, self.theta, cfg)
 
-    def level(lv, acc):
-        pairs, sums = _level(k, lv)
-        f_re, f_im = _level_factor(sums, t.r, t.theta, cfg)
-        c_re, c_im = _cmul(t.b_re[None, :], t.b_im[None, :], f_re, f_im)
-        s_l = jnp.where(pairs, scores, 0.0)
-        u_re, u_im = _dot(s_l, c_re, cfg), _dot(s_l, c_im, cfg)
-        d_re, d_im = _cmul(f_re, f_im, u_re, u_im)
-        return acc[0] + d_re, acc[1] + d_im
-
-    init = (diag[:, None] * t.b_re[None, :], diag[:, None] * t.b_im[None, :])
-    return jax.lax.fori_loop(0, cfg.levels, level, init)
-
-
-def _readout(a_re, a_im, g, cfg):
-    """ω = Ĝ â per row (complex [K, M] from the four [M, M] blocks of Ĝ)."""
-    g_rr, g_ri, g_ir, g_ii = g
-    w_re = _dot(a_re, g_rr, cfg, trans_b=True) + _dot(a_im, g_ri, cfg, trans_b=True)
-    w_im = _dot(a_re, g_ir, cfg, trans_b=True) + _dot(a_im, g_ii, cfg, trans_b=True)
-    return w_re, w_im
-
-
-def _pair_weights(t, w_re, w_im, cfg):
-    """P[s, j] = Re Σ_m conj(ω_sm) b_m D[s, j, m] on same-document pairs j ≤ s: [K, K] f32."""
-    k = cfg.chunk
-    same = t.masks.same_doc
-
-    def level(lv, p):
-        pairs, sums = _level(k, lv)
-        f_re, f_im = _level_factor(sums, t.r, t.theta, cfg)
-        c_re, c_im = _cmul(t.b_re[None, :], t.b_im[None, :], f_re, f_im)
-        h_re, h_im = _conj_mul(w_re, w_im, f_re, f_im)
-        p_l = _dot(h_re, c_re, cfg, trans_b=True) - _dot(h_im, c_im, cfg, trans_b=True)
-        return p + jnp.where(pairs & same, p_l, 0.0)
-
-    diag = jnp.sum(w_re * t.b_re[None, :] + w_im * t.b_im[None, :], axis=1)
-    return jax.lax.fori_loop(0, cfg.levels, level, jnp.where(t.masks.eye, diag[:, None], 0.0))
-
-
-def _state_read(t, cfg):
-    """X̂ᵏ₀ q per row (complex [K, M])."""
-    xk_re, xk_im = t.xk
-    return _dot(t.q, xk_re, cfg, trans_b=True), _dot(t.q, xk_im, cfg, trans_b=True)
-
-
-def _query(t, cfg):
-    """â (complex [K, M]): the carried part e^{ℓ} ⊙ (X̂ᵏ₀ q) plus the in-chunk part."""
-    scores, diag = _scores(t, cfg)
-    w_re, w_im = _key_read(t, scores, diag, cfg)
-    a0_re, a0_im = _cmul(*_carry_in(t.r, t.theta, t.masks, cfg), *_state_read(t, cfg))
-    return a0_re + w_re, a0_im + w_im
-
-
-def forward_tile(t: _Tile, cfg):
-    """o [K, Dv] f32 of one chunk and head."""
-    om_re, om_im = _readout(*_query(t, cfg), t.g, cfg)
-    o = _dot(_pair_weights(t, om_re, om_im, cfg), t.v, cfg)
-    g_re, g_im = _conj_mul(om_re, om_im, *_carry_in(t.r, t.theta, t.masks, cfg))  # e^{ℓ} again: fewer live tiles
-    xv_re, xv_im = t.xv
-    return o + _dot(g_re, xv_re, cfg) - _dot(g_im, xv_im, cfg)
+    def gained(self, f_re, f_im):
+        """b ⊙ f."""
+        return _cmul(self.b_re, self.b_im, f_re, f_im)
 
 
 def _factor_grads(sums, f_re, f_im, df_re, df_im, cfg):
-    """Cotangents of r [K, M] and θ [M] through f = exp(sums · r) e^{iθ·offset} given df: the log-amplitude
+    """Cotangents of r [K, BM] and θ [BM] through f = exp(sums · r) e^{iθ·offset} given df: the log-amplitude
     cotangent Re(conj(f) df) goes back through the range sums (their transpose: every r_τ in the row's range
     receives it), the phase cotangent Im(conj(f) df) is multiplied by the integer offset and summed."""
     d_log = df_re * f_re + df_im * f_im
@@ -391,144 +309,214 @@ def _factor_grads(sums, f_re, f_im, df_re, df_im, cfg):
     return _range_sums(sums, d_log, cfg, trans=True), jnp.sum(offset * d_angle, axis=0)
 
 
-def _gain_grads(dc_re, dc_im, f_re, f_im, b_re, b_im):
-    """c = b ⊙ f: (df_re, df_im, db_re [M], db_im [M]) from dc."""
-    df_re = dc_re * b_re[None, :] + dc_im * b_im[None, :]
-    df_im = dc_im * b_re[None, :] - dc_re * b_im[None, :]
+def _gain_grads(dc_re, dc_im, f_re, f_im, modes):
+    """c = b ⊙ f: (df_re, df_im, db_re [BM], db_im [BM]) from dc."""
+    df_re = dc_re * modes.b_re + dc_im * modes.b_im
+    df_im = dc_im * modes.b_re - dc_re * modes.b_im
     return df_re, df_im, jnp.sum(dc_re * f_re + dc_im * f_im, axis=0), jnp.sum(dc_im * f_re - dc_re * f_im, axis=0)
 
 
-def backward_tile(t: _Tile, d_out, cfg):
-    """Cotangents of one chunk and head from dO [K, Dv] (docs/math/interdomain.md, 'Gradients'): a dict with
-    q, k, v [K, ·]; r [K, M]; theta [M]; b_re, b_im [M]; g (rr, ri, ir, ii) [M, M]; xk, xv (Re, Im).
-    The carry-in factor e^{ℓ}, X̂ᵏ₀ q and the scores are recomputed where needed rather than kept live."""
+def _n_blocks(cfg):
+    return cfg.modes // cfg.block_m
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernels. Query side:  â = e^{ℓ} ⊙ (X̂ᵏ₀ q) + b ⊙ Σ_{j≤s} Sc[s, j] D[s, j]      (``query``, ``query_bwd``)
+#          readout:     ω = Ĝ â                                                  (XLA, between the two)
+#          value side:  o = P v + Re(conj(ω) ⊙ e^{ℓ}) X̂ᵛ₀                        (``output``, ``output_bwd``)
+# Every kernel walks the modes in blocks of BM (everything but P, Sc and their cotangents is per mode), so
+# the per-mode tiles are [K, BM].
+
+
+def _query_kernel(cfg):
     k_len = cfg.chunk
-    same = t.masks.same_doc
-    b_re, b_im = t.b_re, t.b_im
-    # the forward again up to ω
-    a_re, a_im = _query(t, cfg)
-    om_re, om_im = _readout(a_re, a_im, t.g, cfg)
-    # o = P v + Re(conj(ω) ⊙ e^{ℓ}) X̂ᵛ₀: first P (its diagonal, then the pivot levels)
-    d_pairs = _dot(d_out, t.v, cfg, trans_b=True)  # dP [K, K]
-    dp_diag = jnp.sum(jnp.where(t.masks.eye, d_pairs, 0.0), axis=1)[:, None]
-    dom_re, dom_im = dp_diag * b_re[None, :], dp_diag * b_im[None, :]
-    db = (jnp.sum(dp_diag * om_re, axis=0), jnp.sum(dp_diag * om_im, axis=0))
 
-    def value_level(lv, acc):
-        p, dom_re, dom_im, db_re, db_im, dr, dth = acc
-        pairs, sums = _level(k_len, lv)
-        f_re, f_im = _level_factor(sums, t.r, t.theta, cfg)
-        c_re, c_im = _cmul(b_re[None, :], b_im[None, :], f_re, f_im)
-        h_re, h_im = _conj_mul(om_re, om_im, f_re, f_im)
-        mask = pairs & same
-        p = p + jnp.where(mask, _dot(h_re, c_re, cfg, trans_b=True) - _dot(h_im, c_im, cfg, trans_b=True), 0.0)
-        dp_l = jnp.where(mask, d_pairs, 0.0)
-        dh_re, dh_im = _dot(dp_l, c_re, cfg), -_dot(dp_l, c_im, cfg)
-        dc_re, dc_im = _dot(dp_l, h_re, cfg, trans_a=True), -_dot(dp_l, h_im, cfg, trans_a=True)
-        dom_re = dom_re + dh_re * f_re + dh_im * f_im
-        dom_im = dom_im + dh_re * f_im - dh_im * f_re
-        df_re, df_im, db_l_re, db_l_im = _gain_grads(dc_re, dc_im, f_re, f_im, b_re, b_im)
-        df_re = df_re + dh_re * om_re - dh_im * om_im
-        df_im = df_im + dh_re * om_im + dh_im * om_re
-        dr_l, dth_l = _factor_grads(sums, f_re, f_im, df_re, df_im, cfg)
-        return p, dom_re, dom_im, db_re + db_l_re, db_im + db_l_im, dr + dr_l, dth + dth_l
+    def kernel(q_ref, k_ref, r_ref, theta_ref, gain_ref, xk_ref, doc_ref, carry_ref, a_ref):
+        masks = _Masks(doc_ref[...], carry_ref[...], k_len)
+        scores, diag = _scores(q_ref[...], k_ref[...], masks, cfg)
 
-    diag_p = jnp.sum(om_re * b_re[None, :] + om_im * b_im[None, :], axis=1)
-    init = (jnp.where(t.masks.eye, diag_p[:, None], 0.0), dom_re, dom_im, *db, jnp.zeros_like(t.r),
-            jnp.zeros_like(t.theta))
-    p, dom_re, dom_im, db_re, db_im, dr, dth = jax.lax.fori_loop(0, cfg.levels, value_level, init)
-    dv = _dot(p, d_out, cfg, trans_a=True)
-    # the carried value part Re(conj(ω) ⊙ e^{ℓ}) X̂ᵛ₀
-    e_re, e_im = _carry_in(t.r, t.theta, t.masks, cfg)
-    g_re, g_im = _conj_mul(om_re, om_im, e_re, e_im)
-    xv_re, xv_im = t.xv
-    dxv = (_dot(g_re, d_out, cfg, trans_a=True), -_dot(g_im, d_out, cfg, trans_a=True))
-    dg_re, dg_im = _dot(d_out, xv_re, cfg, trans_b=True), -_dot(d_out, xv_im, cfg, trans_b=True)
-    dom_re = dom_re + dg_re * e_re + dg_im * e_im
-    dom_im = dom_im + dg_re * e_im - dg_im * e_re
-    de_re = dg_re * om_re - dg_im * om_im
-    de_im = dg_re * om_im + dg_im * om_re
-    # ω = Ĝ â
-    g_rr, g_ri, g_ir, g_ii = t.g
-    da_re = _dot(dom_re, g_rr, cfg) + _dot(dom_im, g_ir, cfg)
-    da_im = _dot(dom_re, g_ri, cfg) + _dot(dom_im, g_ii, cfg)
-    dg = (_dot(dom_re, a_re, cfg, trans_a=True), _dot(dom_re, a_im, cfg, trans_a=True),
-          _dot(dom_im, a_re, cfg, trans_a=True), _dot(dom_im, a_im, cfg, trans_a=True))
-    # carried key part e^{ℓ} ⊙ (X̂ᵏ₀ q)
-    y_re, y_im = _state_read(t, cfg)
-    dy_re = da_re * e_re + da_im * e_im
-    dy_im = da_im * e_re - da_re * e_im
-    de_re = de_re + da_re * y_re + da_im * y_im
-    de_im = de_im + da_im * y_re - da_re * y_im
-    xk_re, xk_im = t.xk
-    dq = _dot(dy_re, xk_re, cfg) + _dot(dy_im, xk_im, cfg)
-    q = t.q
-    dxk = (_dot(dy_re, q, cfg, trans_a=True), _dot(dy_im, q, cfg, trans_a=True))
-    dr_e, dth_e = _factor_grads(t.masks.upto, e_re, e_im, de_re, de_im, cfg)  # e = 0 off the carried rows
-    dr, dth = dr + dr_e, dth + dth_e
-    # in-chunk part: the diagonal (D = 1), then the pivot levels
-    d_diag = jnp.sum(da_re * b_re[None, :] + da_im * b_im[None, :], axis=1)[:, None]
+        def block(mb, carry):
+            md = _Modes(mb, cfg, r_ref, theta_ref, gain_ref)
 
-    def key_level(lv, acc):
-        d_scores, db_re, db_im, dr, dth = acc
-        pairs, sums = _level(k_len, lv)
-        f_re, f_im = _level_factor(sums, t.r, t.theta, cfg)
-        c_re, c_im = _cmul(b_re[None, :], b_im[None, :], f_re, f_im)
-        s_l = jnp.where(pairs, scores, 0.0)
-        u_re, u_im = _dot(s_l, c_re, cfg), _dot(s_l, c_im, cfg)
-        du_re, du_im = _conj_mul(f_re, f_im, da_re, da_im)  # conj(f) ⊙ da
-        d_scores = d_scores + jnp.where(pairs, _dot(du_re, c_re, cfg, trans_b=True)
-                                        + _dot(du_im, c_im, cfg, trans_b=True), 0.0)
-        dc_re, dc_im = _dot(s_l, du_re, cfg, trans_a=True), _dot(s_l, du_im, cfg, trans_a=True)
-        df_re, df_im, db_l_re, db_l_im = _gain_grads(dc_re, dc_im, f_re, f_im, b_re, b_im)
-        df_re = df_re + da_re * u_re + da_im * u_im
-        df_im = df_im + da_im * u_re - da_re * u_im
-        dr_l, dth_l = _factor_grads(sums, f_re, f_im, df_re, df_im, cfg)
-        return d_scores, db_re + db_l_re, db_im + db_l_im, dr + dr_l, dth + dth_l
+            def level(lv, acc):
+                pairs, sums = _level(k_len, lv)
+                f_re, f_im = md.factor(sums, cfg)
+                c_re, c_im = md.gained(f_re, f_im)
+                s_l = jnp.where(pairs, scores, 0.0)
+                d_re, d_im = _cmul(f_re, f_im, _dot(s_l, c_re, cfg), _dot(s_l, c_im, cfg))
+                return acc[0] + d_re, acc[1] + d_im
 
-    scores, diag = _scores(t, cfg)
-    db_re = db_re + jnp.sum(diag[:, None] * da_re, axis=0)
-    db_im = db_im + jnp.sum(diag[:, None] * da_im, axis=0)
-    init = (jnp.zeros((k_len, k_len), F32), db_re, db_im, dr, dth)
-    d_scores, db_re, db_im, dr, dth = jax.lax.fori_loop(0, cfg.levels, key_level, init)
-    d_scores = jnp.where(t.masks.strict, d_scores, 0.0)
-    k, q = t.k, t.q
-    dq = dq + _dot(d_scores, k, cfg) + d_diag * k.astype(F32)
-    dk = _dot(d_scores, q, cfg, trans_a=True) + d_diag * q.astype(F32)
-    return dict(q=dq, k=dk, v=dv, r=dr, theta=dth, b_re=db_re, b_im=db_im, g=dg, xk=dxk, xv=dxv)
+            w_re, w_im = jax.lax.fori_loop(0, cfg.levels, level, (diag * md.b_re, diag * md.b_im))
+            q = q_ref[...]
+            y_re, y_im = _dot(q, xk_ref[md.re, :], cfg, trans_b=True), _dot(q, xk_ref[md.im, :], cfg, trans_b=True)
+            a_re, a_im = _cmul(*_carry_in(md.r, md.theta, masks, cfg), y_re, y_im)
+            a_ref[:, md.re] = a_re + w_re
+            a_ref[:, md.im] = a_im + w_im
+            return carry
+
+        jax.lax.fori_loop(0, _n_blocks(cfg), block, 0)
+
+    return kernel
+
+
+def _query_bwd_kernel(cfg):
+    k_len = cfg.chunk
+
+    def kernel(q_ref, k_ref, r_ref, theta_ref, gain_ref, xk_ref, doc_ref, carry_ref, da_ref,
+               dq_ref, dk_ref, dr_ref, dth_ref, db_ref, dxk_ref):
+        masks = _Masks(doc_ref[...], carry_ref[...], k_len)
+        scores, diag = _scores(q_ref[...], k_ref[...], masks, cfg)
+
+        def block(mb, acc):
+            d_scores, dq, d_diag = acc
+            md = _Modes(mb, cfg, r_ref, theta_ref, gain_ref)
+            da_re, da_im = da_ref[:, md.re], da_ref[:, md.im]
+            # carried part e^{ℓ} ⊙ (X̂ᵏ₀ q)
+            q = q_ref[...]
+            xk_re, xk_im = xk_ref[md.re, :], xk_ref[md.im, :]
+            y_re, y_im = _dot(q, xk_re, cfg, trans_b=True), _dot(q, xk_im, cfg, trans_b=True)
+            e_re, e_im = _carry_in(md.r, md.theta, masks, cfg)
+            dy_re, dy_im = _conj_mul(e_re, e_im, da_re, da_im)
+            de_re, de_im = _conj_mul(y_re, y_im, da_re, da_im)
+            dq = dq + _dot(dy_re, xk_re, cfg) + _dot(dy_im, xk_im, cfg)
+            dxk_ref[md.re, :] = _dot(dy_re, q, cfg, trans_a=True)
+            dxk_ref[md.im, :] = _dot(dy_im, q, cfg, trans_a=True)
+            dr, dth = _factor_grads(masks.upto, e_re, e_im, de_re, de_im, cfg)  # e = 0 off the carried rows
+            # the diagonal (D = 1): â += diag(Sc) b
+            d_diag = d_diag + jnp.sum(da_re * md.b_re + da_im * md.b_im, axis=1)[:, None]
+            db_re, db_im = jnp.sum(diag * da_re, axis=0), jnp.sum(diag * da_im, axis=0)
+
+            def level(lv, acc):
+                d_scores, db_re, db_im, dr, dth = acc
+                pairs, sums = _level(k_len, lv)
+                f_re, f_im = md.factor(sums, cfg)
+                c_re, c_im = md.gained(f_re, f_im)
+                s_l = jnp.where(pairs, scores, 0.0)
+                u_re, u_im = _dot(s_l, c_re, cfg), _dot(s_l, c_im, cfg)
+                du_re, du_im = _conj_mul(f_re, f_im, da_re, da_im)
+                d_scores = d_scores + jnp.where(pairs, _dot(du_re, c_re, cfg, trans_b=True)
+                                                + _dot(du_im, c_im, cfg, trans_b=True), 0.0)
+                dc_re, dc_im = _dot(s_l, du_re, cfg, trans_a=True), _dot(s_l, du_im, cfg, trans_a=True)
+                df_re, df_im, db_l_re, db_l_im = _gain_grads(dc_re, dc_im, f_re, f_im, md)
+                du_re, du_im = _conj_mul(u_re, u_im, da_re, da_im)  # f's own cotangent conj(u) ⊙ dâ
+                dr_l, dth_l = _factor_grads(sums, f_re, f_im, df_re + du_re, df_im + du_im, cfg)
+                return d_scores, db_re + db_l_re, db_im + db_l_im, dr + dr_l, dth + dth_l
+
+            d_scores, db_re, db_im, dr, dth = jax.lax.fori_loop(0, cfg.levels, level,
+                                                                (d_scores, db_re, db_im, dr, dth))
+            dr_ref[:, md.re] = dr
+            dth_ref[md.re] = dth
+            db_ref[md.re] = db_re
+            db_ref[md.im] = db_im
+            return d_scores, dq, d_diag
+
+        init = (jnp.zeros((k_len, k_len), F32), jnp.zeros((k_len, cfg.key_dim), F32), jnp.zeros((k_len, 1), F32))
+        d_scores, dq, d_diag = jax.lax.fori_loop(0, _n_blocks(cfg), block, init)
+        d_scores = jnp.where(masks.strict, d_scores, 0.0)
+        q, k = q_ref[...], k_ref[...]
+        dq_ref[...] = (dq + _dot(d_scores, k, cfg) + d_diag * k.astype(F32)).astype(dq_ref.dtype)
+        dk_ref[...] = (_dot(d_scores, q, cfg, trans_a=True) + d_diag * q.astype(F32)).astype(dk_ref.dtype)
+
+    return kernel
+
+
+def _output_kernel(cfg):
+    k_len = cfg.chunk
+
+    def kernel(w_ref, v_ref, r_ref, theta_ref, gain_ref, xv_ref, doc_ref, carry_ref, o_ref):
+        masks = _Masks(doc_ref[...], carry_ref[...], k_len)
+
+        def block(mb, acc):
+            p, o = acc
+            md = _Modes(mb, cfg, r_ref, theta_ref, gain_ref)
+            om_re, om_im = w_ref[:, md.re], w_ref[:, md.im]
+
+            def level(lv, p):
+                pairs, sums = _level(k_len, lv)
+                f_re, f_im = md.factor(sums, cfg)
+                c_re, c_im = md.gained(f_re, f_im)
+                h_re, h_im = _conj_mul(om_re, om_im, f_re, f_im)
+                p_l = _dot(h_re, c_re, cfg, trans_b=True) - _dot(h_im, c_im, cfg, trans_b=True)
+                return p + jnp.where(pairs & masks.same_doc, p_l, 0.0)
+
+            diag = jnp.sum(om_re * md.b_re + om_im * md.b_im, axis=1)[:, None]
+            p = jax.lax.fori_loop(0, cfg.levels, level, p + jnp.where(masks.eye, diag, 0.0))
+            g_re, g_im = _conj_mul(om_re, om_im, *_carry_in(md.r, md.theta, masks, cfg))
+            return p, o + _dot(g_re, xv_ref[md.re, :], cfg) - _dot(g_im, xv_ref[md.im, :], cfg)
+
+        init = (jnp.zeros((k_len, k_len), F32), jnp.zeros((k_len, cfg.value_dim), F32))
+        p, o = jax.lax.fori_loop(0, _n_blocks(cfg), block, init)
+        o_ref[...] = (o + _dot(p, v_ref[...], cfg)).astype(o_ref.dtype)
+
+    return kernel
+
+
+def _output_bwd_kernel(cfg):
+    k_len = cfg.chunk
+
+    def kernel(w_ref, v_ref, r_ref, theta_ref, gain_ref, xv_ref, doc_ref, carry_ref, do_ref,
+               dw_ref, dv_ref, dr_ref, dth_ref, db_ref, dxv_ref):
+        masks = _Masks(doc_ref[...], carry_ref[...], k_len)
+        d_pairs = _dot(do_ref[...], v_ref[...], cfg, trans_b=True)  # dP [K, K]
+        dp_diag = jnp.sum(jnp.where(masks.eye, d_pairs, 0.0), axis=1)[:, None]
+
+        def block(mb, p):
+            md = _Modes(mb, cfg, r_ref, theta_ref, gain_ref)
+            om_re, om_im = w_ref[:, md.re], w_ref[:, md.im]
+            # P's diagonal Re(conj(ω)·b), then its pivot levels
+            p = p + jnp.where(masks.eye, jnp.sum(om_re * md.b_re + om_im * md.b_im, axis=1)[:, None], 0.0)
+            dom_re, dom_im = dp_diag * md.b_re, dp_diag * md.b_im
+            db_re, db_im = jnp.sum(dp_diag * om_re, axis=0), jnp.sum(dp_diag * om_im, axis=0)
+
+            def level(lv, acc):
+                p, dom_re, dom_im, db_re, db_im, dr, dth = acc
+                pairs, sums = _level(k_len, lv)
+                f_re, f_im = md.factor(sums, cfg)
+                c_re, c_im = md.gained(f_re, f_im)
+                h_re, h_im = _conj_mul(om_re, om_im, f_re, f_im)
+                mask = pairs & masks.same_doc
+                p = p + jnp.where(mask, _dot(h_re, c_re, cfg, trans_b=True) - _dot(h_im, c_im, cfg, trans_b=True),
+                                  0.0)
+                dp_l = jnp.where(mask, d_pairs, 0.0)
+                dh_re, dh_im = _dot(dp_l, c_re, cfg), -_dot(dp_l, c_im, cfg)
+                dc_re, dc_im = _dot(dp_l, h_re, cfg, trans_a=True), -_dot(dp_l, h_im, cfg, trans_a=True)
+                dom_re = dom_re + dh_re * f_re + dh_im * f_im
+                dom_im = dom_im + dh_re * f_im - dh_im * f_re
+                df_re, df_im, db_l_re, db_l_im = _gain_grads(dc_re, dc_im, f_re, f_im, md)
+                df_re = df_re + dh_re * om_re - dh_im * om_im
+                df_im = df_im + dh_re * om_im + dh_im * om_re
+                dr_l, dth_l = _factor_grads(sums, f_re, f_im, df_re, df_im, cfg)
+                return p, dom_re, dom_im, db_re + db_l_re, db_im + db_l_im, dr + dr_l, dth + dth_l
+
+            init = (p, dom_re, dom_im, db_re, db_im, jnp.zeros_like(md.r), jnp.zeros_like(md.theta))
+            p, dom_re, dom_im, db_re, db_im, dr, dth = jax.lax.fori_loop(0, cfg.levels, level, init)
+            # the carried part Re(conj(ω) ⊙ e^{ℓ}) X̂ᵛ₀
+            d_out = do_ref[...]
+            e_re, e_im = _carry_in(md.r, md.theta, masks, cfg)
+            g_re, g_im = _conj_mul(om_re, om_im, e_re, e_im)
+            xv_re, xv_im = xv_ref[md.re, :], xv_ref[md.im, :]
+            dxv_ref[md.re, :] = _dot(g_re, d_out, cfg, trans_a=True)
+            dxv_ref[md.im, :] = -_dot(g_im, d_out, cfg, trans_a=True)
+            dg_re, dg_im = _dot(d_out, xv_re, cfg, trans_b=True), -_dot(d_out, xv_im, cfg, trans_b=True)
+            dw_ref[:, md.re] = dom_re + dg_re * e_re + dg_im * e_im
+            dw_ref[:, md.im] = dom_im + dg_re * e_im - dg_im * e_re
+            de_re = dg_re * om_re - dg_im * om_im
+            de_im = dg_re * om_im + dg_im * om_re
+            dr_e, dth_e = _factor_grads(masks.upto, e_re, e_im, de_re, de_im, cfg)
+            dr_ref[:, md.re] = dr + dr_e
+            dth_ref[md.re] = dth + dth_e
+            db_ref[md.re] = db_re
+            db_ref[md.im] = db_im
+            return p
+
+        p = jax.lax.fori_loop(0, _n_blocks(cfg), block, jnp.zeros((k_len, k_len), F32))
+        dv_ref[...] = _dot(p, do_ref[...], cfg, trans_a=True).astype(dv_ref.dtype)
+
+    return kernel
 
 
 # ---------------------------------------------------------------------------------------------------------
 # pallas_call wrappers (inputs padded to a multiple of the chunk)
-
-
-def _forward_kernel(cfg):
-    def kernel(*refs):
-        *in_refs, o_ref = refs
-        o_ref[...] = forward_tile(_Tile(cfg, *in_refs), cfg).astype(o_ref.dtype)
-
-    return kernel
-
-
-def _backward_kernel(cfg):
-    m = cfg.modes
-    lo, hi = pl.ds(0, m), pl.ds(m, m)
-
-    def kernel(*refs):
-        in_refs, d_out_ref = refs[:11], refs[11]
-        dq_ref, dk_ref, dv_ref, dr_ref, dth_ref, db_ref, dg_ref, dxk_ref, dxv_ref = refs[12:]
-        g = backward_tile(_Tile(cfg, *in_refs), d_out_ref[...], cfg)
-        for ref, name in ((dq_ref, "q"), (dk_ref, "k"), (dv_ref, "v"), (dr_ref, "r"), (dth_ref, "theta")):
-            ref[...] = g[name].astype(ref.dtype)
-        db_ref[lo] = g["b_re"]
-        db_ref[hi] = g["b_im"]
-        for (rows, cols), block in zip(((lo, lo), (lo, hi), (hi, lo), (hi, hi)), g["g"]):
-            dg_ref[rows, cols] = block
-        for ref, (re, im) in ((dxk_ref, g["xk"]), (dxv_ref, g["xv"])):
-            ref[lo, :] = re
-            ref[hi, :] = im
-
-    return kernel
 
 
 def _token_spec(cfg, width):
@@ -546,11 +534,11 @@ def _head_spec(*tail):
     return pl.BlockSpec((None, *tail), lambda b, h, n: (h, *([0] * len(tail))))
 
 
-def _in_specs(cfg):
-    c, m, r, dv = cfg.chunk, cfg.modes, cfg.key_dim, cfg.value_dim
-    return [_token_spec(cfg, r), _token_spec(cfg, r), _token_spec(cfg, dv), _token_spec(cfg, m), _head_spec(m),
-            _head_spec(2 * m), _head_spec(2 * m, 2 * m), _chunk_spec(2 * m, r), _chunk_spec(2 * m, dv),
-            pl.BlockSpec((None, c), lambda b, h, n: (b, n)), pl.BlockSpec((None, None), lambda b, h, n: (b, n))]
+def _common_specs(cfg, state_width):
+    """r, θ, b, the chunk-start state block, documents, carried document."""
+    m = cfg.modes
+    return [_token_spec(cfg, m), _head_spec(m), _head_spec(2 * m), _chunk_spec(2 * m, state_width),
+            pl.BlockSpec((None, cfg.chunk), lambda b, h, n: (b, n)), pl.BlockSpec((None, None), lambda b, h, n: (b, n))]
 
 
 def _params(cfg, warps):
@@ -560,87 +548,144 @@ def _params(cfg, warps):
 
 
 def flop_counts(cfg):
-    """(forward, backward) FLOPs, transcendentals and HBM bytes per chunk and head, as the kernels execute
-    them (full masked tiles; a range sum counted once, though with "tf32x3" it runs as three TF32 passes)."""
+    """{kernel: (FLOPs, transcendentals, HBM bytes)} per chunk and head, as the kernels execute them (full
+    masked tiles; a range sum counted once, though with "tf32x3" it runs as three TF32 passes). The readout
+    ω = Ĝ â between the kernels is XLA's and not counted."""
     k, m, r, dv, lv = cfg.chunk, cfg.modes, cfg.key_dim, cfg.value_dim, cfg.levels
-    kkm, kmm = 2 * k * k * m, 2 * k * m * m
+    kkm = 2 * k * k * m  # one [K, K] x [K, M] GEMM over all mode blocks
     od = jnp.dtype(cfg.operand_dtype).itemsize
-    # forward: Sc, X̂ᵏ₀ q, carry-in sums, key-read levels (sums + 2 GEMMs), Ĝ, carried value, P levels, P v
-    fwd = (2 * k * k * r + 2 * 2 * k * r * m + kkm + lv * 3 * kkm + 4 * kmm + 2 * 2 * k * m * dv
-           + lv * 3 * kkm + 2 * k * k * dv)
-    fwd_exp = 3 * k * m * (1 + 2 * lv)
-    inputs = k * (2 * r + dv) * od + k * m * 4 + 2 * m * (r + dv) * 4 + (4 * m * m + 3 * m) * 4
-    fwd_bytes = inputs + k * dv * od
-    # backward: the forward up to ω again, then per level P (2), dh (2), dc (2), dr (1) and Sc c (2), dS (2),
-    # dc (2), dr (1) GEMMs; the state and readout cotangents
-    bwd = (fwd - lv * 3 * kkm - 2 * k * k * dv + 2 * k * k * dv * 2 + 2 * 2 * k * m * dv + lv * 16 * kkm
-           + 4 * kmm * 2 + 2 * 2 * k * m * r + 2 * k * k * r * 2 + 2 * k * r * m * 2)
-    bwd_exp = 3 * k * m * (1 + 3 * lv)
-    bwd_bytes = inputs + k * dv * od + k * (2 * r + dv) * od + k * m * 4 + (3 * m + 4 * m * m) * 4 \
-        + 2 * m * (r + dv) * 4
-    return (fwd, fwd_exp, fwd_bytes), (bwd, bwd_exp, bwd_bytes)
+    factor_exps = 3 * k * m  # exp, cos, sin of one [K, M] factor
+    common = k * m * 4 + (3 * m) * 4  # r, θ, b
+    per_token = 2 * m * 4  # â, ω, dâ or dω per token (f32)
+    # query: Sc, per level (range sum + 2 GEMMs), carry-in sum, X̂ᵏ₀ q
+    query = (2 * k * k * r + lv * 3 * kkm + kkm + 2 * 2 * k * m * r, factor_exps * (lv + 1),
+             common + 2 * k * r * od + 2 * m * r * 4 + k * per_token)
+    # output: per level (range sum + 2 GEMMs), carry-in sum, carried value, P v
+    output = (lv * 3 * kkm + kkm + 2 * 2 * k * m * dv + 2 * k * k * dv, factor_exps * (lv + 1),
+              common + k * per_token + k * dv * od + 2 * m * dv * 4 + k * dv * od)
+    # query_bwd: Sc, state read, dq, dX̂ᵏ₀, carry-in sum and its transpose, per level (range sum and its
+    # transpose, u (2), dSc (2), dc (2)), dSc k, dScᵀ q
+    query_bwd = (2 * k * k * r + 3 * 2 * 2 * k * m * r + 2 * kkm + lv * 8 * kkm + 2 * 2 * k * k * r,
+                 factor_exps * (lv + 1),
+                 common + 2 * k * r * od + 2 * m * r * 4 + k * per_token + 2 * k * r * od + k * m * 4 + 4 * m * 4
+                 + 2 * m * r * 4)
+    # output_bwd: dP, per level (range sum and its transpose, P (2), dh (2), dc (2)), the carried value part
+    # (dX̂ᵛ₀, dg), carry-in sum and its transpose, Pᵀ dO
+    output_bwd = (2 * k * k * dv + lv * 8 * kkm + 2 * 2 * 2 * k * m * dv + 2 * kkm + 2 * k * k * dv,
+                  factor_exps * (lv + 1),
+                  common + k * per_token + 2 * k * dv * od + 2 * m * dv * 4 + k * per_token + k * dv * od
+                  + k * m * 4 + 4 * m * 4 + 2 * m * dv * 4)
+    return dict(query=query, output=output, query_bwd=query_bwd, output_bwd=output_bwd)
 
 
-def _cost(cfg, which, programs):
-    flops, exps, nbytes = flop_counts(cfg)[which]
-    return pl.CostEstimate(flops=int(programs * flops), transcendentals=int(programs * exps),
+def _call(cfg, kernel, name, grid, in_specs, out_shape, out_specs, warps, *args):
+    flops, exps, nbytes = flop_counts(cfg)[name]
+    programs = grid[0] * grid[1] * grid[2]
+    cost = pl.CostEstimate(flops=int(programs * flops), transcendentals=int(programs * exps),
                            bytes_accessed=int(programs * nbytes))
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                          interpret=cfg.interpret, compiler_params=_params(cfg, warps), cost_estimate=cost,
+                          name=f"interdomain_{name}")(*args)
 
 
-def _forward(cfg, q, k, v, r, phase, gain, readout, xk, xv, doc, carry):
+def _grid(cfg, x):
+    return x.shape[0], x.shape[2], x.shape[1] // cfg.chunk
+
+
+def _query_call(cfg, q, k, r, phase, gain, xk, doc, carry):
+    """â [B, T, H, 2M] f32 (stacked Re | Im)."""
     b, t, h, _ = q.shape
-    grid = (b, h, t // cfg.chunk)
-    return pl.pallas_call(
-        _forward_kernel(cfg), out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype), grid=grid,
-        in_specs=_in_specs(cfg), out_specs=_token_spec(cfg, cfg.value_dim), interpret=cfg.interpret,
-        compiler_params=_params(cfg, cfg.warps_forward), cost_estimate=_cost(cfg, 0, b * h * grid[2]),
-        name="interdomain_outputs")(q, k, v, r, phase, gain, readout, xk, xv, doc, carry)
+    specs = [_token_spec(cfg, cfg.key_dim)] * 2 + _common_specs(cfg, cfg.key_dim)
+    out = jax.ShapeDtypeStruct((b, t, h, 2 * cfg.modes), F32)
+    return _call(cfg, _query_kernel(cfg), "query", _grid(cfg, q), specs, out, _token_spec(cfg, 2 * cfg.modes),
+                 cfg.warps_forward, q, k, r, phase, gain, xk, doc, carry)
 
 
-def _backward(cfg, q, k, v, r, phase, gain, readout, xk, xv, doc, carry, d_out):
-    """(dq, dk, dv, dr, dθ, db, dĜ, dX̂ᵏ₀, dX̂ᵛ₀); the per-head parameter cotangents summed over the
-    per-chunk partials of the kernel."""
+def _query_bwd_call(cfg, q, k, r, phase, gain, xk, doc, carry, da):
     b, t, h, _ = q.shape
-    n = t // cfg.chunk
-    c, m, r_dim, dv = cfg.chunk, cfg.modes, cfg.key_dim, cfg.value_dim
+    n, m = t // cfg.chunk, cfg.modes
+    specs = [_token_spec(cfg, cfg.key_dim)] * 2 + _common_specs(cfg, cfg.key_dim) + [_token_spec(cfg, 2 * m)]
     shape = jax.ShapeDtypeStruct
-    out_shape = (shape(q.shape, q.dtype), shape(k.shape, k.dtype), shape(v.shape, v.dtype), shape(r.shape, F32),
-                 shape((b, h, n, m), F32), shape((b, h, n, 2 * m), F32), shape((b, h, n, 2 * m, 2 * m), F32),
-                 shape(xk.shape, F32), shape(xv.shape, F32))
-    out_specs = (_token_spec(cfg, r_dim), _token_spec(cfg, r_dim), _token_spec(cfg, dv), _token_spec(cfg, m),
-                 _chunk_spec(m), _chunk_spec(2 * m), _chunk_spec(2 * m, 2 * m), _chunk_spec(2 * m, r_dim),
-                 _chunk_spec(2 * m, dv))
-    grads = pl.pallas_call(
-        _backward_kernel(cfg), out_shape=out_shape, grid=(b, h, n),
-        in_specs=_in_specs(cfg) + [_token_spec(cfg, dv)], out_specs=out_specs, interpret=cfg.interpret,
-        compiler_params=_params(cfg, cfg.warps_backward), cost_estimate=_cost(cfg, 1, b * h * n),
-        name="interdomain_outputs_bwd")(q, k, v, r, phase, gain, readout, xk, xv, doc, carry, d_out)
-    dq, dk, dv_, dr, dth, db, dg, dxk, dxv = grads
-    del c
-    return (dq, dk, dv_, dr.astype(r.dtype), jnp.sum(dth, axis=(0, 2)).astype(phase.dtype),
-            jnp.sum(db, axis=(0, 2)).astype(gain.dtype), jnp.sum(dg, axis=(0, 2)).astype(readout.dtype),
-            dxk.astype(xk.dtype), dxv.astype(xv.dtype))
+    out = (shape(q.shape, q.dtype), shape(k.shape, k.dtype), shape(r.shape, F32), shape((b, h, n, m), F32),
+           shape((b, h, n, 2 * m), F32), shape(xk.shape, F32))
+    out_specs = (_token_spec(cfg, cfg.key_dim), _token_spec(cfg, cfg.key_dim), _token_spec(cfg, m), _chunk_spec(m),
+                 _chunk_spec(2 * m), _chunk_spec(2 * m, cfg.key_dim))
+    return _call(cfg, _query_bwd_kernel(cfg), "query_bwd", _grid(cfg, q), specs, out, out_specs, cfg.warps_backward,
+                 q, k, r, phase, gain, xk, doc, carry, da)
+
+
+def _output_call(cfg, omega, v, r, phase, gain, xv, doc, carry):
+    specs = [_token_spec(cfg, 2 * cfg.modes), _token_spec(cfg, cfg.value_dim)] + _common_specs(cfg, cfg.value_dim)
+    out = jax.ShapeDtypeStruct(v.shape, v.dtype)
+    return _call(cfg, _output_kernel(cfg), "output", _grid(cfg, v), specs, out, _token_spec(cfg, cfg.value_dim),
+                 cfg.warps_forward, omega, v, r, phase, gain, xv, doc, carry)
+
+
+def _output_bwd_call(cfg, omega, v, r, phase, gain, xv, doc, carry, d_out):
+    b, t, h, dv = v.shape
+    n, m = t // cfg.chunk, cfg.modes
+    specs = ([_token_spec(cfg, 2 * m), _token_spec(cfg, dv)] + _common_specs(cfg, dv) + [_token_spec(cfg, dv)])
+    shape = jax.ShapeDtypeStruct
+    out = (shape(omega.shape, F32), shape(v.shape, v.dtype), shape(r.shape, F32), shape((b, h, n, m), F32),
+           shape((b, h, n, 2 * m), F32), shape(xv.shape, F32))
+    out_specs = (_token_spec(cfg, 2 * m), _token_spec(cfg, dv), _token_spec(cfg, m), _chunk_spec(m),
+                 _chunk_spec(2 * m), _chunk_spec(2 * m, dv))
+    return _call(cfg, _output_bwd_kernel(cfg), "output_bwd", _grid(cfg, v), specs, out, out_specs,
+                 cfg.warps_backward, omega, v, r, phase, gain, xv, doc, carry, d_out)
+
+
+def _param_grads(dr, dth, db, r, phase, gain):
+    """Per-chunk partial sums of dθ and db reduced over batch and chunks; dr in r's dtype."""
+    return (dr.astype(r.dtype), jnp.sum(dth, axis=(0, 2)).astype(phase.dtype),
+            jnp.sum(db, axis=(0, 2)).astype(gain.dtype))
 
 
 # ---------------------------------------------------------------------------------------------------------
-# custom VJP
+# custom VJPs (the readout ω = Ĝ â between them is plain JAX)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _outputs(cfg, q, k, v, r, phase, gain, readout, xk, xv, doc, carry):
-    return _forward(cfg, q, k, v, r, phase, gain, readout, xk, xv, doc, carry)
+def _query(cfg, q, k, r, phase, gain, xk, doc, carry):
+    return _query_call(cfg, q, k, r, phase, gain, xk, doc, carry)
 
 
-def _outputs_fwd(cfg, *args):
-    out = common.keep_for_backward(_forward(cfg, *args))
-    return out, common.keep_for_backward(args)
+def _query_fwd(cfg, *args):
+    return common.keep_for_backward(_query_call(cfg, *args)), common.keep_for_backward(args)
 
 
-def _outputs_bwd(cfg, residuals, d_out):
-    return (*_backward(cfg, *residuals, d_out.astype(residuals[2].dtype)), None, None)
+def _query_bwd(cfg, residuals, da):
+    q, k, r, phase, gain, xk, doc, carry = residuals
+    dq, dk, dr, dth, db, dxk = _query_bwd_call(cfg, *residuals, da.astype(F32))
+    return (dq, dk, *_param_grads(dr, dth, db, r, phase, gain), dxk.astype(xk.dtype), None, None)
 
 
-_outputs.defvjp(_outputs_fwd, _outputs_bwd)
+_query.defvjp(_query_fwd, _query_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _output(cfg, omega, v, r, phase, gain, xv, doc, carry):
+    return _output_call(cfg, omega, v, r, phase, gain, xv, doc, carry)
+
+
+def _output_fwd(cfg, *args):
+    return common.keep_for_backward(_output_call(cfg, *args)), common.keep_for_backward(args)
+
+
+def _output_bwd(cfg, residuals, d_out):
+    omega, v, r, phase, gain, xv, doc, carry = residuals
+    dw, dv, dr, dth, db, dxv = _output_bwd_call(cfg, *residuals, d_out.astype(v.dtype))
+    return (dw.astype(omega.dtype), dv, *_param_grads(dr, dth, db, r, phase, gain), dxv.astype(xv.dtype), None, None)
+
+
+_output.defvjp(_output_fwd, _output_bwd)
+
+
+def _readout(cfg, a, readout):
+    """ω = Ĝ â per token ([B, T, H, 2M] f32), an XLA GEMM with operands in the operand dtype."""
+    od = cfg.operand_dtype
+    precision = jax.lax.Precision.HIGHEST if (cfg.interpret or cfg.precision == "highest") else None
+    return jnp.einsum("bthj,hij->bthi", a.astype(od), readout.astype(od), precision=precision,
+                      preferred_element_type=F32)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -652,15 +697,17 @@ def run(q, k, v, log_modulus, phase, gain, readout, key_state, value_state, docu
     """q, k [B, T, H, R], v [B, T, H, Dv] in the caller's dtype (bf16 runs bf16 GEMM operands); log_modulus
     [B, T, H, M], phase [H, M], gain [H, 2M], readout [H, 2M, 2M], states [B, H, 2M, R] / [B, H, 2M, Dv] in
     float32; document_BT [B, T] int. Returns (o [B, T, H, Dv] in v's dtype, key state, value state float32).
-    Differentiable (custom VJP). ``overrides``: :class:`Config` fields (precision, warps_*)."""
+    Differentiable (custom VJPs). ``overrides``: :class:`Config` fields (precision, range_sums, block_m,
+    warps_*)."""
     del sub_chunk_size  # the pivot tree replaces the sub-chunks
     b, t, h, r_dim = q.shape
     cfg = make_config(chunk_size, r_dim, v.shape[-1], phase.shape[-1], v.dtype, interpret=interpret, **overrides)
     ct = log_modulus.dtype
     xk, xv, key, value = xla.chunk_start_states(k.astype(ct), v.astype(ct), log_modulus, phase, gain, key_state,
                                                 value_state, document_BT, chunk_size=chunk_size)
-    padded = [common.pad_time(x, chunk_size) for x in (q, k, v, log_modulus)]
+    qp, kp, vp, rp = [common.pad_time(x, chunk_size) for x in (q, k, v, log_modulus)]
     document = common.pad_time(document_BT.astype(jnp.int32), chunk_size, mode="edge")
     _, carried = common.chunk_documents(document, chunk_size)
-    out = _outputs(cfg, *padded, phase, gain, readout, xk, xv, document, carried)
+    a = _query(cfg, qp, kp, rp, phase, gain, xk, document, carried)
+    out = _output(cfg, _readout(cfg, a, readout), vp, rp, phase, gain, xv, document, carried)
     return out[:, :t], key, value
