@@ -78,7 +78,8 @@ class Config:
     operand_dtype: jnp.dtype  # matmul operands (the caller's q, k, v dtype)
     precision: str = "tf32"  # GEMMs with f32 operands (f32 inputs): "tf32" | "highest"
     range_sums: str = "auto"  # the 0/1 range-sum matmuls: "tf32x3" | "tf32" | "auto" (see sum_precision)
-    block_m: int = 32  # modes per pass of every kernel (per-mode tiles are [K, BM])
+    block_m: int = 32  # modes per pass of the forward kernels (per-mode tiles are [K, BM])
+    block_m_backward: int = 16  # the same for the backward kernels (more live tiles: smaller blocks)
     warps_forward: int = 8
     warps_backward: int = 8
     interpret: bool = False
@@ -125,7 +126,7 @@ def _pow2(x: int) -> bool:
 def make_config(chunk, key_dim, value_dim, modes, operand_dtype, *, interpret=False, **overrides):
     base = dict(chunk=chunk, key_dim=key_dim, value_dim=value_dim, modes=modes,
                 operand_dtype=jnp.dtype(operand_dtype), precision="highest" if interpret else "tf32",
-                block_m=min(32, modes), interpret=interpret)
+                block_m=min(32, modes), block_m_backward=min(16, modes), interpret=interpret)
     base.update(overrides)
     cfg = Config(**base)
     if cfg.precision not in ("tf32", "highest"):
@@ -135,9 +136,11 @@ def make_config(chunk, key_dim, value_dim, modes, operand_dtype, *, interpret=Fa
                          "'tf32x3'")
     if not _pow2(cfg.chunk):
         raise ValueError(f"interdomain pallas_triton: chunk={cfg.chunk} must be a power of two")
-    if not _pow2(cfg.block_m) or cfg.modes % cfg.block_m:
-        raise ValueError(f"interdomain pallas_triton: block_m={cfg.block_m} must be a power of two dividing "
-                         f"modes={cfg.modes}")
+    for name in ("block_m", "block_m_backward"):
+        bm = getattr(cfg, name)
+        if not _pow2(bm) or cfg.modes % bm:
+            raise ValueError(f"interdomain pallas_triton: {name}={bm} must be a power of two dividing "
+                             f"modes={cfg.modes}")
     return cfg
 
 
@@ -328,12 +331,14 @@ def _n_blocks(cfg):
 # the per-mode tiles are [K, BM].
 
 
-def _query_kernel(cfg):
+def _query_kernel(cfg, save_scores):
     k_len = cfg.chunk
 
-    def kernel(q_ref, k_ref, r_ref, theta_ref, gain_ref, xk_ref, doc_ref, carry_ref, a_ref):
+    def kernel(q_ref, k_ref, r_ref, theta_ref, gain_ref, xk_ref, doc_ref, carry_ref, a_ref, *maybe_scores_out):
         masks = _Masks(doc_ref[...], carry_ref[...], k_len)
         scores, diag = _scores(q_ref[...], k_ref[...], masks, cfg)
+        if save_scores:
+            maybe_scores_out[0][...] = scores.astype(maybe_scores_out[0].dtype)
 
         def block(mb, carry):
             md = _Modes(mb, cfg, r_ref, theta_ref, gain_ref)
@@ -360,29 +365,20 @@ def _query_kernel(cfg):
 
 
 def _query_bwd_kernel(cfg):
+    """Two passes over the mode blocks: the in-chunk part (pivot levels; dSc, dr, dθ, db), then the carried
+    part (dq's state term, dX̂ᵏ₀ and its own dr, dθ), so that dSc and dq are never live at the same time."""
     k_len = cfg.chunk
 
-    def kernel(q_ref, k_ref, r_ref, theta_ref, gain_ref, xk_ref, doc_ref, carry_ref, da_ref,
-               dq_ref, dk_ref, dr_ref, dth_ref, db_ref, dxk_ref):
+    def kernel(q_ref, k_ref, r_ref, theta_ref, gain_ref, xk_ref, doc_ref, carry_ref, scores_ref, da_ref,
+               dq_ref, dk_ref, dr_ref, dth_ref, db_ref, dr_carry_ref, dth_carry_ref, dxk_ref):
         masks = _Masks(doc_ref[...], carry_ref[...], k_len)
-        scores, diag = _scores(q_ref[...], k_ref[...], masks, cfg)
 
-        def block(mb, acc):
-            d_scores, dq, d_diag = acc
+        def in_chunk(mb, acc):
+            d_scores, d_diag = acc
             md = _Modes(mb, cfg, r_ref, theta_ref, gain_ref)
             da_re, da_im = da_ref[:, md.re], da_ref[:, md.im]
-            # carried part e^{ℓ} ⊙ (X̂ᵏ₀ q)
-            q = q_ref[...]
-            xk_re, xk_im = xk_ref[md.re, :], xk_ref[md.im, :]
-            y_re, y_im = _dot(q, xk_re, cfg, trans_b=True), _dot(q, xk_im, cfg, trans_b=True)
-            e_re, e_im = _carry_in(md.r, md.theta, masks, cfg)
-            dy_re, dy_im = _conj_mul(e_re, e_im, da_re, da_im)
-            de_re, de_im = _conj_mul(y_re, y_im, da_re, da_im)
-            dq = dq + _dot(dy_re, xk_re, cfg) + _dot(dy_im, xk_im, cfg)
-            dxk_ref[md.re, :] = _dot(dy_re, q, cfg, trans_a=True)
-            dxk_ref[md.im, :] = _dot(dy_im, q, cfg, trans_a=True)
-            dr, dth = _factor_grads(masks.upto, e_re, e_im, de_re, de_im, cfg)  # e = 0 off the carried rows
             # the diagonal (D = 1): â += diag(Sc) b
+            diag = jnp.sum(q_ref[...].astype(F32) * k_ref[...].astype(F32), axis=1)[:, None]
             d_diag = d_diag + jnp.sum(da_re * md.b_re + da_im * md.b_im, axis=1)[:, None]
             db_re, db_im = jnp.sum(diag * da_re, axis=0), jnp.sum(diag * da_im, axis=0)
 
@@ -391,7 +387,7 @@ def _query_bwd_kernel(cfg):
                 pairs, sums = _level(k_len, lv)
                 f_re, f_im = md.factor(sums, cfg)
                 c_re, c_im = md.gained(f_re, f_im)
-                s_l = jnp.where(pairs, scores, 0.0)
+                s_l = jnp.where(pairs, scores_ref[...], 0.0)  # the forward's Sc, read per level (not kept live)
                 u_re, u_im = _dot(s_l, c_re, cfg), _dot(s_l, c_im, cfg)
                 du_re, du_im = _conj_mul(f_re, f_im, da_re, da_im)
                 d_scores = d_scores + jnp.where(pairs, _dot(du_re, c_re, cfg, trans_b=True)
@@ -402,28 +398,47 @@ def _query_bwd_kernel(cfg):
                 dr_l, dth_l = _factor_grads(sums, f_re, f_im, df_re + du_re, df_im + du_im, cfg)
                 return d_scores, db_re + db_l_re, db_im + db_l_im, dr + dr_l, dth + dth_l
 
-            d_scores, db_re, db_im, dr, dth = jax.lax.fori_loop(0, cfg.levels, level,
-                                                                (d_scores, db_re, db_im, dr, dth))
+            init = (d_scores, db_re, db_im, jnp.zeros_like(md.r), jnp.zeros_like(md.theta))
+            d_scores, db_re, db_im, dr, dth = jax.lax.fori_loop(0, cfg.levels, level, init)
             dr_ref[:, md.re] = dr
             dth_ref[md.re] = dth
             db_ref[md.re] = db_re
             db_ref[md.im] = db_im
-            return d_scores, dq, d_diag
+            return d_scores, d_diag
 
-        init = (jnp.zeros((k_len, k_len), F32), jnp.zeros((k_len, cfg.key_dim), F32), jnp.zeros((k_len, 1), F32))
-        d_scores, dq, d_diag = jax.lax.fori_loop(0, _n_blocks(cfg), block, init)
+        init = (jnp.zeros((k_len, k_len), F32), jnp.zeros((k_len, 1), F32))
+        d_scores, d_diag = jax.lax.fori_loop(0, _n_blocks(cfg), in_chunk, init)
         d_scores = jnp.where(masks.strict, d_scores, 0.0)
         q, k = q_ref[...], k_ref[...]
-        dq_ref[...] = (dq + _dot(d_scores, k, cfg) + d_diag * k.astype(F32)).astype(dq_ref.dtype)
         dk_ref[...] = (_dot(d_scores, q, cfg, trans_a=True) + d_diag * q.astype(F32)).astype(dk_ref.dtype)
+        dq = _dot(d_scores, k, cfg) + d_diag * k.astype(F32)
+
+        def carried(mb, dq):
+            # â += e^{ℓ} ⊙ (X̂ᵏ₀ q)
+            md = _Modes(mb, cfg, r_ref, theta_ref, gain_ref)
+            da_re, da_im = da_ref[:, md.re], da_ref[:, md.im]
+            q = q_ref[...]
+            xk_re, xk_im = xk_ref[md.re, :], xk_ref[md.im, :]
+            y_re, y_im = _dot(q, xk_re, cfg, trans_b=True), _dot(q, xk_im, cfg, trans_b=True)
+            e_re, e_im = _carry_in(md.r, md.theta, masks, cfg)
+            dy_re, dy_im = _conj_mul(e_re, e_im, da_re, da_im)
+            de_re, de_im = _conj_mul(y_re, y_im, da_re, da_im)
+            dxk_ref[md.re, :] = _dot(dy_re, q, cfg, trans_a=True)
+            dxk_ref[md.im, :] = _dot(dy_im, q, cfg, trans_a=True)
+            dr, dth = _factor_grads(masks.upto, e_re, e_im, de_re, de_im, cfg)  # e = 0 off the carried rows
+            dr_carry_ref[:, md.re] = dr
+            dth_carry_ref[md.re] = dth
+            return dq + _dot(dy_re, xk_re, cfg) + _dot(dy_im, xk_im, cfg)
+
+        dq_ref[...] = jax.lax.fori_loop(0, _n_blocks(cfg), carried, dq).astype(dq_ref.dtype)
 
     return kernel
 
 
-def _output_kernel(cfg):
+def _output_kernel(cfg, save_pairs):
     k_len = cfg.chunk
 
-    def kernel(w_ref, v_ref, r_ref, theta_ref, gain_ref, xv_ref, doc_ref, carry_ref, o_ref):
+    def kernel(w_ref, v_ref, r_ref, theta_ref, gain_ref, xv_ref, doc_ref, carry_ref, o_ref, *maybe_pairs_out):
         masks = _Masks(doc_ref[...], carry_ref[...], k_len)
 
         def block(mb, acc):
@@ -447,6 +462,8 @@ def _output_kernel(cfg):
         init = (jnp.zeros((k_len, k_len), F32), jnp.zeros((k_len, cfg.value_dim), F32))
         p, o = jax.lax.fori_loop(0, _n_blocks(cfg), block, init)
         o_ref[...] = (o + _dot(p, v_ref[...], cfg)).astype(o_ref.dtype)
+        if save_pairs:
+            maybe_pairs_out[0][...] = p.astype(maybe_pairs_out[0].dtype)
 
     return kernel
 
@@ -454,30 +471,27 @@ def _output_kernel(cfg):
 def _output_bwd_kernel(cfg):
     k_len = cfg.chunk
 
-    def kernel(w_ref, v_ref, r_ref, theta_ref, gain_ref, xv_ref, doc_ref, carry_ref, do_ref,
+    def kernel(w_ref, v_ref, r_ref, theta_ref, gain_ref, xv_ref, doc_ref, carry_ref, pairs_ref, do_ref,
                dw_ref, dv_ref, dr_ref, dth_ref, db_ref, dxv_ref):
         masks = _Masks(doc_ref[...], carry_ref[...], k_len)
+        dv_ref[...] = _dot(pairs_ref[...], do_ref[...], cfg, trans_a=True).astype(dv_ref.dtype)  # the forward's P
         d_pairs = _dot(do_ref[...], v_ref[...], cfg, trans_b=True)  # dP [K, K]
         dp_diag = jnp.sum(jnp.where(masks.eye, d_pairs, 0.0), axis=1)[:, None]
 
-        def block(mb, p):
+        def block(mb, carry):
             md = _Modes(mb, cfg, r_ref, theta_ref, gain_ref)
             om_re, om_im = w_ref[:, md.re], w_ref[:, md.im]
-            # P's diagonal Re(conj(ω)·b), then its pivot levels
-            p = p + jnp.where(masks.eye, jnp.sum(om_re * md.b_re + om_im * md.b_im, axis=1)[:, None], 0.0)
+            # P's diagonal Re(conj(ω)·b) gives dω += dP_ss b, db += Σ_s dP_ss ω; then its pivot levels
             dom_re, dom_im = dp_diag * md.b_re, dp_diag * md.b_im
             db_re, db_im = jnp.sum(dp_diag * om_re, axis=0), jnp.sum(dp_diag * om_im, axis=0)
 
             def level(lv, acc):
-                p, dom_re, dom_im, db_re, db_im, dr, dth = acc
+                dom_re, dom_im, db_re, db_im, dr, dth = acc
                 pairs, sums = _level(k_len, lv)
                 f_re, f_im = md.factor(sums, cfg)
                 c_re, c_im = md.gained(f_re, f_im)
                 h_re, h_im = _conj_mul(om_re, om_im, f_re, f_im)
-                mask = pairs & masks.same_doc
-                p = p + jnp.where(mask, _dot(h_re, c_re, cfg, trans_b=True) - _dot(h_im, c_im, cfg, trans_b=True),
-                                  0.0)
-                dp_l = jnp.where(mask, d_pairs, 0.0)
+                dp_l = jnp.where(pairs & masks.same_doc, d_pairs, 0.0)
                 dh_re, dh_im = _dot(dp_l, c_re, cfg), -_dot(dp_l, c_im, cfg)
                 dc_re, dc_im = _dot(dp_l, h_re, cfg, trans_a=True), -_dot(dp_l, h_im, cfg, trans_a=True)
                 dom_re = dom_re + dh_re * f_re + dh_im * f_im
@@ -486,10 +500,10 @@ def _output_bwd_kernel(cfg):
                 df_re = df_re + dh_re * om_re - dh_im * om_im
                 df_im = df_im + dh_re * om_im + dh_im * om_re
                 dr_l, dth_l = _factor_grads(sums, f_re, f_im, df_re, df_im, cfg)
-                return p, dom_re, dom_im, db_re + db_l_re, db_im + db_l_im, dr + dr_l, dth + dth_l
+                return dom_re, dom_im, db_re + db_l_re, db_im + db_l_im, dr + dr_l, dth + dth_l
 
-            init = (p, dom_re, dom_im, db_re, db_im, jnp.zeros_like(md.r), jnp.zeros_like(md.theta))
-            p, dom_re, dom_im, db_re, db_im, dr, dth = jax.lax.fori_loop(0, cfg.levels, level, init)
+            init = (dom_re, dom_im, db_re, db_im, jnp.zeros_like(md.r), jnp.zeros_like(md.theta))
+            dom_re, dom_im, db_re, db_im, dr, dth = jax.lax.fori_loop(0, cfg.levels, level, init)
             # the carried part Re(conj(ω) ⊙ e^{ℓ}) X̂ᵛ₀
             d_out = do_ref[...]
             e_re, e_im = _carry_in(md.r, md.theta, masks, cfg)
@@ -507,10 +521,9 @@ def _output_bwd_kernel(cfg):
             dth_ref[md.re] = dth + dth_e
             db_ref[md.re] = db_re
             db_ref[md.im] = db_im
-            return p
+            return carry
 
-        p = jax.lax.fori_loop(0, _n_blocks(cfg), block, jnp.zeros((k_len, k_len), F32))
-        dv_ref[...] = _dot(p, do_ref[...], cfg, trans_a=True).astype(dv_ref.dtype)
+        jax.lax.fori_loop(0, _n_blocks(cfg), block, 0)
 
     return kernel
 
@@ -592,46 +605,61 @@ def _grid(cfg, x):
     return x.shape[0], x.shape[2], x.shape[1] // cfg.chunk
 
 
-def _query_call(cfg, q, k, r, phase, gain, xk, doc, carry):
-    """â [B, T, H, 2M] f32 (stacked Re | Im)."""
+def _query_call(cfg, q, k, r, phase, gain, xk, doc, carry, save_scores=False):
+    """â [B, T, H, 2M] f32 (stacked Re | Im) [, Sc [B, H, N, K, K] in the operand dtype]."""
     b, t, h, _ = q.shape
+    grid = _grid(cfg, q)
     specs = [_token_spec(cfg, cfg.key_dim)] * 2 + _common_specs(cfg, cfg.key_dim)
-    out = jax.ShapeDtypeStruct((b, t, h, 2 * cfg.modes), F32)
-    return _call(cfg, _query_kernel(cfg), "query", _grid(cfg, q), specs, out, _token_spec(cfg, 2 * cfg.modes),
+    out = [jax.ShapeDtypeStruct((b, t, h, 2 * cfg.modes), F32)]
+    out_specs = [_token_spec(cfg, 2 * cfg.modes)]
+    if save_scores:
+        out.append(jax.ShapeDtypeStruct((*grid, cfg.chunk, cfg.chunk), cfg.operand_dtype))
+        out_specs.append(_chunk_spec(cfg.chunk, cfg.chunk))
+    return _call(cfg, _query_kernel(cfg, save_scores), "query", grid, specs, tuple(out), tuple(out_specs),
                  cfg.warps_forward, q, k, r, phase, gain, xk, doc, carry)
 
 
-def _query_bwd_call(cfg, q, k, r, phase, gain, xk, doc, carry, da):
+def _query_bwd_call(cfg, q, k, r, phase, gain, xk, doc, carry, scores, da):
+    cfg = dataclasses.replace(cfg, block_m=cfg.block_m_backward)
     b, t, h, _ = q.shape
     n, m = t // cfg.chunk, cfg.modes
-    specs = [_token_spec(cfg, cfg.key_dim)] * 2 + _common_specs(cfg, cfg.key_dim) + [_token_spec(cfg, 2 * m)]
+    specs = [_token_spec(cfg, cfg.key_dim)] * 2 + _common_specs(cfg, cfg.key_dim) + [
+        _chunk_spec(cfg.chunk, cfg.chunk), _token_spec(cfg, 2 * m)]
     shape = jax.ShapeDtypeStruct
     out = (shape(q.shape, q.dtype), shape(k.shape, k.dtype), shape(r.shape, F32), shape((b, h, n, m), F32),
-           shape((b, h, n, 2 * m), F32), shape(xk.shape, F32))
+           shape((b, h, n, 2 * m), F32), shape(r.shape, F32), shape((b, h, n, m), F32), shape(xk.shape, F32))
     out_specs = (_token_spec(cfg, cfg.key_dim), _token_spec(cfg, cfg.key_dim), _token_spec(cfg, m), _chunk_spec(m),
-                 _chunk_spec(2 * m), _chunk_spec(2 * m, cfg.key_dim))
+                 _chunk_spec(2 * m), _token_spec(cfg, m), _chunk_spec(m), _chunk_spec(2 * m, cfg.key_dim))
     return _call(cfg, _query_bwd_kernel(cfg), "query_bwd", _grid(cfg, q), specs, out, out_specs, cfg.warps_backward,
-                 q, k, r, phase, gain, xk, doc, carry, da)
+                 q, k, r, phase, gain, xk, doc, carry, scores, da)
 
 
-def _output_call(cfg, omega, v, r, phase, gain, xv, doc, carry):
+def _output_call(cfg, omega, v, r, phase, gain, xv, doc, carry, save_pairs=False):
+    """o [B, T, H, Dv] in v's dtype [, P [B, H, N, K, K] in the operand dtype]."""
+    grid = _grid(cfg, v)
     specs = [_token_spec(cfg, 2 * cfg.modes), _token_spec(cfg, cfg.value_dim)] + _common_specs(cfg, cfg.value_dim)
-    out = jax.ShapeDtypeStruct(v.shape, v.dtype)
-    return _call(cfg, _output_kernel(cfg), "output", _grid(cfg, v), specs, out, _token_spec(cfg, cfg.value_dim),
+    out = [jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    out_specs = [_token_spec(cfg, cfg.value_dim)]
+    if save_pairs:
+        out.append(jax.ShapeDtypeStruct((*grid, cfg.chunk, cfg.chunk), cfg.operand_dtype))
+        out_specs.append(_chunk_spec(cfg.chunk, cfg.chunk))
+    return _call(cfg, _output_kernel(cfg, save_pairs), "output", grid, specs, tuple(out), tuple(out_specs),
                  cfg.warps_forward, omega, v, r, phase, gain, xv, doc, carry)
 
 
-def _output_bwd_call(cfg, omega, v, r, phase, gain, xv, doc, carry, d_out):
+def _output_bwd_call(cfg, omega, v, r, phase, gain, xv, doc, carry, pairs, d_out):
+    cfg = dataclasses.replace(cfg, block_m=cfg.block_m_backward)
     b, t, h, dv = v.shape
     n, m = t // cfg.chunk, cfg.modes
-    specs = ([_token_spec(cfg, 2 * m), _token_spec(cfg, dv)] + _common_specs(cfg, dv) + [_token_spec(cfg, dv)])
+    specs = ([_token_spec(cfg, 2 * m), _token_spec(cfg, dv)] + _common_specs(cfg, dv)
+             + [_chunk_spec(cfg.chunk, cfg.chunk), _token_spec(cfg, dv)])
     shape = jax.ShapeDtypeStruct
     out = (shape(omega.shape, F32), shape(v.shape, v.dtype), shape(r.shape, F32), shape((b, h, n, m), F32),
            shape((b, h, n, 2 * m), F32), shape(xv.shape, F32))
     out_specs = (_token_spec(cfg, 2 * m), _token_spec(cfg, dv), _token_spec(cfg, m), _chunk_spec(m),
                  _chunk_spec(2 * m), _chunk_spec(2 * m, dv))
     return _call(cfg, _output_bwd_kernel(cfg), "output_bwd", _grid(cfg, v), specs, out, out_specs,
-                 cfg.warps_backward, omega, v, r, phase, gain, xv, doc, carry, d_out)
+                 cfg.warps_backward, omega, v, r, phase, gain, xv, doc, carry, pairs, d_out)
 
 
 def _param_grads(dr, dth, db, r, phase, gain):
@@ -646,16 +674,18 @@ def _param_grads(dr, dth, db, r, phase, gain):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _query(cfg, q, k, r, phase, gain, xk, doc, carry):
-    return _query_call(cfg, q, k, r, phase, gain, xk, doc, carry)
+    return _query_call(cfg, q, k, r, phase, gain, xk, doc, carry)[0]
 
 
 def _query_fwd(cfg, *args):
-    return common.keep_for_backward(_query_call(cfg, *args)), common.keep_for_backward(args)
+    a, scores = common.keep_for_backward(_query_call(cfg, *args, save_scores=True))
+    return a, (*common.keep_for_backward(args), scores)
 
 
 def _query_bwd(cfg, residuals, da):
-    q, k, r, phase, gain, xk, doc, carry = residuals
-    dq, dk, dr, dth, db, dxk = _query_bwd_call(cfg, *residuals, da.astype(F32))
+    q, k, r, phase, gain, xk, doc, carry, _ = residuals
+    dq, dk, dr, dth, db, dr_carry, dth_carry, dxk = _query_bwd_call(cfg, *residuals, da.astype(F32))
+    dr, dth = dr + dr_carry, dth + dth_carry
     return (dq, dk, *_param_grads(dr, dth, db, r, phase, gain), dxk.astype(xk.dtype), None, None)
 
 
@@ -664,15 +694,16 @@ _query.defvjp(_query_fwd, _query_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _output(cfg, omega, v, r, phase, gain, xv, doc, carry):
-    return _output_call(cfg, omega, v, r, phase, gain, xv, doc, carry)
+    return _output_call(cfg, omega, v, r, phase, gain, xv, doc, carry)[0]
 
 
 def _output_fwd(cfg, *args):
-    return common.keep_for_backward(_output_call(cfg, *args)), common.keep_for_backward(args)
+    o, pairs = common.keep_for_backward(_output_call(cfg, *args, save_pairs=True))
+    return o, (*common.keep_for_backward(args), pairs)
 
 
 def _output_bwd(cfg, residuals, d_out):
-    omega, v, r, phase, gain, xv, doc, carry = residuals
+    omega, v, r, phase, gain, xv, doc, carry, _ = residuals
     dw, dv, dr, dth, db, dxv = _output_bwd_call(cfg, *residuals, d_out.astype(v.dtype))
     return (dw.astype(omega.dtype), dv, *_param_grads(dr, dth, db, r, phase, gain), dxv.astype(xv.dtype), None, None)
 

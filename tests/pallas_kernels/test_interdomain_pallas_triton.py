@@ -110,12 +110,12 @@ B, H, R, DV, M = 1, 2, 16, 16, 16
 
 def test_interpret_matches_reference_f32_segments_odd_length():
     """T = 45 (not a multiple of 16: the last chunk padded), selective r, documents starting inside a chunk
-    (7, 30) and on a chunk edge (16), an initial state, two mode blocks: outputs, both final states and all
-    nine gradients."""
+    (7, 30) and on a chunk edge (16), an initial state, two mode blocks forward and four backward: outputs,
+    both final states and all nine gradients."""
     t = 45
     args, document = _inputs(0, B, t, H, R, DV, M, boundaries=(7, 16, 30))
     weights = _weights(1, B, t, H, R, DV, M)
-    got = _kernel(args, document, weights, jnp.float32, chunk_size=16, block_m=8)
+    got = _kernel(args, document, weights, jnp.float32, chunk_size=16, block_m=8, block_m_backward=4)
     _check(got, _reference(args, document, weights), tol=2e-6, grad_tol=1e-5)  # observed ≤ 1.3e-6
 
 
@@ -148,8 +148,10 @@ def test_config_and_tf32_rounding():
     cfg = pallas_triton.make_config(64, 64, 64, 64, jnp.bfloat16)
     assert cfg.levels == 6 and cfg.resolved_range_sums == "tf32" and cfg.precision == "tf32"
     assert pallas_triton.make_config(64, 64, 64, 64, jnp.float32).resolved_range_sums == "tf32x3"
-    assert cfg.block_m == 32 and pallas_triton.make_config(64, 64, 64, 16, jnp.float32).block_m == 16
-    for bad in (dict(precision="fp8"), dict(range_sums="bf16"), dict(block_m=24), dict(block_m=128)):
+    assert cfg.block_m == 32 and cfg.block_m_backward == 16
+    assert pallas_triton.make_config(64, 64, 64, 16, jnp.float32).block_m == 16
+    for bad in (dict(precision="fp8"), dict(range_sums="bf16"), dict(block_m=24), dict(block_m=128),
+                dict(block_m_backward=12)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             pallas_triton.make_config(64, 64, 64, 64, jnp.float32, **bad)
     with pytest.raises(ValueError, match="chunk=48"):
