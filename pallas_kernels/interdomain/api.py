@@ -158,6 +158,7 @@ TABLE.register(dispatch.Implementation("pallas_triton", pallas_triton.run, palla
 S4D_TABLE = dispatch.OpTable("s4d", fallback="xla")
 S4D_TABLE.register(dispatch.Implementation("reference", _ref_s4d))
 S4D_TABLE.register(dispatch.Implementation("xla", _s4d_xla))
+S4D_TABLE.register(dispatch.Implementation("pallas_triton", pallas_triton.run_s4d, pallas_triton.supports, fast=True))
 
 
 def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_state=None, segment_ids=None,
@@ -298,8 +299,14 @@ def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segme
     dt = compute_dtype(z.dtype)
     lm = jnp.broadcast_to(log_modulus.astype(dt), (b, t, h, m))
     x0 = jnp.zeros((b, h, 2 * m, c), dt) if initial_state is None else initial_state.astype(dt)
-    o, x = impl.run(z.astype(dt), lm, phase.astype(dt), input_gain.astype(dt), readout.astype(dt), x0,
-                    common.document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
+    run = impl.run
+    if impl.name.startswith("pallas_"):  # kernels take the caller's dtype and run per shard under a mesh
+        run = common.per_shard(run, h, ("tokens", "tokens", "heads", "heads", "heads", "state", "rows"),
+                               ("tokens", "state"))
+    else:
+        z = z.astype(dt)
+    o, x = run(z, lm, phase.astype(dt), input_gain.astype(dt), readout.astype(dt), x0,
+               common.document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
     return common.poison(violation, o.astype(z.dtype), x)
 
 

@@ -145,17 +145,20 @@ def make_config(chunk, key_dim, value_dim, modes, operand_dtype, *, interpret=Fa
 
 
 def supports(call) -> Optional[str]:
-    """``None`` when this kernel can serve ``call`` (an ``api.InterdomainCall``), else the reason."""
-    if call.op != "interdomain":
-        return f"only the interdomain op has a Pallas-Triton kernel (not {call.op!r}; it runs on 'xla')"
+    """``None`` when this kernel can serve ``call`` (an ``api.InterdomainCall``; op "interdomain" or "s4d",
+    whose key_dim is 0), else the reason."""
+    if call.op not in ("interdomain", "s4d"):
+        return f"op {call.op!r} has no Pallas-Triton kernel"
     if getattr(call, "backend", None) != "gpu":
         return f"the Pallas-Triton kernel runs on GPU only (backend is {call.backend!r})"
     if pltriton is None:
         return "jax.experimental.pallas.triton is not available in this JAX"
     if call.chunk_size not in SUPPORTED_CHUNKS:
         return f"chunk_size={call.chunk_size} not in {SUPPORTED_CHUNKS}"
-    for name, d, top in (("key_dim", call.key_dim, MAX_HEAD_DIM), ("value_dim", call.value_dim, MAX_HEAD_DIM),
-                         ("modes", call.modes, MAX_MODES)):
+    dims = [("value_dim", call.value_dim, MAX_HEAD_DIM), ("modes", call.modes, MAX_MODES)]
+    if call.op == "interdomain":
+        dims.insert(0, ("key_dim", call.key_dim, MAX_HEAD_DIM))
+    for name, d, top in dims:
         if not _pow2(d) or d < _MIN_DIM or d > top:
             return f"{name}={d}: needs a power of two in [{_MIN_DIM}, {top}]"
     if jnp.dtype(call.dtype) not in _DTYPES:
@@ -563,13 +566,15 @@ def _params(cfg, warps):
 def flop_counts(cfg):
     """{kernel: (FLOPs, transcendentals, HBM bytes)} per chunk and head, as the kernels execute them (full
     masked tiles; a range sum counted once, though with "tf32x3" it runs as three TF32 passes). The readout
-    ω = Ĝ â between the kernels is XLA's and not counted."""
+    ω = Ĝ â between the kernels is XLA's and not counted; the backward kernels read the K × K matrix (Sc or P)
+    that the forward saves (``saved_bytes``), the forward writes it only under a gradient."""
     k, m, r, dv, lv = cfg.chunk, cfg.modes, cfg.key_dim, cfg.value_dim, cfg.levels
     kkm = 2 * k * k * m  # one [K, K] x [K, M] GEMM over all mode blocks
     od = jnp.dtype(cfg.operand_dtype).itemsize
     factor_exps = 3 * k * m  # exp, cos, sin of one [K, M] factor
     common = k * m * 4 + (3 * m) * 4  # r, θ, b
     per_token = 2 * m * 4  # â, ω, dâ or dω per token (f32)
+    saved = k * k * od  # Sc or P
     # query: Sc, per level (range sum + 2 GEMMs), carry-in sum, X̂ᵏ₀ q
     query = (2 * k * k * r + lv * 3 * kkm + kkm + 2 * 2 * k * m * r, factor_exps * (lv + 1),
              common + 2 * k * r * od + 2 * m * r * 4 + k * per_token)
@@ -580,19 +585,20 @@ def flop_counts(cfg):
     # transpose, u (2), dSc (2), dc (2)), dSc k, dScᵀ q
     query_bwd = (2 * k * k * r + 3 * 2 * 2 * k * m * r + 2 * kkm + lv * 8 * kkm + 2 * 2 * k * k * r,
                  factor_exps * (lv + 1),
-                 common + 2 * k * r * od + 2 * m * r * 4 + k * per_token + 2 * k * r * od + k * m * 4 + 4 * m * 4
-                 + 2 * m * r * 4)
+                 common + 2 * k * r * od + 2 * m * r * 4 + k * per_token + 2 * k * r * od + 2 * k * m * 4 + 5 * m * 4
+                 + 2 * m * r * 4 + saved)
     # output_bwd: dP, per level (range sum and its transpose, P (2), dh (2), dc (2)), the carried value part
     # (dX̂ᵛ₀, dg), carry-in sum and its transpose, Pᵀ dO
     output_bwd = (2 * k * k * dv + lv * 8 * kkm + 2 * 2 * 2 * k * m * dv + 2 * kkm + 2 * k * k * dv,
                   factor_exps * (lv + 1),
                   common + k * per_token + 2 * k * dv * od + 2 * m * dv * 4 + k * per_token + k * dv * od
-                  + k * m * 4 + 4 * m * 4 + 2 * m * dv * 4)
+                  + k * m * 4 + 4 * m * 4 + 2 * m * dv * 4 + saved)
     return dict(query=query, output=output, query_bwd=query_bwd, output_bwd=output_bwd)
 
 
-def _call(cfg, kernel, name, grid, in_specs, out_shape, out_specs, warps, *args):
+def _call(cfg, kernel, name, grid, in_specs, out_shape, out_specs, warps, *args, saving=False):
     flops, exps, nbytes = flop_counts(cfg)[name]
+    nbytes += cfg.chunk * cfg.chunk * jnp.dtype(cfg.operand_dtype).itemsize if saving else 0
     programs = grid[0] * grid[1] * grid[2]
     cost = pl.CostEstimate(flops=int(programs * flops), transcendentals=int(programs * exps),
                            bytes_accessed=int(programs * nbytes))
@@ -616,7 +622,7 @@ def _query_call(cfg, q, k, r, phase, gain, xk, doc, carry, save_scores=False):
         out.append(jax.ShapeDtypeStruct((*grid, cfg.chunk, cfg.chunk), cfg.operand_dtype))
         out_specs.append(_chunk_spec(cfg.chunk, cfg.chunk))
     return _call(cfg, _query_kernel(cfg, save_scores), "query", grid, specs, tuple(out), tuple(out_specs),
-                 cfg.warps_forward, q, k, r, phase, gain, xk, doc, carry)
+                 cfg.warps_forward, q, k, r, phase, gain, xk, doc, carry, saving=save_scores)
 
 
 def _query_bwd_call(cfg, q, k, r, phase, gain, xk, doc, carry, scores, da):
@@ -644,7 +650,7 @@ def _output_call(cfg, omega, v, r, phase, gain, xv, doc, carry, save_pairs=False
         out.append(jax.ShapeDtypeStruct((*grid, cfg.chunk, cfg.chunk), cfg.operand_dtype))
         out_specs.append(_chunk_spec(cfg.chunk, cfg.chunk))
     return _call(cfg, _output_kernel(cfg, save_pairs), "output", grid, specs, tuple(out), tuple(out_specs),
-                 cfg.warps_forward, omega, v, r, phase, gain, xv, doc, carry)
+                 cfg.warps_forward, omega, v, r, phase, gain, xv, doc, carry, saving=save_pairs)
 
 
 def _output_bwd_call(cfg, omega, v, r, phase, gain, xv, doc, carry, pairs, d_out):
@@ -734,11 +740,33 @@ def run(q, k, v, log_modulus, phase, gain, readout, key_state, value_state, docu
     b, t, h, r_dim = q.shape
     cfg = make_config(chunk_size, r_dim, v.shape[-1], phase.shape[-1], v.dtype, interpret=interpret, **overrides)
     ct = log_modulus.dtype
-    xk, xv, key, value = xla.chunk_start_states(k.astype(ct), v.astype(ct), log_modulus, phase, gain, key_state,
-                                                value_state, document_BT, chunk_size=chunk_size)
+    (xk, xv), (key, value) = xla.chunk_start_states([k.astype(ct), v.astype(ct)], [key_state, value_state],
+                                                    log_modulus, phase, gain, document_BT, chunk_size=chunk_size)
     qp, kp, vp, rp = [common.pad_time(x, chunk_size) for x in (q, k, v, log_modulus)]
-    document = common.pad_time(document_BT.astype(jnp.int32), chunk_size, mode="edge")
-    _, carried = common.chunk_documents(document, chunk_size)
+    document, carried = _documents(document_BT, chunk_size)
     a = _query(cfg, qp, kp, rp, phase, gain, xk, document, carried)
     out = _output(cfg, _readout(cfg, a, readout), vp, rp, phase, gain, xv, document, carried)
     return out[:, :t], key, value
+
+
+def run_s4d(z, log_modulus, phase, gain, readout, state, document_BT, *, chunk_size, sub_chunk_size=None,
+            interpret=False, **overrides):
+    """The S4D-only core (``s4d`` op contract; z [B, T, H, C] in the caller's dtype, readout ω [H, 2M]): the
+    output kernel pair alone, with ω fixed per head (no query side). Returns (o in z's dtype, state f32)."""
+    del sub_chunk_size
+    b, t, h, c = z.shape
+    cfg = make_config(chunk_size, c, c, phase.shape[-1], z.dtype, interpret=interpret, **overrides)
+    (xs,), (final,) = xla.chunk_start_states([z.astype(log_modulus.dtype)], [state], log_modulus, phase, gain,
+                                             document_BT, chunk_size=chunk_size)
+    zp, rp = common.pad_time(z, chunk_size), common.pad_time(log_modulus, chunk_size)
+    document, carried = _documents(document_BT, chunk_size)
+    omega = jnp.broadcast_to(readout.astype(F32)[None, None], (b, zp.shape[1], h, readout.shape[-1]))
+    out = _output(cfg, omega, zp, rp, phase, gain, xs, document, carried)
+    return out[:, :t], final
+
+
+def _documents(document_BT, chunk_size):
+    """Padded document index [B, Tp] (edge: padding stays in the last document) and the carried-in
+    document of every chunk [B, N]."""
+    document = common.pad_time(document_BT.astype(jnp.int32), chunk_size, mode="edge")
+    return document, common.chunk_documents(document, chunk_size)[1]

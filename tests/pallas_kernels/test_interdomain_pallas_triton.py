@@ -131,6 +131,36 @@ def test_interpret_strong_static_decay_is_finite_and_accurate():
 
 
 @pytest.mark.slow
+def test_interpret_s4d_matches_reference():
+    """The S4D-only core (output kernel pair alone, ω fixed per head): f32, T = 37, chunk 16, selective r,
+    two documents, an initial state: output, final state and all six gradients."""
+    b, t, h, c, m = 1, 37, 2, 16, 16
+    args, document = _inputs(10, b, t, h, c, c, m, boundaries=(20,))
+    rng = np.random.default_rng(11)
+    s4d_args = [args[1], args[3], args[4], args[5], rng.standard_normal((h, 2 * m)), args[7]]  # z, r, θ, b, ω, X₀
+    w_out, w_state = rng.standard_normal((b, t, h, c)), rng.standard_normal((b, h, 2 * m, c))
+
+    def loss_of(fn, wide):
+        def loss(*xs):
+            o, state = fn(*xs)
+            return jnp.sum(o.astype(wide) * w_out) + jnp.sum(state * w_state), (o, state)
+        return loss
+
+    with jax.enable_x64(True):
+        x64 = [jnp.asarray(a, jnp.float64) for a in s4d_args]
+        ref = jax.jit(jax.grad(loss_of(lambda *x: reference.s4d_reference(*x, document), jnp.float64),
+                               argnums=tuple(range(6)), has_aux=True))(*x64)
+        ref = [np.asarray(g) for g in ref[0]], [np.asarray(x) for x in ref[1]]
+    x32 = [jnp.asarray(a, jnp.float32) for a in s4d_args]
+    fn = lambda *x: pallas_triton.run_s4d(*x, document, chunk_size=16, interpret=True, block_m=8)  # noqa: E731
+    grads, outs = jax.jit(jax.grad(loss_of(fn, jnp.float32), argnums=tuple(range(6)), has_aux=True))(*x32)
+    for name, got, want in zip(("o", "state"), outs, ref[1]):
+        assert _max_rel(got, want) <= 2e-6, name
+    for name, got, want in zip(("z", "log_modulus", "phase", "input_gain", "readout", "state"), grads, ref[0]):
+        assert _max_rel(got, want) <= 1e-5, (name, _max_rel(got, want))
+
+
+@pytest.mark.slow
 def test_interpret_bf16_operands():
     """bf16 q, k, v: bf16 GEMM operands, f32 states; every output and gradient within bf16 error of the
     float64 reference on the same rounded inputs; o and the input gradients in bf16."""
@@ -178,7 +208,8 @@ def _call(**kw):
 def test_supports():
     assert pallas_triton.supports(_call()) is None
     assert pallas_triton.supports(_call(dtype=jnp.dtype(jnp.float32), chunk_size=32, modes=16)) is None
-    for bad in (dict(backend="cpu"), dict(backend="tpu"), dict(op="s4d"), dict(chunk_size=48),
+    assert pallas_triton.supports(_call(op="s4d", key_dim=0, value_dim=128)) is None
+    for bad in (dict(backend="cpu"), dict(backend="tpu"), dict(op="vla"), dict(chunk_size=48),
                 dict(chunk_size=256), dict(key_dim=96), dict(value_dim=8), dict(modes=6), dict(modes=256),
                 dict(key_dim=512), dict(dtype=jnp.dtype(jnp.float64))):
         reason = pallas_triton.supports(_call(**bad))
@@ -186,8 +217,9 @@ def test_supports():
 
 
 def test_dispatch_registers_the_kernel_and_refuses_it_off_the_gpu():
-    assert "pallas_triton" in ia.TABLE.names()
+    assert "pallas_triton" in ia.TABLE.names() and "pallas_triton" in ia.S4D_TABLE.names()
     assert ia.TABLE.choose("auto", _call()).name == "pallas_triton"
+    assert ia.S4D_TABLE.choose("auto", _call(op="s4d", key_dim=0)).name == "pallas_triton"
     assert ia.TABLE.choose("auto", _call(backend="cpu")).name == "xla"
     args, _ = _inputs(0, B, 20, H, R, DV, M)
     x = [jnp.asarray(a, jnp.float32) for a in args]
