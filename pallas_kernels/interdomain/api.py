@@ -277,8 +277,9 @@ def interdomain_step(q, k, v, *, log_modulus, phase, input_gain, readout, state)
 def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segment_ids=None,
         chunk_size: Optional[int] = None, implementation: str = "auto", sub_chunk_size: Optional[int] = None):
     """S4D-only core: z [B, T, H, C]; log_modulus [H, M] or [B, T, H, M]; phase [H, M]; input_gain [H, 2M];
-    readout ω [H, 2M] (``readout_vector``); initial_state [B, H, 2M, C] or None; segment_ids, chunk_size and
-    sub_chunk_size as ``interdomain``. Returns (o [B, T, H, C] in z's dtype, state [B, H, 2M, C] float32 /
+    readout ω [H, 2M] (``readout_vector``); initial_state [B, H, 2M, C] or None; segment_ids, chunk_size,
+    sub_chunk_size and implementation ("auto" | "reference" | "xla" | "pallas_triton") as ``interdomain``.
+    Returns (o [B, T, H, C] in z's dtype, state [B, H, 2M, C] float32 /
     float64)."""
     op = "s4d"
     _check_float(op, "z", z)
