@@ -581,15 +581,15 @@ def flop_counts(cfg):
     # output: per level (range sum + 2 GEMMs), carry-in sum, carried value, P v
     output = (lv * 3 * kkm + kkm + 2 * 2 * k * m * dv + 2 * k * k * dv, factor_exps * (lv + 1),
               common + k * per_token + k * dv * od + 2 * m * dv * 4 + k * dv * od)
-    # query_bwd: Sc, state read, dq, dX̂ᵏ₀, carry-in sum and its transpose, per level (range sum and its
-    # transpose, u (2), dSc (2), dc (2)), dSc k, dScᵀ q
-    query_bwd = (2 * k * k * r + 3 * 2 * 2 * k * m * r + 2 * kkm + lv * 8 * kkm + 2 * 2 * k * k * r,
+    # query_bwd: state read, dq, dX̂ᵏ₀, carry-in sum and its transpose, per level (range sum and its
+    # transpose, u (2), dSc (2), dc (2)), dSc k, dScᵀ q (Sc is the forward's)
+    query_bwd = (3 * 2 * 2 * k * m * r + 2 * kkm + lv * 8 * kkm + 2 * 2 * k * k * r,
                  factor_exps * (lv + 1),
                  common + 2 * k * r * od + 2 * m * r * 4 + k * per_token + 2 * k * r * od + 2 * k * m * 4 + 5 * m * 4
                  + 2 * m * r * 4 + saved)
-    # output_bwd: dP, per level (range sum and its transpose, P (2), dh (2), dc (2)), the carried value part
-    # (dX̂ᵛ₀, dg), carry-in sum and its transpose, Pᵀ dO
-    output_bwd = (2 * k * k * dv + lv * 8 * kkm + 2 * 2 * 2 * k * m * dv + 2 * kkm + 2 * k * k * dv,
+    # output_bwd: dP, per level (range sum and its transpose, dh (2), dc (2)), the carried value part
+    # (dX̂ᵛ₀, dg), carry-in sum and its transpose, Pᵀ dO (P is the forward's)
+    output_bwd = (2 * k * k * dv + lv * 6 * kkm + 2 * 2 * 2 * k * m * dv + 2 * kkm + 2 * k * k * dv,
                   factor_exps * (lv + 1),
                   common + k * per_token + 2 * k * dv * od + 2 * m * dv * 4 + k * per_token + k * dv * od
                   + k * m * 4 + 4 * m * 4 + 2 * m * dv * 4 + saved)

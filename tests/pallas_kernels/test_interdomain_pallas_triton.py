@@ -7,6 +7,8 @@ GPU (``-m gpu``, skipped elsewhere): the compiled kernels against the reference 
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -243,6 +245,61 @@ def test_lowers_for_cuda_on_cpu():
 
     text = jax.jit(jax.grad(loss, argnums=tuple(range(9)))).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 4, text.count("__gpu$xla.gpu.triton")  # query, output, both bwd
+
+
+def _executed(jaxpr, scale=1):
+    """(matmul FLOPs, exp/cos/sin elements) of one program of a kernel jaxpr; scan bodies count ``length``
+    times."""
+    flops = transcendentals = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            flops += scale * 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
+        elif name in ("exp", "cos", "sin"):
+            transcendentals += scale * math.prod(eqn.outvars[0].aval.shape)
+        assert name not in ("while", "cond"), f"{name}: trip count unknown to this counter"
+        inner = scale * (eqn.params["length"] if name == "scan" else 1)
+        for value in eqn.params.values():
+            sub = getattr(value, "jaxpr", value)
+            if hasattr(sub, "eqns"):
+                f, t = _executed(sub, inner)
+                flops, transcendentals = flops + f, transcendentals + t
+    return flops, transcendentals
+
+
+def _pallas_calls(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn
+        for value in eqn.params.values():
+            sub = getattr(value, "jaxpr", value)
+            if hasattr(sub, "eqns"):
+                yield from _pallas_calls(sub)
+
+
+def test_cost_estimates_match_the_kernel_jaxprs():
+    """Each of the four pallas_calls declares the FLOPs and exp/cos/sin its body executes (traced, not run)."""
+    b, t, h, r, dv, m, chunk = 1, 128, 2, 64, 32, 64, 64
+    z = jnp.zeros
+    args = [z((b, t, h, r), jnp.bfloat16), z((b, t, h, r), jnp.bfloat16), z((b, t, h, dv), jnp.bfloat16),
+            -jnp.ones((b, t, h, m)), z((h, m)), z((h, 2 * m)), z((h, 2 * m, 2 * m)), z((b, h, 2 * m, r)),
+            z((b, h, 2 * m, dv)), z((b, t), jnp.int32)]
+
+    def loss(*a):
+        return jnp.sum(pallas_triton.run(*a, chunk_size=chunk)[0].astype(jnp.float32))
+
+    calls = list(_pallas_calls(jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(9))))(*args).jaxpr))
+    names = [eqn.params["name"].removeprefix("interdomain_") for eqn in calls]
+    assert sorted(names) == ["output", "output_bwd", "query", "query_bwd"], names
+    counts = pallas_triton.flop_counts(pallas_triton.make_config(chunk, r, dv, m, jnp.bfloat16))
+    for name, eqn in zip(names, calls):
+        est = eqn.params["cost_estimate"]
+        programs = math.prod(eqn.params["grid_mapping"].grid)
+        flops, transcendentals = _executed(eqn.params["jaxpr"])
+        assert (est.flops, est.transcendentals) == (programs * flops, programs * transcendentals), name
+        assert counts[name][:2] == (flops, transcendentals), name
 
 
 # ---------------------------------------------------------------------------------------------------------
