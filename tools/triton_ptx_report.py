@@ -1,4 +1,4 @@
-"""Registers, spills and shared memory of the Pallas-Triton delta-rule kernels, without a GPU.
+"""Registers, spills and shared memory of the Pallas-Triton delta-rule or interdomain kernels, without a GPU.
 
 Lowers forward+backward for CUDA on the CPU (as the CI lowering test does), captures the Triton IR that
 Pallas hands to XLA, compiles it with a local Triton for sm_90a and runs ``ptxas -v`` on the PTX. Triton and
@@ -7,6 +7,7 @@ and have ``ptxas`` (CUDA ≥ 12.3) on the PATH. XLA's own Triton may schedule sl
 for relative comparisons (did a change add spills?), then time on the GPU.
 
     python tools/triton_ptx_report.py [--chunk 64 --leaf 16] [--overrides '{"block_k": 16}'] [--kernels intra,key_grads]
+    python tools/triton_ptx_report.py --op interdomain [--overrides '{"block_m_backward": 32}']
 """
 from __future__ import annotations
 
@@ -22,13 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128)):
-    """{kernel name: Triton IR text} of forward + backward, captured from the Pallas lowering."""
+def _capture(fn, specs):
+    """{kernel name: Triton IR text} of every Pallas-Triton call in jax.jit(fn), lowered for CUDA."""
     import jax
-    import jax.numpy as jnp
     from jax._src.pallas.triton import pallas_call_registration as registration
-
-    from mixerlab.pallas_kernels.delta_rule import pallas_triton
 
     captured = {}
     lower = registration.lowering.lower_jaxpr_to_triton_module
@@ -39,6 +37,21 @@ def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128)):
         captured[re.search(r"tt.func (?:public )?@(\w+)", text).group(1)] = text
         return result
 
+    registration.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = lower
+    return captured
+
+
+def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128)):
+    """{kernel name: Triton IR text} of forward + backward, captured from the Pallas lowering."""
+    import jax
+    import jax.numpy as jnp
+
+    from mixerlab.pallas_kernels.delta_rule import pallas_triton
+
     b, t, h, dk, dv = shape
     s = jax.ShapeDtypeStruct
     specs = [s((b, t, h, dk), jnp.bfloat16)] * 3 + [s((b, t, h, dv), jnp.bfloat16), s((b, t, h, dk), jnp.float32),
@@ -48,15 +61,36 @@ def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128)):
         out, state = pallas_triton.run(*a, chunk_size=chunk, leaf_size=leaf, **overrides)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(state)
 
-    registration.lowering.lower_jaxpr_to_triton_module = capture
-    try:
-        jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(*specs).lower(lowering_platforms=("cuda",))
-    finally:
-        registration.lowering.lower_jaxpr_to_triton_module = lower
+    captured = _capture(jax.grad(loss, argnums=tuple(range(6))), specs)
     cfg = pallas_triton.make_config(chunk, leaf, dk, dv, jnp.bfloat16, batch_heads=b * h, **overrides)
     warps = {name: getattr(cfg, f"warps_{name}", 4) for name in ("intra", "rhs", "scan", "output", "cotangents",
                                                                   "key_grads")}
     warps["scan_bwd"] = cfg.warps_scan
+    return captured, warps
+
+
+def interdomain_modules(chunk, overrides, shape=(8, 4096, 12, 64, 64, 64)):
+    """The interdomain kernels (forward + backward, bf16, the 125M shape by default) and their warps."""
+    import jax
+    import jax.numpy as jnp
+
+    from mixerlab.pallas_kernels.interdomain import pallas_triton
+
+    b, t, h, r, dv, m = shape
+    s = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    specs = [s((b, t, h, r), jnp.bfloat16)] * 2 + [
+        s((b, t, h, dv), jnp.bfloat16), s((b, t, h, m), f32), s((h, m), f32), s((h, 2 * m), f32),
+        s((h, 2 * m, 2 * m), f32), s((b, h, 2 * m, r), f32), s((b, h, 2 * m, dv), f32), s((b, t), jnp.int32)]
+
+    def loss(*a):
+        o, key, value = pallas_triton.run(*a, chunk_size=chunk, **overrides)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(key) + jnp.sum(value)
+
+    captured = _capture(jax.grad(loss, argnums=tuple(range(9))), specs)
+    cfg = pallas_triton.make_config(chunk, r, dv, m, jnp.bfloat16, **overrides)
+    warps = {name.removeprefix("interdomain_"): cfg.warps_backward if name.endswith("_bwd") else cfg.warps_forward
+             for name in captured}
     return captured, warps
 
 
@@ -83,6 +117,7 @@ def ptxas_report(ttir, num_warps, num_stages=3):
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--op", choices=("delta_rule", "interdomain"), default="delta_rule")
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--leaf", type=int, default=16)
     ap.add_argument("--overrides", default="{}", help="JSON dict of pallas_triton.Config fields")
@@ -92,16 +127,20 @@ def main():
         import triton  # noqa: F401
     except ImportError:
         sys.exit("tools/triton_ptx_report.py needs Triton: pip install triton==3.6.0 (and ptxas on the PATH)")
-    modules, warps = triton_modules(a.chunk, a.leaf, json.loads(a.overrides))
+    if a.op == "interdomain":
+        modules, warps = interdomain_modules(a.chunk, json.loads(a.overrides))
+    else:
+        modules, warps = triton_modules(a.chunk, a.leaf, json.loads(a.overrides))
     wanted = set(filter(None, a.kernels.split(",")))
     print("| kernel | warps | registers | spill stores B | spill loads B | shared KB | wgmma | bar.sync |")
     print("|---|---|---|---|---|---|---|---|")
     for name, ttir in modules.items():
-        short = name.removeprefix("delta_rule_")
+        short = name.removeprefix("delta_rule_").removeprefix("interdomain_")
         if wanted and short not in wanted:
             continue
         w = warps.get(short, 4)
-        r = ptxas_report(ttir, w, num_stages=2 if "scan" in short else 3)
+        stages = 1 if a.op == "interdomain" else 2 if "scan" in short else 3  # the kernels' CompilerParams
+        r = ptxas_report(ttir, w, num_stages=stages)
         print(f"| {short} | {w} | {r['registers']} | {r['spill_stores']} | {r['spill_loads']} | "
               f"{r['shared_bytes'] / 1024:.0f} | {r['wgmma']} | {r['barriers']} |", flush=True)
 
