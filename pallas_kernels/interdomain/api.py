@@ -225,7 +225,7 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
         key0, value0 = jnp.zeros((b, h, 2 * m, r), dt), jnp.zeros((b, h, 2 * m, dv), dt)
     else:
         key0, value0 = initial_state[0].astype(dt), initial_state[1].astype(dt)
-    run = impl.run
+    run, out_dtype = impl.run, v.dtype
     if impl.name.startswith("pallas_"):  # kernels take the caller's dtype and run per shard under a mesh
         run = common.per_shard(run, h, ("tokens",) * 4 + ("heads",) * 3 + ("state", "state", "rows"),
                                ("tokens", "state", "state"))
@@ -233,7 +233,7 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
         q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
     o, key, value = run(q, k, v, lm, phase.astype(dt), input_gain.astype(dt), readout.astype(dt), key0, value0,
                         common.document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
-    o, key, value = common.poison(violation, o.astype(v.dtype), key, value)
+    o, key, value = common.poison(violation, o.astype(out_dtype), key, value)
     return o, InterdomainState(key, value)
 
 
@@ -300,7 +300,7 @@ def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segme
     dt = compute_dtype(z.dtype)
     lm = jnp.broadcast_to(log_modulus.astype(dt), (b, t, h, m))
     x0 = jnp.zeros((b, h, 2 * m, c), dt) if initial_state is None else initial_state.astype(dt)
-    run = impl.run
+    run, out_dtype = impl.run, z.dtype
     if impl.name.startswith("pallas_"):  # kernels take the caller's dtype and run per shard under a mesh
         run = common.per_shard(run, h, ("tokens", "tokens", "heads", "heads", "heads", "state", "rows"),
                                ("tokens", "state"))
@@ -308,7 +308,7 @@ def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segme
         z = z.astype(dt)
     o, x = run(z, lm, phase.astype(dt), input_gain.astype(dt), readout.astype(dt), x0,
                common.document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
-    return common.poison(violation, o.astype(z.dtype), x)
+    return common.poison(violation, o.astype(out_dtype), x)
 
 
 def s4d_step(z, *, log_modulus, phase, input_gain, readout, state):
