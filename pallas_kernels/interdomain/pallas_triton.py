@@ -1,17 +1,19 @@
 """Interdomain attention on GPU through Pallas' Triton backend: pass (iii) of the chunked form (the outputs of
-every chunk from its chunk-start states) as one kernel per chunk, forward and custom-VJP backward
+every chunk from its chunk-start states) as per-chunk kernels, forward and custom-VJP backward
 (docs/math/interdomain.md, 'Chunked form', 'Gradients'; docs/kernels_gpu.md, 'Interdomain attention').
 
 Passes (i) and (ii) (chunk-local end states, the serial scan over the chunk boundaries) stay in XLA
 (``xla.chunk_start_states``): O(T·M·(R + Dv)) work with one small matmul per chunk. Pass (iii) is where the
 pure-JAX form spends its time and memory (it materialises b ⊙ F and b ⊙ D per chunk); here everything of a
-chunk stays on chip:
+chunk stays on chip. Split at the readout, all grids (B, H, N), one chunk of one head per program:
 
-  forward   ``outputs``  grid (B, H, N)   o [K, Dv] of one chunk and head
-  backward  ``grads``    grid (B, H, N)   dq, dk, dv, dr (per token), the chunk-start state cotangents, and
-                                          per-chunk partial sums of dθ, db, dĜ (reduced by XLA afterwards)
+  ``query``       â [K, 2M]  (saves Sc)        ``query_bwd``   dq, dk, dr, dX̂ᵏ₀, partial dθ, db from dâ
+  XLA             ω = Ĝ â per token (autodiffed: dĜ, dâ)
+  ``output``      o [K, Dv]  (saves P)         ``output_bwd``  dω, dv, dr, dX̂ᵛ₀, partial dθ, db from dO
 
-Per chunk (K tokens, M complex modes, all complex tiles as separate Re / Im [K, M] tiles, 2-D only):
+The per-head partial sums (over chunks and batch) are reduced by XLA. Each kernel walks the M modes in blocks
+of BM (everything but Sc, P and their cotangents is per mode), so per-mode tiles are [K, BM]; complex tiles
+are separate Re / Im tiles, everything 2-D. Per chunk (K tokens, M complex modes):
 
     e^{ℓ_s} = exp(r(−1, s]) e^{iθ(s+1)}        (carried-in document rows only)
     a_s     = e^{ℓ_s} ⊙ (X̂ᵏ₀ q_s) + b ⊙ Σ_{j≤s} Sc[s, j] D[s, j],     Sc = q kᵀ ⊙ 1[same document]
