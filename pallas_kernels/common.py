@@ -241,14 +241,16 @@ def per_shard(run, heads: int, in_kinds: tuple, out_kinds):
     """Pallas kernels cannot be partitioned by XLA: under a device mesh in context (the trainer traces its step
     under ``jax.sharding.use_abstract_mesh``) run them per shard with ``shard_map`` — batch over (data, fsdp),
     heads over tensor when they divide. Argument kinds: "tokens" [B, T, H, ...], "state" [B, H, ...],
-    "rows" [B, T]; ``out_kinds`` is one kind or a tuple of kinds. Without a mesh, ``run`` itself."""
+    "rows" [B, T], "heads" [H, ...] (per-head parameters); ``out_kinds`` is one kind or a tuple of kinds.
+    Without a mesh, ``run`` itself."""
     axes = mesh_axes(heads)
     if axes is None:
         return run
     from jax.sharding import PartitionSpec as P
 
     mesh, batch, head = axes
-    specs = {"tokens": P(batch, None, head, None), "state": P(batch, head, None, None), "rows": P(batch, None)}
+    specs = {"tokens": P(batch, None, head, None), "state": P(batch, head, None, None), "rows": P(batch, None),
+             "heads": P(head)}
     out_specs = specs[out_kinds] if isinstance(out_kinds, str) else tuple(specs[k] for k in out_kinds)
 
     def wrapped(*args, **static):

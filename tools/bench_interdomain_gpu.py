@@ -15,9 +15,11 @@ compile + warm-up call):
      1 and 8: the interdomain mixer (constant-size state) beside the softmax mixer (KV cache of the prefix
      length + 1).
 Prints Markdown tables; writes every number to ``--out`` (JSON). A failing row is recorded with its error
-and the run moves on.
+and the run moves on; an implementation that refuses the call (e.g. ``pallas_triton`` off the GPU) is recorded
+as skipped with its reason. ``--check`` also compares every interdomain implementation with ``xla`` at the
+first training shape (outputs and the gradients of all seven float inputs: max |error| / max |xla|).
 
-    python tools/bench_interdomain_gpu.py --out $OUT/interdomain_h200.json
+    python tools/bench_interdomain_gpu.py --out $OUT/interdomain_h200.json --check
     JAX_PLATFORMS=cpu python tools/bench_interdomain_gpu.py --smoke --out /tmp/ia_smoke.json   # tiny sizes
 """
 from __future__ import annotations
@@ -84,6 +86,21 @@ def interdomain_case(b, t, sz, key):
     return (q, k, v, *params)
 
 
+def interdomain_refusal(impl, b, t, sz):
+    """None if ``impl`` serves the bf16 training call at (b, t), else the reason it gives."""
+    from mixerlab.pallas_kernels import dispatch
+    from mixerlab.pallas_kernels.interdomain import api as ia
+
+    call = ia.InterdomainCall("interdomain", b, t, sz["heads"], sz["key_dim"], sz["value_dim"], sz["modes"],
+                              jnp.dtype(jnp.bfloat16), False, False, False, ia.DEFAULT_CHUNK_SIZE,
+                              ia.DEFAULT_SUB_CHUNK_SIZE, dispatch.target_backend())
+    try:
+        ia.TABLE.choose(impl, call)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def interdomain_fn(impl):
     from mixerlab.pallas_kernels.interdomain import api as ia
 
@@ -145,6 +162,12 @@ def training_rows(sz, reps):
         for name, case, fn, argnums in ops:
             row = dict(op=name, batch=b, length=t, heads=sz["heads"], key_dim=sz["key_dim"],
                        value_dim=sz["value_dim"], modes=sz["modes"] if name.startswith("interdomain") else None)
+            refusal = interdomain_refusal(name.split("/")[1], b, t, sz) if name.startswith("interdomain") else None
+            if refusal is not None:
+                row["skipped"] = refusal[:500]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
             try:
                 args = case(b, t, sz, jax.random.key(t))
                 row["fwd_ms"], row["fwd_min_ms"] = timed(jax.jit(fn), args, reps)
@@ -157,6 +180,41 @@ def training_rows(sz, reps):
                 traceback.print_exc()
             rows.append(row)
             print(json.dumps(row), flush=True)
+    return rows
+
+
+def check_rows(sz):
+    """Every interdomain implementation against ``xla`` at the first training shape: max |error| / max |xla|
+    of the output and of the gradients of q, k, v, log_modulus, phase, gain, readout."""
+    from mixerlab.pallas_kernels.interdomain import api as ia
+
+    t = sz["lengths"][0]
+    b = max(sz["tokens"] // t, 1)
+    args = interdomain_case(b, t, sz, jax.random.key(0))
+
+    def outputs(impl):
+        fn = interdomain_fn(impl)
+        return jax.jit(fn)(*args), with_grad(fn, tuple(range(7)))(*args)
+
+    want = outputs("xla")
+    names = ("o", "dq", "dk", "dv", "dlog_modulus", "dphase", "dgain", "dreadout")
+    rows = []
+    for impl in [n for n in ia.TABLE.names() if n not in ("auto", "reference", "xla")]:
+        row = dict(op=f"interdomain/{impl}", batch=b, length=t)
+        refusal = interdomain_refusal(impl, b, t, sz)
+        if refusal is not None:
+            row["skipped"] = refusal[:500]
+        else:
+            try:
+                got = outputs(impl)
+                for name, x, y in zip(names, [got[0], *got[1]], [want[0], *want[1]]):
+                    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+                    row[name] = float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30))
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                traceback.print_exc()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -227,6 +285,8 @@ def decode_rows(sz, reps):
 def _cell(row, key):
     if key in row:
         return f"{row[key]:.3f}"
+    if "skipped" in row:
+        return "refused"
     return "skipped" if key == "fwd_bwd_ms" and "fwd_bwd_skipped" in row else "error"
 
 
@@ -235,6 +295,13 @@ def markdown(result):
              "runs (ms).", "", "| op | B | T | fwd ms | fwd+bwd ms |", "|---|---|---|---|---|"]
     lines += [f"| {r['op']} | {r['batch']} | {r['length']} | {_cell(r, 'fwd_ms')} | {_cell(r, 'fwd_bwd_ms')} |"
               for r in result["training"]]
+    if result.get("check"):
+        lines += ["", "Check against xla (max |error| / max |xla|):", "",
+                  "| impl | o | dq | dk | dv | dr | dθ | db | dĜ |", "|---|---|---|---|---|---|---|---|---|"]
+        keys = ("o", "dq", "dk", "dv", "dlog_modulus", "dphase", "dgain", "dreadout")
+        for r in result["check"]:
+            cells = [f"{r[k]:.2e}" if k in r else ("refused" if "skipped" in r else "error") for k in keys]
+            lines.append(f"| {r['op']} | " + " | ".join(cells) + " |")
     lines += ["", "Decode, one token per layer (ms; cache MiB):", "", "| B | prefix | interdomain | softmax |",
               "|---|---|---|---|"]
     by = {(r["mixer"], r["batch"], r["prefix"]): r for r in result["decode"]}
@@ -254,12 +321,14 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny sizes (runs on CPU in seconds)")
     p.add_argument("--reps", type=int, default=None, help="timed runs per row (default 10; smoke 2)")
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--check", action="store_true", help="also compare every interdomain implementation with xla")
     a = p.parse_args(argv)
     sz = SMOKE if a.smoke else FULL
     reps = a.reps if a.reps is not None else (2 if a.smoke else 10)
     result = dict(device=str(jax.devices()[0]), backend=jax.default_backend(), jax=jax.__version__, reps=reps,
                   sizes={k: list(v) if isinstance(v, tuple) else v for k, v in sz.items()}, smoke=a.smoke)
     result["training"] = training_rows(sz, reps)
+    result["check"] = check_rows(sz) if a.check else []
     result["decode"] = [] if a.skip_decode else decode_rows(sz, reps)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as fh:

@@ -1,4 +1,5 @@
-"""Registers, spills and shared memory of the Pallas-Triton delta-rule (or short-conv) kernels, without a GPU.
+"""Registers, spills and shared memory of the Pallas-Triton kernels (delta rule, short convolution, interdomain,
+VLA A-pass), without a GPU.
 
 Lowers forward+backward for CUDA on the CPU (as the CI lowering test does), captures the Triton IR that
 Pallas hands to XLA, compiles it with a local Triton for sm_90a and runs ``ptxas -v`` on the PTX. Triton and
@@ -8,6 +9,8 @@ for relative comparisons (did a change add spills?), then time on the GPU.
 
     python tools/triton_ptx_report.py [--chunk 64 --leaf 16] [--overrides '{"block_k": 16}'] [--kernels intra,key_grads]
     python tools/triton_ptx_report.py --op short_conv [--overrides '{"bwd_block_t": 32}']   # at 32x4096x1024 bf16
+    python tools/triton_ptx_report.py --op vla [--overrides '{"warps_forward": 2}']          # at 8x4096x12x64
+    python tools/triton_ptx_report.py --op interdomain [--overrides '{"block_m_backward": 32}']  # the 125M shape
 """
 from __future__ import annotations
 
@@ -88,6 +91,53 @@ def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128)):
     return captured, warps
 
 
+def interdomain_modules(chunk, overrides, shape=(8, 4096, 12, 64, 64, 64)):
+    """The interdomain kernels (forward + backward, bf16, the 125M shape by default) and their warps."""
+    import jax
+    import jax.numpy as jnp
+
+    from mixerlab.pallas_kernels.interdomain import pallas_triton
+
+    b, t, h, r, dv, m = shape
+    s = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    specs = [s((b, t, h, r), jnp.bfloat16)] * 2 + [
+        s((b, t, h, dv), jnp.bfloat16), s((b, t, h, m), f32), s((h, m), f32), s((h, 2 * m), f32),
+        s((h, 2 * m, 2 * m), f32), s((b, h, 2 * m, r), f32), s((b, h, 2 * m, dv), f32), s((b, t), jnp.int32)]
+
+    def loss(*a):
+        o, key, value = pallas_triton.run(*a, chunk_size=chunk, **overrides)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(key) + jnp.sum(value)
+
+    captured = _capture_triton_modules(
+        lambda: jax.jit(jax.grad(loss, argnums=tuple(range(9)))).trace(*specs).lower(lowering_platforms=("cuda",)))
+    cfg = pallas_triton.make_config(chunk, r, dv, m, jnp.bfloat16, **overrides)
+    warps = {name.removeprefix("interdomain_"): cfg.warps_backward if name.endswith("_bwd") else cfg.warps_forward
+             for name in captured}
+    return captured, warps
+
+
+def vla_modules(overrides, shape=(8, 4096, 12, 64)):
+    """The VLA A-pass forward and backward kernels (f32 k̂, u; the 125M paper shape) and their warps."""
+    import jax
+    import jax.numpy as jnp
+
+    from mixerlab.pallas_kernels.vla import pallas_triton
+
+    b, t, h, d = shape
+    s = jax.ShapeDtypeStruct
+    specs = [s((b, t, h, d), jnp.float32)] * 2 + [s((b, h, d, d), jnp.float32), s((b, t), jnp.int32),
+                                                  s((b, t), jnp.bool_)]
+
+    def loss(*a):
+        alpha, penalty = pallas_triton.penalty_pass(*a, lambda0=0.1, refresh_magnitude=1e-3, eps=1e-4, **overrides)
+        return jnp.sum(alpha) + jnp.sum(penalty)
+
+    trace = lambda: jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*specs).lower(lowering_platforms=("cuda",))  # noqa
+    cfg = pallas_triton.make_config(d, lambda0=0.1, refresh_magnitude=1e-3, **overrides)
+    return _capture_triton_modules(trace), {"forward": cfg.warps_forward, "backward": cfg.warps_backward}
+
+
 def ptxas_report(ttir, num_warps, num_stages=3):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -111,7 +161,7 @@ def ptxas_report(ttir, num_warps, num_stages=3):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--op", default="delta_rule", choices=("delta_rule", "short_conv"))
+    ap.add_argument("--op", default="delta_rule", choices=("delta_rule", "short_conv", "interdomain", "vla"))
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--leaf", type=int, default=16)
     ap.add_argument("--overrides", default="{}", help="JSON dict of pallas_triton.Config fields")
@@ -123,17 +173,23 @@ def main():
         sys.exit("tools/triton_ptx_report.py needs Triton: pip install triton==3.6.0 (and ptxas on the PATH)")
     if a.op == "short_conv":
         modules, warps = short_conv_modules(json.loads(a.overrides))
+    elif a.op == "vla":
+        modules, warps = vla_modules(json.loads(a.overrides))
+    elif a.op == "interdomain":
+        modules, warps = interdomain_modules(a.chunk, json.loads(a.overrides))
     else:
         modules, warps = triton_modules(a.chunk, a.leaf, json.loads(a.overrides))
     wanted = set(filter(None, a.kernels.split(",")))
     print("| kernel | warps | registers | spill stores B | spill loads B | shared KB | wgmma | bar.sync |")
     print("|---|---|---|---|---|---|---|---|")
     for name, ttir in modules.items():
-        short = name.removeprefix("delta_rule_").removeprefix("short_conv_")
+        short = (name.removeprefix("delta_rule_").removeprefix("short_conv_").removeprefix("vla_penalty_")
+                 .removeprefix("interdomain_"))
         if wanted and short not in wanted:
             continue
         w = warps.get(short, 4)
-        r = ptxas_report(ttir, w, num_stages=1 if a.op == "short_conv" else 2 if "scan" in short else 3)
+        stages = 1 if a.op in ("short_conv", "vla", "interdomain") else 2 if "scan" in short else 3  # CompilerParams
+        r = ptxas_report(ttir, w, num_stages=stages)
         print(f"| {short} | {w} | {r['registers']} | {r['spill_stores']} | {r['spill_loads']} | "
               f"{r['shared_bytes'] / 1024:.0f} | {r['wgmma']} | {r['barriers']} |", flush=True)
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mixerlab.pallas_kernels import common, dispatch
-from mixerlab.pallas_kernels.interdomain import decode, reference, xla
+from mixerlab.pallas_kernels.interdomain import decode, pallas_triton, reference, xla
 
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_SUB_CHUNK_SIZE = 8
@@ -151,10 +151,14 @@ _s4d_step = jax.jit(decode.s4d_step)
 TABLE = dispatch.OpTable("interdomain", fallback="xla", planned=("pallas_tpu", "pallas_triton"))
 TABLE.register(dispatch.Implementation("reference", _ref_ia))
 TABLE.register(dispatch.Implementation("xla", _ia_xla))
+# "auto" tries the kernel first; it refuses calls it cannot serve (backend, dtype, chunk, dims) with the
+# reason logged, and "auto" falls back to "xla". It takes q, k, v in the caller's dtype (bf16 GEMM operands).
+TABLE.register(dispatch.Implementation("pallas_triton", pallas_triton.run, pallas_triton.supports, fast=True))
 
 S4D_TABLE = dispatch.OpTable("s4d", fallback="xla")
 S4D_TABLE.register(dispatch.Implementation("reference", _ref_s4d))
 S4D_TABLE.register(dispatch.Implementation("xla", _s4d_xla))
+S4D_TABLE.register(dispatch.Implementation("pallas_triton", pallas_triton.run_s4d, pallas_triton.supports, fast=True))
 
 
 def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_state=None, segment_ids=None,
@@ -176,7 +180,8 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
       sub_chunk_size: sub-chunk length of "xla" inside a chunk (docs/math/interdomain.md 'Chunked form': exact
         pairwise decays within a sub-chunk, relative factors across). Default min(8, chunk_size); any int in
         [1, chunk_size], it need not divide chunk_size. Accuracy does not depend on it.
-      implementation: "auto" | "reference" | "xla".
+      implementation: "auto" | "reference" | "xla" | "pallas_triton" (GPU; bf16 inputs run bf16 GEMM
+        operands with float32 accumulation and state). "auto" takes the kernel where it accepts the call.
 
     Returns:
       (o [B, T, H, Dv] in v's dtype, ``InterdomainState`` float32 / float64).
@@ -220,10 +225,15 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
         key0, value0 = jnp.zeros((b, h, 2 * m, r), dt), jnp.zeros((b, h, 2 * m, dv), dt)
     else:
         key0, value0 = initial_state[0].astype(dt), initial_state[1].astype(dt)
-    o, key, value = impl.run(q.astype(dt), k.astype(dt), v.astype(dt), lm, phase.astype(dt),
-                             input_gain.astype(dt), readout.astype(dt), key0, value0,
-                             common.document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
-    o, key, value = common.poison(violation, o.astype(v.dtype), key, value)
+    run, out_dtype = impl.run, v.dtype
+    if impl.name.startswith("pallas_"):  # kernels take the caller's dtype and run per shard under a mesh
+        run = common.per_shard(run, h, ("tokens",) * 4 + ("heads",) * 3 + ("state", "state", "rows"),
+                               ("tokens", "state", "state"))
+    else:
+        q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
+    o, key, value = run(q, k, v, lm, phase.astype(dt), input_gain.astype(dt), readout.astype(dt), key0, value0,
+                        common.document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
+    o, key, value = common.poison(violation, o.astype(out_dtype), key, value)
     return o, InterdomainState(key, value)
 
 
@@ -267,8 +277,9 @@ def interdomain_step(q, k, v, *, log_modulus, phase, input_gain, readout, state)
 def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segment_ids=None,
         chunk_size: Optional[int] = None, implementation: str = "auto", sub_chunk_size: Optional[int] = None):
     """S4D-only core: z [B, T, H, C]; log_modulus [H, M] or [B, T, H, M]; phase [H, M]; input_gain [H, 2M];
-    readout ω [H, 2M] (``readout_vector``); initial_state [B, H, 2M, C] or None; segment_ids, chunk_size and
-    sub_chunk_size as ``interdomain``. Returns (o [B, T, H, C] in z's dtype, state [B, H, 2M, C] float32 /
+    readout ω [H, 2M] (``readout_vector``); initial_state [B, H, 2M, C] or None; segment_ids, chunk_size,
+    sub_chunk_size and implementation ("auto" | "reference" | "xla" | "pallas_triton") as ``interdomain``.
+    Returns (o [B, T, H, C] in z's dtype, state [B, H, 2M, C] float32 /
     float64)."""
     op = "s4d"
     _check_float(op, "z", z)
@@ -289,9 +300,15 @@ def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segme
     dt = compute_dtype(z.dtype)
     lm = jnp.broadcast_to(log_modulus.astype(dt), (b, t, h, m))
     x0 = jnp.zeros((b, h, 2 * m, c), dt) if initial_state is None else initial_state.astype(dt)
-    o, x = impl.run(z.astype(dt), lm, phase.astype(dt), input_gain.astype(dt), readout.astype(dt), x0,
-                    common.document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
-    return common.poison(violation, o.astype(z.dtype), x)
+    run, out_dtype = impl.run, z.dtype
+    if impl.name.startswith("pallas_"):  # kernels take the caller's dtype and run per shard under a mesh
+        run = common.per_shard(run, h, ("tokens", "tokens", "heads", "heads", "heads", "state", "rows"),
+                               ("tokens", "state"))
+    else:
+        z = z.astype(dt)
+    o, x = run(z, lm, phase.astype(dt), input_gain.astype(dt), readout.astype(dt), x0,
+               common.document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
+    return common.poison(violation, o.astype(out_dtype), x)
 
 
 def s4d_step(z, *, log_modulus, phase, input_gain, readout, state):

@@ -315,6 +315,20 @@ def interdomain_chunked(q, k, v, log_modulus, phase, gain, readout, key_state, v
     return o, final[..., :r_dim], final[..., r_dim:]
 
 
+def chunk_start_states(inputs, states, log_modulus, phase, gain, document_BT, *, chunk_size):
+    """Passes (i) and (ii) alone, for a kernel that runs pass (iii) itself. ``inputs``: the written arrays
+    ([B,T,H,C_i] in the compute dtype: k̃ and ṽ, or z for S4D; T need not be a multiple of the chunk);
+    ``states``: their initial states [B,H,2M,C_i]. Returns (the states before every chunk [B,H,N,2M,C_i],
+    the final states [B,H,2M,C_i]), one list entry per input; differentiable (plain JAX)."""
+    widths = [x.shape[-1] for x in inputs]
+    chunked, r, doc, carry_doc, pad = _prepare(list(inputs), log_modulus, document_BT, chunk_size)
+    _, eend, chunk_decay = _decays(r, phase, doc, carry_doc, pad)
+    state = jnp.concatenate(states, axis=-1)
+    starts, final = _scan_states(jnp.concatenate(chunked, axis=-1), eend, chunk_decay, state, _split_gain(gain))
+    cuts = [sum(widths[:i]) for i in range(len(widths) + 1)]
+    return ([starts[..., a:b] for a, b in zip(cuts, cuts[1:])], [final[..., a:b] for a, b in zip(cuts, cuts[1:])])
+
+
 def s4d_chunked(z, log_modulus, phase, gain, readout, state, document_BT, *, chunk_size, sub_chunk_size):
     """Same contract as ``reference.s4d_reference``; sub-chunks as ``interdomain_chunked``."""
     t = z.shape[1]

@@ -1,5 +1,6 @@
-"""tools/bench_interdomain_gpu.py runs end to end at tiny sizes on CPU (--smoke): every training row and every
-decode row is timed (no error rows), and the JSON and the Markdown tables are written."""
+"""tools/bench_interdomain_gpu.py runs end to end at tiny sizes on CPU (--smoke --check): every training row and
+every decode row is timed (no error rows; the GPU-only kernel is recorded as refused), and the JSON and the
+Markdown tables are written."""
 from __future__ import annotations
 
 import json
@@ -17,15 +18,21 @@ def test_smoke_run_writes_every_row(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     run = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "bench_interdomain_gpu.py"), "--smoke",
-                          "--out", str(out)], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          "--check", "--out", str(out)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     ops = {row["op"] for row in result["training"]}
-    assert {"interdomain/xla", "attention/xla", "delta_rule/auto"} <= ops, ops
+    assert {"interdomain/xla", "interdomain/pallas_triton", "attention/xla", "delta_rule/auto"} <= ops, ops
     for row in result["training"]:
         assert "error" not in row, row
+        if row["op"] == "interdomain/pallas_triton":  # GPU only: recorded with the reason it refuses the CPU
+            assert "GPU only" in row["skipped"], row
+            continue
         assert row["fwd_ms"] > 0, row
         assert row.get("fwd_bwd_ms", 1.0) > 0 and ("fwd_bwd_ms" in row or "fwd_bwd_skipped" in row), row
+    assert [row["op"] for row in result["check"]] == ["interdomain/pallas_triton"], result["check"]
+    assert "skipped" in result["check"][0] and "| interdomain/pallas_triton | refused |" in run.stdout
     decode = {(row["mixer"], row["prefix"]) for row in result["decode"]}
     assert decode == {(m, p) for m in ("interdomain", "softmax") for p in (8, 16)}, decode
     for row in result["decode"]:
