@@ -5,24 +5,25 @@ Token-level Sherman–Morrison, one program per (batch row, head), the d×d f32 
 for the whole sequence (d = 64: a 16 KB tile):
 
     A ← I/λ₀ at a document start;   w = A u;   δ = 1 + u·w;   ŵ = w / √δ;   A ← A − ŵ ŵᵀ
-    g = A k̂;   α̂ = g / max(‖g‖, ε);   A ← A + ρ I after a refresh token
+    g = A k̂;   A ← A + ρ I after a refresh token;      then in XLA: α̂ = g / max(‖g‖, ε)
 
 (A stays exactly symmetric in floating point: the symmetric start is updated by ŵ ŵᵀ, whose (i, j) and
 (j, i) entries are the same product, so the reference's explicit symmetrisation is a no-op here.)
 
-Forward kernel (grid (B, H)): serial over the tokens; writes α̂_t and ŵ_t (both [B, T, H, d] f32), the
+Forward kernel (grid (B, H)): serial over the tokens; writes g_t and ŵ_t (both [B, T, H, d] f32), the
 final A, and A at the start of every ``anchor_every`` tokens ("anchors", [B, H, N + 1, d, d] f32, the last
-one the final A) for the backward.
+one the final A) for the backward. The normalisation α̂ = g / max(‖g‖, ε) is left to XLA (autodiff of it is
+cheap and parallel), which keeps two reductions per token off the kernels' serial path.
 
 Backward kernel (grid (B, H)): reverse over the anchor chunks, each from its end anchor, reverse over its
 tokens. It walks A backwards exactly as the forward subtracted it: A_{t−1} = A_t − ρ_t I + ŵ_t ŵ_tᵀ (the
 same stored ŵ_t, so only rounding separates it from the forward's A; the anchors bound that to one chunk).
 Across a document start inside a chunk (A_{t−1} belongs to the previous document and cannot be rebuilt
 backwards) it replays the chunk's rank-1 updates forwards from the chunk's start anchor. The adjoint of one
-token (derived in docs/math/vla.md, 'Gradients') carries the symmetric cotangent Ā and gives dk̂_t, du_t and
-at the end dA₀.
+token (derived in docs/math/vla.md, 'Gradients') takes dg_t, carries the symmetric cotangent Ā and gives
+dk̂_t, du_t and at the end dA₀.
 
-Per-token vectors (k̂, u, ŵ, dα̂) are loaded one token ahead (carried in the loop) so the load latency
+Per-token vectors (k̂, u, ŵ, dg) are loaded one token ahead (carried in the loop) so the load latency
 overlaps the previous token's arithmetic; matrix-vector products are broadcast-multiplies with a row
 reduction (2-D tiles, 1-D vectors; no tl.dot: the products are d×1).
 
@@ -41,6 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from mixerlab.pallas_kernels import common
+from mixerlab.pallas_kernels.vla.reference import floored_norm
 
 try:  # Pallas' Triton backend (deprecated upstream since JAX 0.11 but present in 0.10.2 and 0.11.2)
     from jax.experimental.pallas import triton as pltriton
@@ -62,7 +64,6 @@ class Config:
     key_dim: int
     lambda0: float
     refresh_magnitude: float
-    eps: float
     anchor_every: int = 64  # tokens per saved A (backward memory N·d²·4 bytes per head; rebuild error ∝ it)
     warps_forward: int = 4
     warps_backward: int = 8  # the backward keeps ~4 d×d tiles live (A, Ā and their updates)
@@ -73,9 +74,9 @@ def _pow2(x: int) -> bool:
     return x >= 1 and x & (x - 1) == 0
 
 
-def make_config(key_dim, *, lambda0, refresh_magnitude, eps, interpret=False, **overrides):
+def make_config(key_dim, *, lambda0, refresh_magnitude, interpret=False, **overrides):
     cfg = Config(key_dim=key_dim, lambda0=float(lambda0), refresh_magnitude=float(refresh_magnitude),
-                 eps=float(eps), interpret=interpret, **overrides)
+                 interpret=interpret, **overrides)
     if not _pow2(cfg.anchor_every):
         raise ValueError(f"vla pallas_triton: anchor_every={cfg.anchor_every}; expected a power of two")
     return cfg
@@ -131,14 +132,6 @@ def _bit(flags, bit):
     return (jnp.bitwise_and(flags, bit) // bit).astype(F32)
 
 
-def _direction(a, k_hat, eps):
-    """g = A k̂, ‖g‖² and α̂ = g / max(‖g‖, ε) (the floor as sqrt(max(‖g‖², ε²)), as the reference)."""
-    g = _matvec(a, k_hat)
-    gg = jnp.sum(g * g)
-    norm = jnp.sqrt(jnp.maximum(gg, eps * eps))
-    return g, gg, norm, g / norm
-
-
 def _rank1_factor(a, u):
     """ŵ = A u / √(1 + u·A u): the Sherman–Morrison update is A − ŵ ŵᵀ."""
     w = _matvec(a, u)
@@ -157,7 +150,7 @@ def _forward_kernel(cfg, n_chunks):
     c, d = cfg.anchor_every, cfg.key_dim
     n_tokens = n_chunks * c
 
-    def kernel(k_ref, u_ref, flags_ref, a0_ref, alpha_out, factor_out, anchors_out, a_final_out):
+    def kernel(k_ref, u_ref, flags_ref, a0_ref, g_out, factor_out, anchors_out, a_final_out):
         eye = _eye(d)
 
         def token(j, carry, n):
@@ -168,8 +161,7 @@ def _forward_kernel(cfg, n_chunks):
             a = jnp.where(_flag(flags, RESET), eye * (1.0 / cfg.lambda0), a)
             factor = _rank1_factor(a, u)
             a = a - _outer(factor, factor)
-            _, _, _, alpha = _direction(a, k_hat, cfg.eps)
-            alpha_out[t, :] = alpha
+            g_out[t, :] = _matvec(a, k_hat)
             factor_out[t, :] = factor
             a = a + (cfg.refresh_magnitude * _bit(flags, REFRESH)) * eye
             return (a, *nxt)
@@ -188,14 +180,14 @@ def _forward_kernel(cfg, n_chunks):
 
 def _backward_kernel(cfg, n_chunks):
     c, d = cfg.anchor_every, cfg.key_dim
-    rho, eps = cfg.refresh_magnitude, cfg.eps
+    rho = cfg.refresh_magnitude
 
-    def kernel(k_ref, u_ref, factor_ref, flags_ref, d_alpha_ref, anchors_ref, d_final_ref, dk_out, du_out,
+    def kernel(k_ref, u_ref, factor_ref, flags_ref, d_g_ref, anchors_ref, d_final_ref, dk_out, du_out,
                d_a0_out):
         eye = _eye(d)
 
         def load(t):
-            return (_row(k_ref, t), _row(u_ref, t), _row(factor_ref, t), _row(d_alpha_ref, t), flags_ref[t])
+            return (_row(k_ref, t), _row(u_ref, t), _row(factor_ref, t), _row(d_g_ref, t), flags_ref[t])
 
         def replay(n, stop):
             """A after token stop − 1 (stop inside chunk n), from the chunk's start anchor: the forward's
@@ -211,14 +203,12 @@ def _backward_kernel(cfg, n_chunks):
             return jax.lax.fori_loop(0, stop - n * c, step, anchors_ref[n])
 
         def token(i, carry, n):
-            a_post, d_a, (k_hat, u, factor, d_alpha, flags) = carry
+            a_post, d_a, (k_hat, u, factor, d_g, flags) = carry
             t = n * c + c - 1 - i
             nxt = load(jnp.maximum(t - 1, 0))
             reset = _flag(flags, RESET)
             a = a_post - (rho * _bit(flags, REFRESH)) * eye      # A after the update, before ρI
-            # write direction: α̂ = g / ‖g‖, g = A k̂
-            g, gg, norm, alpha = _direction(a, k_hat, eps)
-            d_g = jnp.where(gg > eps * eps, d_alpha - alpha * jnp.sum(alpha * d_alpha), d_alpha) / norm
+            # g = A k̂ (α̂ = g / max(‖g‖, ε) is XLA's, outside the kernel)
             dk_out[t, :] = _matvec(a, d_g)
             d_a = d_a + 0.5 * (_outer(d_g, k_hat) + _outer(k_hat, d_g))
             # Sherman–Morrison: A = A_prev − w wᵀ/δ with w = √δ ŵ, δ = 1 + u·w, so u·ŵ = (δ − 1)/√δ
@@ -255,11 +245,11 @@ def _backward_kernel(cfg, n_chunks):
 
 def flops_per_token(d: int) -> dict:
     """Executed FLOPs per token and head of each kernel (d×d element-wise work counted in full):
-    forward: A u, u·w, ŵŵᵀ update, A k̂, ‖g‖, α̂, the refresh add: ≈ 8 d²;
-    backward: ρ removal, A k̂, A dĝ, the two symmetric rank-1 cotangent updates, Ā ŵ, the A rebuild,
-    A_prev dw: ≈ 20 d². Replays at document starts inside a chunk add ≤ 4 d² per token of that chunk
-    before the start (data-dependent, not counted)."""
-    return {"forward": 8 * d * d + 12 * d, "backward": 20 * d * d + 20 * d}
+    forward: A u, u·w, the ŵŵᵀ update, g = A k̂, the refresh add: ≈ 8 d²;
+    backward: the ρ removal, A dg, the two symmetric rank-1 cotangent updates, Ā ŵ, the A rebuild,
+    A_prev dw: ≈ 20 d². Replays at document starts inside a chunk add ≈ 4 d² per replayed token
+    (data-dependent, not counted)."""
+    return {"forward": 8 * d * d + 4 * d, "backward": 20 * d * d + 10 * d}
 
 
 def _cost(cfg, kernel, batch_heads, n_tokens):
@@ -267,7 +257,7 @@ def _cost(cfg, kernel, batch_heads, n_tokens):
     vectors = {"forward": 4, "backward": 6}[kernel]  # per-token [d] f32 rows read + written
     anchors = (n_tokens // cfg.anchor_every + 1) * d * d * 4
     return pl.CostEstimate(flops=int(batch_heads * n_tokens * flops_per_token(d)[kernel]),
-                           transcendentals=int(batch_heads * n_tokens * 2),
+                           transcendentals=int(batch_heads * n_tokens),  # one square root per token
                            bytes_accessed=int(batch_heads * (n_tokens * (vectors * d * 4 + 4) + anchors
                                                              + 2 * d * d * 4)))
 
@@ -300,7 +290,7 @@ def _forward(cfg, k_hat, u, a0, flags):
         cost_estimate=_cost(cfg, "forward", b * h, t), name="vla_penalty_forward")(k_hat, u, flags, a0)
 
 
-def _backward(cfg, k_hat, u, factors, flags, d_alpha, anchors, d_final):
+def _backward(cfg, k_hat, u, factors, flags, d_g, anchors, d_final):
     b, t, h, d = k_hat.shape
     token, flag_spec, square, anchor_spec, n = _specs(cfg, b, t, h)
     return pl.pallas_call(
@@ -311,27 +301,27 @@ def _backward(cfg, k_hat, u, factors, flags, d_alpha, anchors, d_final):
                    jax.ShapeDtypeStruct((b, h, d, d), F32)),
         interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_backward),
         cost_estimate=_cost(cfg, "backward", b * h, t), name="vla_penalty_backward")(
-        k_hat, u, factors, flags, d_alpha, anchors, d_final)
+        k_hat, u, factors, flags, d_g, anchors, d_final)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _penalty_pass(cfg, k_hat, u, a0, flags):
-    alpha, _, _, a_final = _forward(cfg, k_hat, u, a0, flags)
-    return alpha, a_final
+    g, _, _, a_final = _forward(cfg, k_hat, u, a0, flags)
+    return g, a_final
 
 
 def _penalty_pass_fwd(cfg, k_hat, u, a0, flags):
-    alpha, factors, anchors, a_final = _forward(cfg, k_hat, u, a0, flags)
-    alpha, a_final, factors, anchors = common.keep_for_backward((alpha, a_final, factors, anchors))
-    return (alpha, a_final), (k_hat, u, flags, factors, anchors)
+    g, factors, anchors, a_final = _forward(cfg, k_hat, u, a0, flags)
+    g, a_final, factors, anchors = common.keep_for_backward((g, a_final, factors, anchors))
+    return (g, a_final), (k_hat, u, flags, factors, anchors)
 
 
 def _penalty_pass_bwd(cfg, residuals, cotangents):
     k_hat, u, flags, factors, anchors = residuals
-    d_alpha, d_final = cotangents
+    d_g, d_final = cotangents
     d_final = d_final.astype(F32)
     d_final = 0.5 * (d_final + jnp.swapaxes(d_final, -1, -2))  # the kernel carries a symmetric Ā
-    dk, du, d_a0 = _backward(cfg, k_hat, u, factors, flags, d_alpha.astype(F32), anchors, d_final)
+    dk, du, d_a0 = _backward(cfg, k_hat, u, factors, flags, d_g.astype(F32), anchors, d_final)
     # Ā is symmetric up to the rounding of fused multiply-adds; only its symmetric part is defined (A₀ is)
     return dk, du, 0.5 * (d_a0 + jnp.swapaxes(d_a0, -1, -2)), None
 
@@ -349,10 +339,10 @@ def penalty_pass(k_hat_BTHK, u_BTHK, penalty_BHKK, document_BT, refresh_BT, *, l
     (k̂ and u unit-normalised; ``document_BT`` the running count of boundaries; ``refresh_BT`` refresh after
     token t). Differentiable w.r.t. k̂, u and A₀ (custom VJP). ``overrides``: :class:`Config` fields."""
     b, t, h, d = k_hat_BTHK.shape
-    cfg = make_config(d, lambda0=lambda0, refresh_magnitude=refresh_magnitude, eps=eps, interpret=interpret,
-                      **overrides)
+    cfg = make_config(d, lambda0=lambda0, refresh_magnitude=refresh_magnitude, interpret=interpret, **overrides)
     # padded tokens: u = k̂ = 0 (no update, α̂ = 0), no reset, no refresh, so A_T is the last real token's
     flags = common.pad_time(token_flags(document_BT, refresh_BT), cfg.anchor_every)
     k_hat, u = (common.pad_time(x.astype(F32), cfg.anchor_every) for x in (k_hat_BTHK, u_BTHK))
-    alpha, a_final = _penalty_pass(cfg, k_hat, u, penalty_BHKK.astype(F32), flags)
-    return alpha[:, :t], a_final
+    g, a_final = _penalty_pass(cfg, k_hat, u, penalty_BHKK.astype(F32), flags)
+    # the normalisation in XLA (autodiff): no reductions for it on the kernels' serial path
+    return g[:, :t] / floored_norm(g[:, :t], eps), a_final

@@ -223,7 +223,7 @@ def test_auto_skips_the_kernel_off_gpu_and_explicit_request_names_the_reason():
 
 def test_config_checks():
     with pytest.raises(ValueError, match="anchor_every=48"):
-        pallas_triton.make_config(64, lambda0=0.1, refresh_magnitude=1e-3, eps=1e-4, anchor_every=48)
+        pallas_triton.make_config(64, lambda0=0.1, refresh_magnitude=1e-3, anchor_every=48)
     flags = pallas_triton.token_flags(_documents(1, 6, [2, 5]), jnp.asarray([[0, 1, 0, 0, 1, 1]], bool))
     assert flags.tolist() == [[0, 2, 1, 0, 2, 3]]  # RESET = 1 at document starts after t = 0, REFRESH = 2
 
