@@ -1,4 +1,5 @@
-"""Registers, spills and shared memory of the Pallas-Triton delta-rule kernels, without a GPU.
+"""Registers, spills and shared memory of the Pallas-Triton delta-rule kernels (or, with ``--op vla``, the
+VLA A-pass kernels), without a GPU.
 
 Lowers forward+backward for CUDA on the CPU (as the CI lowering test does), captures the Triton IR that
 Pallas hands to XLA, compiles it with a local Triton for sm_90a and runs ``ptxas -v`` on the PTX. Triton and
@@ -7,6 +8,7 @@ and have ``ptxas`` (CUDA ≥ 12.3) on the PATH. XLA's own Triton may schedule sl
 for relative comparisons (did a change add spills?), then time on the GPU.
 
     python tools/triton_ptx_report.py [--chunk 64 --leaf 16] [--overrides '{"block_k": 16}'] [--kernels intra,key_grads]
+    python tools/triton_ptx_report.py --op vla [--overrides '{"warps_forward": 2}']
 """
 from __future__ import annotations
 
@@ -60,6 +62,41 @@ def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128)):
     return captured, warps
 
 
+def vla_modules(overrides, shape=(8, 4096, 12, 64)):
+    """{kernel name: Triton IR text} of the VLA A-pass forward + backward (the 125M paper shape), and warps."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    from mixerlab.pallas_kernels.vla import pallas_triton
+
+    captured = {}
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        text = result.module.operation.get_asm(enable_debug_info=False)
+        captured[re.search(r"tt.func (?:public )?@(\w+)", text).group(1)] = text
+        return result
+
+    b, t, h, d = shape
+    s = jax.ShapeDtypeStruct
+    specs = [s((b, t, h, d), jnp.float32)] * 2 + [s((b, h, d, d), jnp.float32), s((b, t), jnp.int32),
+                                                  s((b, t), jnp.bool_)]
+
+    def loss(*a):
+        alpha, penalty = pallas_triton.penalty_pass(*a, lambda0=0.1, refresh_magnitude=1e-3, eps=1e-4, **overrides)
+        return jnp.sum(alpha) + jnp.sum(penalty)
+
+    registration.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*specs).lower(lowering_platforms=("cuda",))
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = lower
+    cfg = pallas_triton.make_config(d, lambda0=0.1, refresh_magnitude=1e-3, **overrides)
+    return captured, {"forward": cfg.warps_forward, "backward": cfg.warps_backward}
+
+
 def ptxas_report(ttir, num_warps, num_stages=3):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -83,6 +120,7 @@ def ptxas_report(ttir, num_warps, num_stages=3):
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--op", choices=("delta_rule", "vla"), default="delta_rule")
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--leaf", type=int, default=16)
     ap.add_argument("--overrides", default="{}", help="JSON dict of pallas_triton.Config fields")
@@ -92,16 +130,19 @@ def main():
         import triton  # noqa: F401
     except ImportError:
         sys.exit("tools/triton_ptx_report.py needs Triton: pip install triton==3.6.0 (and ptxas on the PATH)")
-    modules, warps = triton_modules(a.chunk, a.leaf, json.loads(a.overrides))
+    if a.op == "vla":
+        modules, warps = vla_modules(json.loads(a.overrides))
+    else:
+        modules, warps = triton_modules(a.chunk, a.leaf, json.loads(a.overrides))
     wanted = set(filter(None, a.kernels.split(",")))
     print("| kernel | warps | registers | spill stores B | spill loads B | shared KB | wgmma | bar.sync |")
     print("|---|---|---|---|---|---|---|---|")
     for name, ttir in modules.items():
-        short = name.removeprefix("delta_rule_")
+        short = name.removeprefix("delta_rule_").removeprefix("vla_penalty_")
         if wanted and short not in wanted:
             continue
         w = warps.get(short, 4)
-        r = ptxas_report(ttir, w, num_stages=2 if "scan" in short else 3)
+        r = ptxas_report(ttir, w, num_stages=1 if a.op == "vla" else 2 if "scan" in short else 3)
         print(f"| {short} | {w} | {r['registers']} | {r['spill_stores']} | {r['spill_loads']} | "
               f"{r['shared_bytes'] / 1024:.0f} | {r['wgmma']} | {r['barriers']} |", flush=True)
 
