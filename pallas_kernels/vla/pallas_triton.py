@@ -191,7 +191,7 @@ def _backward_kernel(cfg, n_chunks):
 
         def replay(n, stop):
             """A after token stop − 1 (stop inside chunk n), from the chunk's start anchor: the forward's
-            updates again, with the stored factors (bitwise the forward's A)."""
+            updates again, the same operations on the same stored factors."""
             def step(j, a):
                 t = n * c + j
                 flags = flags_ref[t]
@@ -208,14 +208,14 @@ def _backward_kernel(cfg, n_chunks):
             nxt = load(jnp.maximum(t - 1, 0))
             reset = _flag(flags, RESET)
             a = a_post - (rho * _bit(flags, REFRESH)) * eye      # A after the update, before ρI
-            # g = A k̂ (α̂ = g / max(‖g‖, ε) is XLA's, outside the kernel)
+            # g = A k̂ (α̂ = g / max(‖g‖, ε) is XLA's, outside the kernel); d_a becomes B̄
             dk_out[t, :] = _matvec(a, d_g)
             d_a = d_a + 0.5 * (_outer(d_g, k_hat) + _outer(k_hat, d_g))
             # Sherman–Morrison: A = A_prev − w wᵀ/δ with w = √δ ŵ, δ = 1 + u·w, so u·ŵ = (δ − 1)/√δ
             cu = jnp.sum(u * factor)
             root = 0.5 * (cu + jnp.sqrt(cu * cu + 4.0))                        # √δ
-            y = _matvec(d_a, factor)                                           # Ā ŵ
-            d_delta = jnp.sum(factor * y) / (root * root)                      # ŵᵀĀŵ / δ
+            y = _matvec(d_a, factor)                                           # B̄ ŵ
+            d_delta = jnp.sum(factor * y) / (root * root)                      # ŵᵀB̄ŵ / δ
             d_w = -2.0 * y / root + d_delta * u
             a_prev = jnp.where(reset, eye * (1.0 / cfg.lambda0), a + _outer(factor, factor))
             du_out[t, :] = d_delta * root * factor + _matvec(a_prev, d_w)
