@@ -208,18 +208,23 @@ def _backward_kernel(cfg, n_chunks):
             nxt = load(jnp.maximum(t - 1, 0))
             reset = _flag(flags, RESET)
             a = a_post - (rho * _bit(flags, REFRESH)) * eye      # A after the update, before ρI
-            # g = A k̂ (α̂ = g / max(‖g‖, ε) is XLA's, outside the kernel); d_a becomes B̄
+            # g = A k̂ (α̂ = g / max(‖g‖, ε) is XLA's, outside the kernel): dk̂ = A dg, B̄ = Ā + sym(dg k̂ᵀ)
             dk_out[t, :] = _matvec(a, d_g)
-            d_a = d_a + 0.5 * (_outer(d_g, k_hat) + _outer(k_hat, d_g))
             # Sherman–Morrison: A = A_prev − w wᵀ/δ with w = √δ ŵ, δ = 1 + u·w, so u·ŵ = (δ − 1)/√δ
             cu = jnp.sum(u * factor)
             root = 0.5 * (cu + jnp.sqrt(cu * cu + 4.0))                        # √δ
-            y = _matvec(d_a, factor)                                           # B̄ ŵ
+            # B̄ ŵ = Ā ŵ + (dg (k̂·ŵ) + k̂ (dg·ŵ))/2 without forming B̄ (the two dots are off Ā's chain)
+            y = _matvec(d_a, factor) + 0.5 * (d_g * jnp.sum(k_hat * factor) + k_hat * jnp.sum(d_g * factor))
             d_delta = jnp.sum(factor * y) / (root * root)                      # ŵᵀB̄ŵ / δ
             d_w = -2.0 * y / root + d_delta * u
             a_prev = jnp.where(reset, eye * (1.0 / cfg.lambda0), a + _outer(factor, factor))
             du_out[t, :] = d_delta * root * factor + _matvec(a_prev, d_w)
-            d_a = d_a + 0.5 * (_outer(d_w, u) + _outer(u, d_w))
+            # Ā_{t−1} = Ā + sym(dg k̂ᵀ + dw uᵀ) = Ā + sym((dw + dg) k̂ᵀ + dw (u − k̂)ᵀ): every outer product has
+            # dw, a reduction result, on one side, so Triton keeps the tile in the layout of Ā instead of
+            # building dg k̂ᵀ (two loaded vectors) in another layout and converting the whole d×d tile
+            left = d_w + d_g
+            right = u - k_hat
+            d_a = d_a + 0.5 * (_outer(left, k_hat) + _outer(k_hat, left) + _outer(d_w, right) + _outer(right, d_w))
             # step back to token t − 1: across a document start A is the previous document's (replayed)
             # and no gradient flows into it
             inside = reset & (t > n * c)
@@ -246,8 +251,8 @@ def _backward_kernel(cfg, n_chunks):
 def flops_per_token(d: int) -> dict:
     """Executed FLOPs per token and head of each kernel (d×d element-wise work counted in full):
     forward: A u, u·w, the ŵŵᵀ update, g = A k̂, the refresh add: ≈ 8 d²;
-    backward: the ρ removal, A dg, the two symmetric rank-1 cotangent updates, Ā ŵ, the A rebuild,
-    A_prev dw: ≈ 20 d². Replays at document starts inside a chunk add ≈ 4 d² per replayed token
+    backward: the ρ removal, A dg, Ā ŵ, the A rebuild, A_prev dw, the symmetric rank-4 cotangent update:
+    ≈ 20 d². Replays at document starts inside a chunk add ≈ 4 d² per replayed token
     (data-dependent, not counted)."""
     return {"forward": 8 * d * d + 4 * d, "backward": 20 * d * d + 10 * d}
 
