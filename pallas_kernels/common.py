@@ -225,19 +225,29 @@ def chunk_documents(document_BT, chunk_size: int):
 # running a kernel under a device mesh
 
 
+def mesh_axes(split_size: int):
+    """For a kernel run per shard under the device mesh in context: (mesh, the batch axes (data, fsdp) or None,
+    "tensor" when that axis divides ``split_size`` (heads or channels) else None); None without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return None
+    names = mesh.axis_names
+    batch = tuple(a for a in ("data", "fsdp") if a in names) or None
+    split = "tensor" if "tensor" in names and split_size % mesh.shape["tensor"] == 0 else None
+    return mesh, batch, split
+
+
 def per_shard(run, heads: int, in_kinds: tuple, out_kinds):
     """Pallas kernels cannot be partitioned by XLA: under a device mesh in context (the trainer traces its step
     under ``jax.sharding.use_abstract_mesh``) run them per shard with ``shard_map`` — batch over (data, fsdp),
     heads over tensor when they divide. Argument kinds: "tokens" [B, T, H, ...], "state" [B, H, ...],
     "rows" [B, T]; ``out_kinds`` is one kind or a tuple of kinds. Without a mesh, ``run`` itself."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
+    axes = mesh_axes(heads)
+    if axes is None:
         return run
     from jax.sharding import PartitionSpec as P
 
-    names = mesh.axis_names
-    batch = tuple(a for a in ("data", "fsdp") if a in names) or None
-    head = "tensor" if "tensor" in names and heads % mesh.shape["tensor"] == 0 else None
+    mesh, batch, head = axes
     specs = {"tokens": P(batch, None, head, None), "state": P(batch, head, None, None), "rows": P(batch, None)}
     out_specs = specs[out_kinds] if isinstance(out_kinds, str) else tuple(specs[k] for k in out_kinds)
 

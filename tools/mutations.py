@@ -40,6 +40,7 @@ VLA_TRITON_PACKED = _T + "test_vla_pallas_triton.py::test_interpret_a_pass_match
 IA = _T + "test_interdomain.py"
 DELTA_LAYERS = "tests/mixers/test_delta_layers.py"
 SHORT_CONV = "tests/mixers/test_short_conv.py"
+SC_OP = _T + "test_short_conv.py"
 DECODER_ISOLATION = "tests/models/test_decoder.py::test_documents_in_one_row_do_not_see_each_other"
 DATA = "tests/training/test_data.py"
 OPTIM = "tests/training/test_optim.py"
@@ -276,7 +277,7 @@ MUTANTS = [
       "in-sub-chunk decay D[s, j] also decays by r_j (range j ≤ τ ≤ s instead of j < τ ≤ s)",
       (IA + "::test_chunked_equals_reference_float64",)),
     # ---- mixers: short convolution and delta-rule packing -----------------------------------------------------
-    M("short_conv_segment_shift_off_by_one", "mixers/short_conv.py",
+    M("short_conv_segment_shift_off_by_one", "pallas_kernels/short_conv/reference.py",
       "jnp.pad(segment_ids_BT, ((0, 0), (i, 0))", "jnp.pad(segment_ids_BT, ((0, 0), (i + 1, 0))",
       "segment mask of tap i compares with token t−i−1",
       (SHORT_CONV, DELTA_LAYERS + "::test_decode_matches_parallel_over_packed_documents")),
@@ -284,14 +285,35 @@ MUTANTS = [
       "seg == segment_ids_BT[:, -1:]", "seg == segment_ids_BT[:, :1]",
       "prefill cache keeps the first document's inputs instead of the last one's",
       (SHORT_CONV,)),
-    M("short_conv_bwd_silu_derivative", "mixers/short_conv.py",
+    M("short_conv_bwd_silu_derivative", "pallas_kernels/short_conv/xla.py",
       "d_acc = d_acc * sig * (1.0 + acc * (1.0 - sig))", "d_acc = d_acc * sig",
       "the conv's custom backward uses σ(x) for SiLU's derivative (drops x·σ(x)(1−σ(x)))",
       (SHORT_CONV + "::test_custom_vjp_matches_autodiff_of_the_formula",)),
-    M("short_conv_bwd_tap_direction", "mixers/short_conv.py",
-      "d_x = d_x + _unshift(d_tap, i) * w_KC[k - 1 - i]", "d_x = d_x + _shift(d_tap, i) * w_KC[k - 1 - i]",
+    M("short_conv_bwd_tap_direction", "pallas_kernels/short_conv/xla.py",
+      "d_x = d_x + unshift(d_tap, i) * w_KC[k - 1 - i]",
+      "d_x = d_x + jnp.pad(d_tap, ((0, 0), (i, 0), (0, 0)))[:, :d_tap.shape[1]] * w_KC[k - 1 - i]",
       "the conv's input gradient reads the output gradient i tokens back instead of i tokens ahead",
       (SHORT_CONV + "::test_custom_vjp_matches_autodiff_of_the_formula",)),
+    M("short_conv_triton_fwd_segments_ignored", "pallas_kernels/short_conv/pallas_triton.py",
+      "ok = ok & (_load_segments(seg_ref, b, src) == seg_here)", "ok = ok",
+      "the GPU forward kernel's taps read across document boundaries",
+      (SC_OP + "::test_segments_isolate_documents", SC_OP)),
+    M("short_conv_triton_fwd_tap_row", "pallas_kernels/short_conv/pallas_triton.py",
+      "* taps[k - 1 - i][None, :]\n    y =", "* taps[i][None, :]\n    y =",
+      "the GPU forward kernel multiplies tap i by W[i] instead of W[K−1−i] (kernel flipped)",
+      (SC_OP,)),
+    M("short_conv_triton_bwd_silu_derivative", "pallas_kernels/short_conv/pallas_triton.py",
+      "return acc * sig, sig * (1.0 + acc * (1.0 - sig))", "return acc * sig, sig",
+      "the GPU backward kernel uses σ(a) for SiLU's derivative",
+      (SC_OP,)),
+    M("short_conv_triton_bwd_dx_segment_mask", "pallas_kernels/short_conv/pallas_triton.py",
+      "jnp.where(same(i, 0)[:, None], d_acc[i], 0.0)", "d_acc[i]",
+      "the GPU backward kernel's dx gathers output gradients from the next document",
+      (SC_OP,)),
+    M("short_conv_triton_bwd_dw_wrong_token", "pallas_kernels/short_conv/pallas_triton.py",
+      "new_d_w.append(d_w[i] + term * d_acc[0])", "new_d_w.append(d_w[i] + term * d_acc[i])",
+      "the GPU backward kernel's dW pairs x_{t−i} with d_{t+i} instead of d_t",
+      (SC_OP,)),
     M("decode_triton_state_not_decayed", "pallas_kernels/delta_rule/decode_pallas_triton.py",
       "state_out[...] = decayed + k[:, None]", "state_out[...] = state_ref[...] + k[:, None]",
       "the GPU decode kernel writes back the undecayed state (reads were decayed)",

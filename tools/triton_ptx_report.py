@@ -1,5 +1,5 @@
-"""Registers, spills and shared memory of the Pallas-Triton delta-rule kernels (or, with ``--op vla``, the
-VLA A-pass kernels), without a GPU.
+"""Registers, spills and shared memory of the Pallas-Triton delta-rule (or short-conv, or VLA A-pass) kernels,
+without a GPU.
 
 Lowers forward+backward for CUDA on the CPU (as the CI lowering test does), captures the Triton IR that
 Pallas hands to XLA, compiles it with a local Triton for sm_90a and runs ``ptxas -v`` on the PTX. Triton and
@@ -8,7 +8,8 @@ and have ``ptxas`` (CUDA ≥ 12.3) on the PATH. XLA's own Triton may schedule sl
 for relative comparisons (did a change add spills?), then time on the GPU.
 
     python tools/triton_ptx_report.py [--chunk 64 --leaf 16] [--overrides '{"block_k": 16}'] [--kernels intra,key_grads]
-    python tools/triton_ptx_report.py --op vla [--overrides '{"warps_forward": 2}']
+    python tools/triton_ptx_report.py --op short_conv [--overrides '{"bwd_block_t": 32}']   # at 32x4096x1024 bf16
+    python tools/triton_ptx_report.py --op vla [--overrides '{"warps_forward": 2}']          # at 8x4096x12x64
 """
 from __future__ import annotations
 
@@ -24,13 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128)):
-    """{kernel name: Triton IR text} of forward + backward, captured from the Pallas lowering."""
-    import jax
-    import jax.numpy as jnp
+def _capture_triton_modules(trace):
+    """{kernel name: Triton IR text} of every Pallas-Triton call that ``trace()`` lowers."""
     from jax._src.pallas.triton import pallas_call_registration as registration
-
-    from mixerlab.pallas_kernels.delta_rule import pallas_triton
 
     captured = {}
     lower = registration.lowering.lower_jaxpr_to_triton_module
@@ -40,6 +37,40 @@ def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128)):
         text = result.module.operation.get_asm(enable_debug_info=False)
         captured[re.search(r"tt.func (?:public )?@(\w+)", text).group(1)] = text
         return result
+
+    registration.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        trace()
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = lower
+    return captured
+
+
+def short_conv_modules(overrides, shape=(32, 4096, 1024, 4)):
+    """The short-conv forward and backward kernels (bf16 x, f32 W, packed documents, SiLU) and their warps."""
+    import jax
+    import jax.numpy as jnp
+
+    from mixerlab.pallas_kernels.short_conv import pallas_triton
+
+    b, t, c, k = shape
+    s = jax.ShapeDtypeStruct
+    specs = (s((b, t, c), jnp.bfloat16), s((k, c), jnp.float32), s((b, t), jnp.int32))
+
+    def loss(x, w, seg):
+        return jnp.sum(pallas_triton.run(x, w, seg, True, jnp.bfloat16, **overrides).astype(jnp.float32))
+
+    trace = lambda: jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*specs).lower(lowering_platforms=("cuda",))  # noqa
+    cfg = pallas_triton.make_config(t, c, **overrides)
+    return _capture_triton_modules(trace), {"fwd": cfg.warps, "bwd": cfg.bwd_warps}
+
+
+def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128)):
+    """{kernel name: Triton IR text} of forward + backward, captured from the Pallas lowering."""
+    import jax
+    import jax.numpy as jnp
+
+    from mixerlab.pallas_kernels.delta_rule import pallas_triton
 
     b, t, h, dk, dv = shape
     s = jax.ShapeDtypeStruct
@@ -50,11 +81,8 @@ def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128)):
         out, state = pallas_triton.run(*a, chunk_size=chunk, leaf_size=leaf, **overrides)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(state)
 
-    registration.lowering.lower_jaxpr_to_triton_module = capture
-    try:
-        jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(*specs).lower(lowering_platforms=("cuda",))
-    finally:
-        registration.lowering.lower_jaxpr_to_triton_module = lower
+    captured = _capture_triton_modules(
+        lambda: jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(*specs).lower(lowering_platforms=("cuda",)))
     cfg = pallas_triton.make_config(chunk, leaf, dk, dv, jnp.bfloat16, batch_heads=b * h, **overrides)
     warps = {name: getattr(cfg, f"warps_{name}", 4) for name in ("intra", "rhs", "scan", "output", "cotangents",
                                                                   "key_grads")}
@@ -63,21 +91,11 @@ def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128)):
 
 
 def vla_modules(overrides, shape=(8, 4096, 12, 64)):
-    """{kernel name: Triton IR text} of the VLA A-pass forward + backward (the 125M paper shape), and warps."""
+    """The VLA A-pass forward and backward kernels (f32 k̂, u; the 125M paper shape) and their warps."""
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.triton import pallas_call_registration as registration
 
     from mixerlab.pallas_kernels.vla import pallas_triton
-
-    captured = {}
-    lower = registration.lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        text = result.module.operation.get_asm(enable_debug_info=False)
-        captured[re.search(r"tt.func (?:public )?@(\w+)", text).group(1)] = text
-        return result
 
     b, t, h, d = shape
     s = jax.ShapeDtypeStruct
@@ -88,13 +106,9 @@ def vla_modules(overrides, shape=(8, 4096, 12, 64)):
         alpha, penalty = pallas_triton.penalty_pass(*a, lambda0=0.1, refresh_magnitude=1e-3, eps=1e-4, **overrides)
         return jnp.sum(alpha) + jnp.sum(penalty)
 
-    registration.lowering.lower_jaxpr_to_triton_module = capture
-    try:
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*specs).lower(lowering_platforms=("cuda",))
-    finally:
-        registration.lowering.lower_jaxpr_to_triton_module = lower
+    trace = lambda: jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*specs).lower(lowering_platforms=("cuda",))  # noqa
     cfg = pallas_triton.make_config(d, lambda0=0.1, refresh_magnitude=1e-3, **overrides)
-    return captured, {"forward": cfg.warps_forward, "backward": cfg.warps_backward}
+    return _capture_triton_modules(trace), {"forward": cfg.warps_forward, "backward": cfg.warps_backward}
 
 
 def ptxas_report(ttir, num_warps, num_stages=3):
@@ -120,7 +134,7 @@ def ptxas_report(ttir, num_warps, num_stages=3):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--op", choices=("delta_rule", "vla"), default="delta_rule")
+    ap.add_argument("--op", default="delta_rule", choices=("delta_rule", "short_conv", "vla"))
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--leaf", type=int, default=16)
     ap.add_argument("--overrides", default="{}", help="JSON dict of pallas_triton.Config fields")
@@ -130,7 +144,9 @@ def main():
         import triton  # noqa: F401
     except ImportError:
         sys.exit("tools/triton_ptx_report.py needs Triton: pip install triton==3.6.0 (and ptxas on the PATH)")
-    if a.op == "vla":
+    if a.op == "short_conv":
+        modules, warps = short_conv_modules(json.loads(a.overrides))
+    elif a.op == "vla":
         modules, warps = vla_modules(json.loads(a.overrides))
     else:
         modules, warps = triton_modules(a.chunk, a.leaf, json.loads(a.overrides))
@@ -138,11 +154,11 @@ def main():
     print("| kernel | warps | registers | spill stores B | spill loads B | shared KB | wgmma | bar.sync |")
     print("|---|---|---|---|---|---|---|---|")
     for name, ttir in modules.items():
-        short = name.removeprefix("delta_rule_").removeprefix("vla_penalty_")
+        short = name.removeprefix("delta_rule_").removeprefix("short_conv_").removeprefix("vla_penalty_")
         if wanted and short not in wanted:
             continue
         w = warps.get(short, 4)
-        r = ptxas_report(ttir, w, num_stages=1 if a.op == "vla" else 2 if "scan" in short else 3)
+        r = ptxas_report(ttir, w, num_stages=1 if a.op in ("short_conv", "vla") else 2 if "scan" in short else 3)
         print(f"| {short} | {w} | {r['registers']} | {r['spill_stores']} | {r['spill_loads']} | "
               f"{r['shared_bytes'] / 1024:.0f} | {r['wgmma']} | {r['barriers']} |", flush=True)
 

@@ -204,7 +204,7 @@ class _ParquetDocs(grain.MapDataset):
     i // n. Shuffled (see the module docstring) when ``seed`` is not None."""
 
     def __init__(self, groups: _RowGroups, blocks, text_column: str, *, seed: int | None, infinite: bool,
-                 window_blocks: int = SHUFFLE_WINDOW_BLOCKS):
+                 window_blocks: int = SHUFFLE_WINDOW_BLOCKS, tokenizer: Tokenizer | None = None):
         super().__init__()
         self._window = max(1, int(window_blocks))
         self._groups = groups
@@ -214,6 +214,13 @@ class _ParquetDocs(grain.MapDataset):
         self._text_column = text_column
         self._seed = seed
         self._infinite = infinite
+        # With a tokenizer every element is the document's tokens then EOS (int32): a row group is tokenised
+        # once, in one batch call (the tokenizer's native threads, outside the GIL), when it is first read.
+        self._tokenizer = tokenizer
+        self._spans: dict[int, tuple[int, int]] = {}  # group index -> the rows [lo, hi) of it that blocks use
+        for gi, a, b in self._blocks:
+            lo, hi = self._spans.get(gi, (a, b))
+            self._spans[gi] = (min(lo, a), max(hi, b))
         self._init_caches()
 
     def _init_caches(self):
@@ -316,6 +323,9 @@ class _ParquetDocs(grain.MapDataset):
                     raise ValueError(f"column {self._text_column!r} (data.text_column) of "
                                      f"{self._groups.files[fi]!r}, row group {rg}: the text is not valid UTF-8 "
                                      f"({e})") from None
+                if self._tokenizer is not None:  # only the rows this reader's blocks use
+                    lo, hi = self._spans[gi]
+                    texts = [None] * lo + _tokens_with_eos(self._tokenizer, texts[lo:hi]) + [None] * (len(texts) - hi)
                 with self._lock:
                     self._cache_put(self._texts, gi, texts, self._window + 2)
                     self._loading.pop(gi, None)
@@ -329,24 +339,19 @@ class _ParquetDocs(grain.MapDataset):
         gi, row = self._locate(int(index))
         return self._document(self._group_texts(gi)[row])
 
-    @staticmethod
-    def _document(text):
-        """One cached row as the dataset's element (here: the text; a null cell is an empty document)."""
-        return "" if text is None else str(text)
+    def _document(self, row):
+        """One cached row as the dataset's element: the text (a null cell is an empty document), or its tokens."""
+        return row if self._tokenizer is not None else ("" if row is None else str(row))
 
 
-class _Tokenize:
-    """text -> {"tokens": int32 [len + 1]} (the document's tokens, then EOS)."""
+def _tokens_with_eos(tokenizer: Tokenizer, texts: list) -> list[np.ndarray]:
+    """Each text's tokens then EOS, int32 (a null cell is an empty document)."""
+    ids = tokenizer.encode_batch(["" if t is None else str(t) for t in texts])
+    return [np.asarray([*row, tokenizer.eos_id], dtype=np.int32) for row in ids]
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
 
-    def __call__(self, text: str) -> dict:
-        ids = self.tokenizer.encode(text)
-        out = np.empty(len(ids) + 1, dtype=np.int32)
-        out[:-1] = ids
-        out[-1] = self.tokenizer.eos_id
-        return {"tokens": out}
+def _as_tokens(tokens: np.ndarray) -> dict:
+    return {"tokens": tokens}
 
 
 def _to_example(row: dict) -> dict:
@@ -369,10 +374,10 @@ def _slot_seed(seed: int, slot: int) -> int:
     return int(np.random.SeedSequence([int(seed), int(slot)]).generate_state(1)[0])
 
 
-def _packed_rows(docs: grain.MapDataset, tokenizer: Tokenizer, seq_len: int, *, threads: int = READ_THREADS,
+def _packed_rows(docs: grain.MapDataset, seq_len: int, *, threads: int = READ_THREADS,
                  prefetch: int = PREFETCH_DOCS) -> grain.IterDataset:
-    tokens = docs.map(_Tokenize(tokenizer)).to_iter_dataset(
-        grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch))
+    """Documents given as token arrays (ending in EOS) -> packed rows of seq_len + 1 tokens -> examples."""
+    tokens = docs.map(_as_tokens).to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch))
     packed = ConcatThenSplitIterDataset(tokens, length_struct={"tokens": seq_len + 1})
     return packed.map(_to_example)
 
@@ -508,8 +513,9 @@ def train_iterator(cfg, tokenizer: Tokenizer, *, global_batch_size: int, seed: i
     for r in range(process_index * local_batch, (process_index + 1) * local_batch):
         lo, hi = n * r // global_batch_size, n * (r + 1) // global_batch_size
         docs = _ParquetDocs(groups, groups.blocks(lo, hi), cfg.text_column,
-                            seed=_slot_seed(seed, r) if cfg.shuffle else None, infinite=True, window_blocks=window)
-        slots.append(_packed_rows(docs, tokenizer, cfg.seq_len, threads=threads,
+                            seed=_slot_seed(seed, r) if cfg.shuffle else None, infinite=True, window_blocks=window,
+                            tokenizer=tokenizer)
+        slots.append(_packed_rows(docs, cfg.seq_len, threads=threads,
                                   prefetch=max(2, PREFETCH_DOCS // local_batch)))
     ds = InterleaveIterDataset(slots, cycle_length=local_batch).batch(local_batch, drop_remainder=True)
     if cfg.num_workers and cfg.num_workers > 0:
@@ -546,8 +552,9 @@ def eval_batches(cfg, tokenizer: Tokenizer, *, batch_size: int, max_batches: int
     groups = _RowGroups(files)
     if groups.num_docs == 0 or max_batches <= 0:
         return []
-    docs = _ParquetDocs(groups, groups.blocks(0, groups.num_docs), cfg.text_column, seed=None, infinite=False)
-    ds = _packed_rows(docs, tokenizer, cfg.seq_len).batch(batch_size, drop_remainder=False)
+    docs = _ParquetDocs(groups, groups.blocks(0, groups.num_docs), cfg.text_column, seed=None, infinite=False,
+                        tokenizer=tokenizer)
+    ds = _packed_rows(docs, cfg.seq_len).batch(batch_size, drop_remainder=False)
     out = []
     for batch in ds:
         b = batch["inputs"].shape[0]

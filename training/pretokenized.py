@@ -153,19 +153,10 @@ class _TokenDocs(data_lib._ParquetDocs):
             self._cache_put(self._texts, gi, rows, self._window + 2)
         return rows
 
-    @staticmethod
-    def _document(tokens):  # the cached token array itself
+    def _document(self, tokens):  # the cached token array itself
         return tokens
 
 
-def _as_tokens(tokens: np.ndarray) -> dict:
-    return {"tokens": tokens}
-
-
-def _packed_rows(docs, seq_len: int, *, threads: int = data_lib.READ_THREADS,
-                 prefetch: int = data_lib.PREFETCH_DOCS) -> grain.IterDataset:
-    rows = docs.map(_as_tokens).to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch))
-    return data_lib.ConcatThenSplitIterDataset(rows, length_struct={"tokens": seq_len + 1}).map(data_lib._to_example)
 
 
 def train_iterator(cfg, tokenizer: Tokenizer, *, global_batch_size: int, seed: int, process_index: int = 0,
@@ -193,7 +184,7 @@ def train_iterator(cfg, tokenizer: Tokenizer, *, global_batch_size: int, seed: i
         docs = _TokenDocs(groups, groups.blocks(lo, hi), "tokens",
                           seed=data_lib._slot_seed(seed, r) if cfg.shuffle else None, infinite=True,
                           window_blocks=window)
-        slots.append(_packed_rows(docs, cfg.seq_len, threads=threads,
+        slots.append(data_lib._packed_rows(docs, cfg.seq_len, threads=threads,
                                   prefetch=max(2, data_lib.PREFETCH_DOCS // local_batch)))
     ds = InterleaveIterDataset(slots, cycle_length=local_batch).batch(local_batch, drop_remainder=True)
     if cfg.num_workers and cfg.num_workers > 0:
@@ -217,7 +208,7 @@ def eval_batches(cfg, tokenizer: Tokenizer, *, batch_size: int, max_batches: int
         return []
     docs = _TokenDocs(groups, groups.blocks(0, groups.num_docs), "tokens", seed=None, infinite=False)
     out = []
-    for batch in _packed_rows(docs, cfg.seq_len).batch(batch_size, drop_remainder=False):
+    for batch in data_lib._packed_rows(docs, cfg.seq_len).batch(batch_size, drop_remainder=False):
         b = batch["inputs"].shape[0]
         if b < batch_size:
             batch = {k: np.concatenate([v, np.zeros((batch_size - b,) + v.shape[1:], v.dtype)])

@@ -118,8 +118,6 @@ def _grad_jaxpr(mixer, remat, length):
 def test_dots_remat_recomputes_no_matmul_that_block_remat_recomputes():
     """remat=dots keeps the outputs of the weight matmuls (no batch dimensions): only the attention score
     matmuls (batched over B, H) are recomputed, far fewer than block remat recomputes."""
-    from flax import nnx
-
     def dots_in_grad(remat):
         return _grad_jaxpr("softmax", remat, 16).count("dot_general")
 

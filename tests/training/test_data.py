@@ -200,6 +200,20 @@ def test_hf_tokenizer_pipeline_on_embedded_corpus():
     assert checked >= 1
 
 
+def test_batch_tokenised_documents_equal_per_document_encode(letters):
+    """The reader tokenises a row group with one encode_batch call, only the rows its blocks use: each element
+    must equal encode(text) + EOS of the same document, in the same order as the text reader's."""
+    tok = load_tokenizer("hf", str(EMBEDDED / "tokenizer.json"))
+    groups = data._RowGroups([str(letters.path)])
+    half = groups.num_docs // 2
+    for lo, hi in ((0, groups.num_docs), (half - 3, half + 5)):  # a block that starts inside a row group too
+        texts = data._ParquetDocs(groups, groups.blocks(lo, hi), "text", seed=3, infinite=False)
+        tokens = data._ParquetDocs(groups, groups.blocks(lo, hi), "text", seed=3, infinite=False, tokenizer=tok)
+        assert len(texts) == len(tokens) == hi - lo
+        for i in range(len(texts)):
+            np.testing.assert_array_equal(tokens[i], np.asarray([*tok.encode(texts[i]), tok.eos_id], np.int32))
+
+
 def test_default_config_reads_the_embedded_corpus():
     from mixerlab.training.config import DataConfig
 

@@ -1,0 +1,291 @@
+"""The short convolution on GPU through Pallas' Triton backend: one forward kernel, one backward kernel.
+
+    y_t = act(a_t),   a_t = Σ_{i<K} W[K−1−i] · x_{t−i} · [seg_{t−i} = seg_t]
+
+Forward, grid (B, T/BT, C/BC): a program owns y[b, t0:t0+BT, c0:c0+BC]. For each tap i it loads the x block
+shifted i tokens back (masked before the row's start and where seg_{t−i} ≠ seg_t), accumulates in float32,
+applies SiLU and stores in the output dtype. The K shifted loads overlap, so HBM sees x about once.
+
+Backward, grid (B, T/(BT·S), C/BC): a program walks S blocks of BT tokens. With d_t = dy_t · act'(a_t):
+
+    dx_t = Σ_i W[K−1−i] · d_{t+i} · [seg_t = seg_{t+i}],     dW[K−1−i] = Σ_t x_{t−i} · [seg_{t−i} = seg_t] · d_t
+
+It recomputes a at t..t+K−1 from the 2K−1 shifted x blocks t−(K−1)..t+K−1 (nothing from the forward is
+stored), and sums the dW terms of its S blocks in float32 registers; the [B · T/(BT·S), K, C] float32
+partial sums are added up by XLA afterwards (deterministic, no atomics).
+
+Shifted loads are gathers with row indices clamped into the array plus a mask (the interpreter clamps a
+negative ``pl.ds`` start, which would shift the block); stores use ``pl.ds`` with a mask, so T and C need not
+be multiples of the blocks. Block shapes are powers of two (Triton).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+try:  # Pallas' Triton backend (present in JAX 0.10.2 and 0.11.2)
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover
+    pltriton = None
+
+F32 = jnp.float32
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_KERNEL_SIZE = 8  # the backward keeps 2K − 1 shifted x blocks live
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Blocks and warps. Defaults from ptxas on sm_90a at 32×4096×1024 bf16, K 4, with segments
+    (``tools/triton_ptx_report.py --op short_conv``): forward 32 × 128 uses 127 registers per thread (64 × 128:
+    255, two CTAs per SM); backward 8 × 64 uses 90 (8 × 128: 168; 16 × 128: 255 and 8 bytes spilled).
+    Timings on the GPU decide; ``tools/bench_short_conv.py --sweep`` compares a few."""
+
+    block_t: int = 32  # forward: tokens per program
+    block_c: int = 128  # forward: channels per program
+    bwd_block_t: int = 8  # backward: tokens per step (2K − 1 shifted x blocks of BT × BC are live)
+    bwd_block_c: int = 64  # backward: channels per program
+    bwd_steps: int = 32  # backward: steps per program (fewer dW partial rows: B · T / (BT · S) of them)
+    warps: int = 4
+    bwd_warps: int = 4
+    interpret: bool = False
+
+
+def _pow2(n) -> bool:
+    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
+
+
+def make_config(length: int, channels: int, *, interpret: bool = False, **overrides) -> Config:
+    """The default blocks (and backward steps) shrunk to the next power of two of small T and C, then
+    ``overrides`` (any :class:`Config` field), checked."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"short_conv pallas_triton: unknown config field(s) {unknown}; valid: {sorted(names)}")
+    t2, c2 = pl.next_power_of_2(max(length, 1)), pl.next_power_of_2(max(channels, 1))
+    base = Config()
+    bwd_block_t = min(base.bwd_block_t, t2)
+    cfg = Config(block_t=min(base.block_t, t2), block_c=min(base.block_c, c2), bwd_block_t=bwd_block_t,
+                 bwd_block_c=min(base.bwd_block_c, c2), bwd_steps=min(base.bwd_steps, t2 // bwd_block_t),
+                 interpret=interpret)
+    cfg = dataclasses.replace(cfg, **overrides)
+    for name in ("block_t", "block_c", "bwd_block_t", "bwd_block_c", "bwd_steps", "warps", "bwd_warps"):
+        if not _pow2(getattr(cfg, name)):
+            raise ValueError(f"short_conv pallas_triton: {name}={getattr(cfg, name)!r}; expected a power of two "
+                             f"(Triton block shapes and warp counts)")
+    return cfg
+
+
+def supports(backend: str, dtype, kernel_size: int) -> Optional[str]:
+    """``None`` when the kernels can run this call, else the reason."""
+    if backend != "gpu":
+        return f"the Pallas-Triton short-conv kernels run on GPU only (backend is {backend!r})"
+    if pltriton is None:
+        return "jax.experimental.pallas.triton is not available in this JAX"
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"x dtype {jnp.dtype(dtype).name} not supported (float32, bfloat16, float16)"
+    if kernel_size > MAX_KERNEL_SIZE:
+        return f"kernel_size={kernel_size} > {MAX_KERNEL_SIZE} (the backward keeps 2K − 1 blocks in registers)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# loads and stores
+
+
+def _iota(n):
+    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+def _index(i: int):
+    """A static index as an int32 scalar (the interpreter's masked load/store wants arrays, not Python ints)."""
+    return jnp.int32(i)
+
+
+def _load_block(ref, b, rows, cols, ok):
+    """ref[b, rows, cols] as float32 ([BT, BC]); zero where ``ok`` is false. Row indices are clamped into the
+    array (a shifted block starts before token 0; the mask drops those rows). Column indices are not: a clamp
+    would hide their contiguity from Triton and split the vector loads into scalar ones, and columns past C
+    are masked (never read on the GPU; the interpreter's gather clamps them)."""
+    r = jnp.clip(rows, 0, ref.shape[1] - 1)[:, None]
+    return pltriton.load(ref.at[b, r, cols[None, :]], mask=ok, other=0.0).astype(F32)
+
+
+def _load_segments(ref, b, rows):
+    """seg[b, rows] ([BT] int32), indices clamped into the row (callers mask what lies outside)."""
+    return pltriton.load(ref.at[b, jnp.clip(rows, 0, ref.shape[1] - 1)])
+
+
+def _load_taps(w_ref, cols, col_ok, kernel_size):
+    """W's K rows for these channels, float32 [BC] each (zero past C)."""
+    return [pltriton.load(w_ref.at[_index(r), cols], mask=col_ok, other=0.0).astype(F32)
+            for r in range(kernel_size)]
+
+
+def _silu_and_grad(acc):
+    sig = jax.nn.sigmoid(acc)
+    return acc * sig, sig * (1.0 + acc * (1.0 - sig))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernels
+
+
+def _forward_kernel(x_ref, w_ref, *refs, activation, has_segments, block_t, block_c):
+    seg_ref, y_ref = refs if has_segments else (None, *refs)
+    length, channels = x_ref.shape[1], x_ref.shape[2]
+    k = w_ref.shape[0]
+    b, t0, c0 = pl.program_id(0), pl.program_id(1) * block_t, pl.program_id(2) * block_c
+    rows, cols = t0 + _iota(block_t), c0 + _iota(block_c)
+    col_ok = cols < channels
+    taps = _load_taps(w_ref, cols, col_ok, k)
+    seg_here = _load_segments(seg_ref, b, rows) if has_segments else None
+    acc = jnp.zeros((block_t, block_c), F32)
+    for i in range(k):  # tap i: i tokens back
+        src = rows - i
+        ok = (src >= 0) & (src < length)
+        if has_segments:
+            ok = ok & (_load_segments(seg_ref, b, src) == seg_here)
+        acc = acc + _load_block(x_ref, b, src, cols, ok[:, None] & col_ok[None, :]) * taps[k - 1 - i][None, :]
+    y = _silu_and_grad(acc)[0] if activation else acc
+    store_ok = (rows < length)[:, None] & col_ok[None, :]
+    pltriton.store(y_ref.at[b, pl.ds(t0, block_t), pl.ds(c0, block_c)], y.astype(y_ref.dtype), mask=store_ok)
+
+
+def _backward_kernel(x_ref, w_ref, dy_ref, *refs, activation, has_segments, block_t, block_c, steps, groups):
+    seg_ref, dx_ref, dw_ref = refs if has_segments else (None, *refs)
+    length, channels = x_ref.shape[1], x_ref.shape[2]
+    k = w_ref.shape[0]
+    b, g, c0 = pl.program_id(0), pl.program_id(1), pl.program_id(2) * block_c
+    cols = c0 + _iota(block_c)
+    col_ok = cols < channels
+    taps = _load_taps(w_ref, cols, col_ok, k)
+
+    def step(s, d_w):
+        t0 = (g * steps + s) * block_t
+        rows = t0 + _iota(block_t)
+        offsets = range(-(k - 1), k)  # x at t + d for every d the recomputed a_{t+i} and the dW terms need
+        src = {d: rows + d for d in offsets}
+        inside = {d: (src[d] >= 0) & (src[d] < length) for d in offsets}
+        seg = {d: _load_segments(seg_ref, b, src[d]) for d in offsets} if has_segments else None
+        same = (lambda d, e: seg[d] == seg[e]) if has_segments else (lambda d, e: True)
+        x = {d: _load_block(x_ref, b, src[d], cols, inside[d][:, None] & col_ok[None, :]) for d in offsets}
+        d_acc = []
+        for i in range(k):  # d_{t+i} = dy_{t+i} · act'(a_{t+i}); zero past T (dy is zero there)
+            dy = _load_block(dy_ref, b, src[i], cols, inside[i][:, None] & col_ok[None, :])
+            if activation:
+                a = jnp.zeros((block_t, block_c), F32)
+                for j in range(k):  # a_{t+i} = Σ_j W[K−1−j] x_{t+i−j} [seg_{t+i−j} = seg_{t+i}]
+                    term = x[i - j] if not has_segments else jnp.where(same(i - j, i)[:, None], x[i - j], 0.0)
+                    a = a + term * taps[k - 1 - j][None, :]
+                dy = dy * _silu_and_grad(a)[1]
+            d_acc.append(dy)
+        d_x = jnp.zeros((block_t, block_c), F32)
+        for i in range(k):
+            term = d_acc[i] if not has_segments else jnp.where(same(i, 0)[:, None], d_acc[i], 0.0)
+            d_x = d_x + term * taps[k - 1 - i][None, :]
+        store_ok = (rows < length)[:, None] & col_ok[None, :]
+        pltriton.store(dx_ref.at[b, pl.ds(t0, block_t), pl.ds(c0, block_c)], d_x.astype(dx_ref.dtype),
+                       mask=store_ok)
+        new_d_w = []
+        for i in range(k):  # dW[K−1−i] += x_{t−i} [seg_{t−i} = seg_t] d_t, summed over t after the loop
+            term = x[-i] if not has_segments else jnp.where(same(-i, 0)[:, None], x[-i], 0.0)
+            new_d_w.append(d_w[i] + term * d_acc[0])
+        return tuple(new_d_w)
+
+    # [BT, BC] accumulators, one reduction over tokens at the end (not one cross-warp reduction per step)
+    zeros = tuple(jnp.zeros((block_t, block_c), F32) for _ in range(k))
+    d_w = jax.lax.fori_loop(0, steps, step, zeros)
+    row = b * groups + g
+    for i in range(k):
+        pltriton.store(dw_ref.at[row, _index(k - 1 - i), pl.ds(c0, block_c)], jnp.sum(d_w[i], axis=0),
+                       mask=col_ok)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pallas_call wrappers
+
+
+def _compiler_params(cfg, warps):
+    if cfg.interpret or pltriton is None:
+        return None
+    return pltriton.CompilerParams(num_warps=warps, num_stages=1)
+
+
+def _forward(cfg, x, w, seg, activation, out_dtype):
+    b, t, c = x.shape
+    k = w.shape[0]
+    grid = (b, pl.cdiv(t, cfg.block_t), pl.cdiv(c, cfg.block_c))
+    has_segments = seg is not None
+    kernel = functools.partial(_forward_kernel, activation=activation, has_segments=has_segments,
+                               block_t=cfg.block_t, block_c=cfg.block_c)
+    n = b * t * c
+    seg_bytes = k * b * t * 4 * grid[2] if has_segments else 0  # each channel block re-reads the ids per tap
+    cost = pl.CostEstimate(
+        flops=int(2 * k * n + (4 * n if activation else 0)), transcendentals=int(n if activation else 0),
+        bytes_accessed=int(n * (x.dtype.itemsize + jnp.dtype(out_dtype).itemsize) + w.size * 4 * grid[0] * grid[1]
+                           + seg_bytes))
+    args = (x, w, seg) if has_segments else (x, w)
+    return pl.pallas_call(kernel, grid=grid, out_shape=jax.ShapeDtypeStruct((b, t, c), out_dtype),
+                          compiler_params=_compiler_params(cfg, cfg.warps), interpret=cfg.interpret,
+                          cost_estimate=cost, name="short_conv_fwd")(*args)
+
+
+def _backward(cfg, x, w, seg, dy, activation):
+    b, t, c = x.shape
+    k = w.shape[0]
+    per_program = cfg.bwd_block_t * cfg.bwd_steps
+    grid = (b, pl.cdiv(t, per_program), pl.cdiv(c, cfg.bwd_block_c))
+    has_segments = seg is not None
+    kernel = functools.partial(_backward_kernel, activation=activation, has_segments=has_segments,
+                               block_t=cfg.bwd_block_t, block_c=cfg.bwd_block_c, steps=cfg.bwd_steps, groups=grid[1])
+    n = b * t * c
+    partial_rows = b * grid[1]
+    recompute = (2 * k * k + 3 * k + 6 * k) * n if activation else 0  # a_{t+i}, sigmoid, SiLU' per i
+    seg_bytes = (2 * k - 1) * b * t * 4 * grid[2] if has_segments else 0
+    cost = pl.CostEstimate(
+        flops=int(recompute + 2 * k * n + 2 * k * n), transcendentals=int(k * n if activation else 0),
+        bytes_accessed=int(n * (2 * x.dtype.itemsize + dy.dtype.itemsize) + partial_rows * k * c * 4 + seg_bytes
+                           + w.size * 4 * grid[0] * grid[1]))
+    out_shape = (jax.ShapeDtypeStruct((b, t, c), x.dtype), jax.ShapeDtypeStruct((partial_rows, k, c), F32))
+    args = (x, w, dy, seg) if has_segments else (x, w, dy)
+    d_x, d_w_partial = pl.pallas_call(kernel, grid=grid, out_shape=out_shape,
+                                      compiler_params=_compiler_params(cfg, cfg.bwd_warps), interpret=cfg.interpret,
+                                      cost_estimate=cost, name="short_conv_bwd")(*args)
+    return d_x, jnp.sum(d_w_partial, axis=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# custom VJP and the op's run contract
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
+def _causal_conv(cfg, x, w, seg, activation, out_dtype):
+    return _forward(cfg, x, w, seg, activation, out_dtype)
+
+
+def _causal_conv_fwd(cfg, x, w, seg, activation, out_dtype):
+    return _forward(cfg, x, w, seg, activation, out_dtype), (x, w, seg)
+
+
+def _causal_conv_bwd(cfg, activation, out_dtype, residuals, dy):
+    x, w, seg = residuals
+    d_x, d_w = _backward(cfg, x, w, seg, dy, activation)
+    return d_x, d_w.astype(w.dtype), None
+
+
+_causal_conv.defvjp(_causal_conv_fwd, _causal_conv_bwd)
+
+
+def run(x_BTC, w_KC, segment_ids_BT, activation: bool, out_dtype, *, interpret: bool = False, **overrides):
+    """x [B, T, C] (float32 / bfloat16 / float16), W [K, C] (read as float32), segment ids [B, T] int or None.
+    Returns y [B, T, C] in ``out_dtype``; differentiable in x and W (custom VJP: dx in x's dtype, dW in W's).
+    ``overrides``: :class:`Config` fields (block_t, block_c, bwd_block_t, bwd_block_c, bwd_steps, warps,
+    bwd_warps)."""
+    cfg = make_config(x_BTC.shape[1], x_BTC.shape[2], interpret=interpret, **overrides)
+    seg = None if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
+    return _causal_conv(cfg, x_BTC, w_KC, seg, bool(activation), jnp.dtype(out_dtype))
