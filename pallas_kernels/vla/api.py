@@ -181,17 +181,20 @@ def _run_xla(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk_size, lam
     return o, (S, A)
 
 
+def triton_a_pass(heads):
+    """``pallas_triton.penalty_pass``, per shard under a device mesh (batch over data/fsdp, heads over tensor)."""
+    return common.per_shard(pallas_triton.penalty_pass, heads, ("tokens", "tokens", "state", "rows", "rows"),
+                            ("tokens", "state"))
+
+
 def _run_pallas_triton(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk_size, lambda0, refresh_magnitude,
                        eps, operand_dtype, interpret=False):
     """A-pass: the token-level Sherman–Morrison kernel (``pallas_triton.py``, its own custom VJP); S-pass: the
     delta rule with operands in the caller's dtype, so that "auto" picks its Pallas-Triton kernel on GPU
     (bf16 tensor-core matmuls for bf16 inputs; α̂ and k̂ rounded to that dtype there, state f32)."""
     del chunk_size  # the kernel is serial over tokens; anchor_every sets its backward checkpoints
-    heads = k_hat.shape[2]
-    a_pass = common.per_shard(pallas_triton.penalty_pass, heads, ("tokens", "tokens", "state", "rows", "rows"),
-                              ("tokens", "state"))
-    alpha, A = a_pass(k_hat, u, A0, document_BT, refresh_BT, lambda0=lambda0, refresh_magnitude=refresh_magnitude,
-                      eps=eps, interpret=interpret)
+    alpha, A = triton_a_pass(k_hat.shape[2])(k_hat, u, A0, document_BT, refresh_BT, lambda0=lambda0,
+                                             refresh_magnitude=refresh_magnitude, eps=eps, interpret=interpret)
     od = operand_dtype
     o, S = delta_rule(q.astype(od), alpha.astype(od), v.astype(od), erase_key=k_hat.astype(od), initial_state=S0,
                       segment_ids=document_BT, implementation="auto")
