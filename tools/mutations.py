@@ -36,6 +36,7 @@ TPU = _T + "test_delta_rule_pallas_tpu.py"
 TPU_SEG = TPU + "::test_float32_segments_odd_length_c64"
 TPU_EXTREME = TPU + "::test_extreme_decay_c64_every_head"
 VLA = _T + "test_vla.py"
+VLA_TRITON_PACKED = _T + "test_vla_pallas_triton.py::test_interpret_a_pass_matches_reference_f32[packed_refresh_offset]"
 IA = _T + "test_interdomain.py"
 DELTA_LAYERS = "tests/mixers/test_delta_layers.py"
 SHORT_CONV = "tests/mixers/test_short_conv.py"
@@ -51,6 +52,7 @@ _DR = "pallas_kernels/delta_rule/"
 _PT = _DR + "pallas_tpu.py"
 _BWD = _DR + "pallas_tpu_bwd.py"
 _VX = "pallas_kernels/vla/xla.py"
+_VT = "pallas_kernels/vla/pallas_triton.py"
 _IX = "pallas_kernels/interdomain/xla.py"
 
 M = Mutant
@@ -223,6 +225,23 @@ MUTANTS = [
       "eye / lambda0, A)", "A, A)",
       "reference scan does not reset A at a document boundary",
       (CB_VLA, VLA + "::test_xla_matches_reference_float64")),
+    M("vla_triton_bwd_no_replay", _VT,
+      "jax.lax.cond(inside, lambda: replay(n, t), lambda: a_prev)", "a_prev",
+      "A-pass backward: across a document start inside an anchor block the new document's A is used for the "
+      "previous document (no replay)",
+      (VLA_TRITON_PACKED,)),
+    M("vla_triton_bwd_delta_term_dropped", _VT,
+      "d_w = -2.0 * y / root + d_delta * u", "d_w = -2.0 * y / root",
+      "A-pass backward: w̄ misses the path through δ = 1 + u·w",
+      (VLA_TRITON_PACKED,)),
+    M("vla_triton_bwd_key_term_dropped", _VT,
+      "left = d_w + d_g", "left = d_w",
+      "A-pass backward: the cotangent of A misses sym(dg k̂ᵀ) (the path through g = A k̂ into earlier tokens)",
+      (VLA_TRITON_PACKED,)),
+    M("vla_triton_bwd_gradient_crosses_documents", _VT,
+      "d_a = jnp.where(reset, 0.0, d_a)", "d_a = d_a",
+      "A-pass backward: the cotangent of A flows into the previous document across a document start",
+      (VLA_TRITON_PACKED,)),
     # ---- interdomain / s4d ---------------------------------------------------------------------------------------
     M("ia_xla_carry_doc_unused", _IX,
       "doc, carry_doc = common.chunk_documents(", "doc, _ = common.chunk_documents(",

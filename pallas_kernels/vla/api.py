@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from mixerlab.pallas_kernels import common, dispatch
 from mixerlab.pallas_kernels.delta_rule.api import delta_rule
-from mixerlab.pallas_kernels.vla import decode, reference, xla
+from mixerlab.pallas_kernels.vla import decode, pallas_triton, reference, xla
 from mixerlab.pallas_kernels.vla.reference import floored_norm
 
 DEFAULT_LAMBDA0 = 0.1          # A₀ = I/λ₀ = 10 I              (VLA paper, Tables 3 and 6)
@@ -160,17 +160,20 @@ def initial_state(batch, heads, key_dim, value_dim, *, lambda0=DEFAULT_LAMBDA0, 
 
 # ---------------------------------------------------------------------------------------------------------
 # implementations. Contract: run(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk_size, lambda0,
-# refresh_magnitude, eps) -> (o, (S, A)); every array in the compute dtype, k_hat and u unit-normalised.
+# refresh_magnitude, eps, operand_dtype) -> (o, (S, A)); every array in the compute dtype, k_hat and u
+# unit-normalised; operand_dtype = the caller's dtype (a kernel may feed its matmuls operands in it).
 
 
 def _run_reference(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk_size, lambda0, refresh_magnitude,
-                   eps):
-    del chunk_size
+                   eps, operand_dtype=None):
+    del chunk_size, operand_dtype
     return reference.vla_reference(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, lambda0=lambda0,
                                    refresh_magnitude=refresh_magnitude, eps=eps)
 
 
-def _run_xla(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk_size, lambda0, refresh_magnitude, eps):
+def _run_xla(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk_size, lambda0, refresh_magnitude, eps,
+             operand_dtype=None):
+    del operand_dtype
     alpha, A = xla.penalty_pass(k_hat, u, A0, document_BT, refresh_BT, chunk_size=chunk_size, lambda0=lambda0,
                                 refresh_magnitude=refresh_magnitude, eps=eps)
     o, S = delta_rule(q, alpha, v, erase_key=k_hat, initial_state=S0, segment_ids=document_BT,
@@ -178,9 +181,31 @@ def _run_xla(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk_size, lam
     return o, (S, A)
 
 
-TABLE = dispatch.OpTable("vla", fallback="xla", planned=("pallas_tpu", "pallas_triton"))
+def triton_a_pass(heads):
+    """``pallas_triton.penalty_pass``, per shard under a device mesh (batch over data/fsdp, heads over tensor)."""
+    return common.per_shard(pallas_triton.penalty_pass, heads, ("tokens", "tokens", "state", "rows", "rows"),
+                            ("tokens", "state"))
+
+
+def _run_pallas_triton(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk_size, lambda0, refresh_magnitude,
+                       eps, operand_dtype, interpret=False):
+    """A-pass: the token-level Sherman–Morrison kernel (``pallas_triton.py``, its own custom VJP); S-pass: the
+    delta rule with operands in the caller's dtype, so that "auto" picks its Pallas-Triton kernel on GPU
+    (bf16 tensor-core matmuls for bf16 inputs; α̂ and k̂ rounded to that dtype there, state f32)."""
+    del chunk_size  # the kernel is serial over tokens; anchor_every sets its backward checkpoints
+    alpha, A = triton_a_pass(k_hat.shape[2])(k_hat, u, A0, document_BT, refresh_BT, lambda0=lambda0,
+                                             refresh_magnitude=refresh_magnitude, eps=eps, interpret=interpret)
+    od = operand_dtype
+    o, S = delta_rule(q.astype(od), alpha.astype(od), v.astype(od), erase_key=k_hat.astype(od), initial_state=S0,
+                      segment_ids=document_BT, implementation="auto")
+    return o, (S, A)
+
+
+TABLE = dispatch.OpTable("vla", fallback="xla", planned=("pallas_tpu",))
 TABLE.register(dispatch.Implementation("reference", _run_reference))
 TABLE.register(dispatch.Implementation("xla", _run_xla))
+# "auto" tries the GPU kernel first; it refuses (reason logged once) other backends, head dims and dtypes
+TABLE.register(dispatch.Implementation("pallas_triton", _run_pallas_triton, pallas_triton.supports, fast=True))
 
 
 def _prepare(q, k, v, penalty_key, initial_state_, segment_ids, initial_position, lambda0, refresh_period,
@@ -224,7 +249,8 @@ def vla(q, k, v, *, penalty_key=None, initial_state=None, segment_ids=None, init
         of those tokens).
       eps: ε floor of every denominator (‖k‖, ‖p‖, 1 + uᵀAu, ‖k̂A‖).
       chunk_size: A-pass chunk length of "xla"; ≤ refresh_period − refresh_offset (default min(64, that)).
-      implementation: "auto" | "reference" | "xla".
+      implementation: "auto" | "reference" | "xla" | "pallas_triton" (GPU: token-level A-pass kernel, then
+        the delta rule's kernel; "auto" picks it on GPU for power-of-two Dk in [16, 128]).
 
     Returns:
       (o [B, T, H, Dv] in v's dtype, (S [B,H,Dk,Dv], A [B,H,Dk,Dk]) float32, or float64 for float64 inputs).
@@ -236,7 +262,7 @@ def vla(q, k, v, *, penalty_key=None, initial_state=None, segment_ids=None, init
     args = _prepare(q, k, v, penalty_key, initial_state, segment_ids, initial_position, lambda0,
                     refresh_period, refresh_offset, eps)
     o, (S, A) = impl.run(*args, chunk_size=call.chunk_size, lambda0=lambda0,
-                         refresh_magnitude=refresh_magnitude, eps=eps)
+                         refresh_magnitude=refresh_magnitude, eps=eps, operand_dtype=q.dtype)
     return o.astype(v.dtype), (S, A)
 
 

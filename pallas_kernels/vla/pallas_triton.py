@@ -1,0 +1,353 @@
+"""VLA A-pass on GPU through Pallas' Triton backend: every write direction α̂_t and the final penalty inverse,
+forward and custom-VJP backward (docs/math/vla.md, 'Recurrence' and 'Gradients'; design: docs/kernels_gpu.md).
+
+Token-level Sherman–Morrison, one program per (batch row, head), the d×d f32 penalty inverse A held on chip
+for the whole sequence (d = 64: a 16 KB tile):
+
+    A ← I/λ₀ at a document start;   w = A u;   δ = 1 + u·w;   ŵ = w / √δ;   A ← A − ŵ ŵᵀ
+    g = A k̂;   A ← A + ρ I after a refresh token;      then in XLA: α̂ = g / max(‖g‖, ε)
+
+(A stays exactly symmetric in floating point: the symmetric start is updated by ŵ ŵᵀ, whose (i, j) and
+(j, i) entries are the same product, so the reference's explicit symmetrisation is a no-op here.)
+
+Forward kernel (grid (B, H)): serial over the tokens; writes g_t and ŵ_t (both [B, T, H, d] f32), the
+final A, and A at the start of every ``anchor_every`` tokens ("anchors", [B, H, N + 1, d, d] f32, the last
+one the final A) for the backward. The normalisation α̂ = g / max(‖g‖, ε) is left to XLA (autodiff of it is
+cheap and parallel), which keeps two reductions per token off the kernels' serial path.
+
+Backward kernel (grid (B, H)): reverse over the anchor chunks, each from its end anchor, reverse over its
+tokens. It walks A backwards exactly as the forward subtracted it: A_{t−1} = A_t − ρ_t I + ŵ_t ŵ_tᵀ (the
+same stored ŵ_t, so only rounding separates it from the forward's A; the anchors bound that to one chunk).
+Across a document start inside a chunk (A_{t−1} belongs to the previous document and cannot be rebuilt
+backwards) it replays the chunk's rank-1 updates forwards from the chunk's start anchor. The adjoint of one
+token (derived in docs/math/vla.md, 'Gradients') takes dg_t, carries the symmetric cotangent Ā and gives
+dk̂_t, du_t and at the end dA₀.
+
+Per-token vectors (k̂, u, ŵ, dg) are loaded one token ahead (carried in the loop) so the load latency
+overlaps the previous token's arithmetic; matrix-vector products are broadcast-multiplies with a row
+reduction (2-D tiles, 1-D vectors; no tl.dot: the products are d×1).
+
+The inputs k̂ and u arrive unit-normalised (the normalisation stays in XLA) and float32; all state and
+accumulation is float32. A must be symmetric positive definite (the op checks the caller's A₀), so
+1 + u·Au ≥ 1 and the ε floor of δ never binds; the backward relies on that.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from mixerlab.pallas_kernels import common
+from mixerlab.pallas_kernels.vla.reference import floored_norm
+
+try:  # Pallas' Triton backend (deprecated upstream since JAX 0.11 but present in 0.10.2 and 0.11.2)
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover
+    pltriton = None
+
+F32 = jnp.float32
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128  # a d×d f32 tile per program: 64 KB at d = 128 already spills
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+RESET, REFRESH = 1, 2  # bits of the per-token flags: document starts at t (t > 0); refresh after t
+
+
+# ---------------------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    key_dim: int
+    lambda0: float
+    refresh_magnitude: float
+    anchor_every: int = 64  # tokens per saved A (backward memory N·d²·4 bytes per head; rebuild error ∝ it)
+    warps_forward: int = 4
+    warps_backward: int = 8  # the backward keeps ~4 d×d tiles live (A, Ā and their updates)
+    interpret: bool = False
+
+
+def _pow2(x: int) -> bool:
+    return x >= 1 and x & (x - 1) == 0
+
+
+def make_config(key_dim, *, lambda0, refresh_magnitude, interpret=False, **overrides):
+    cfg = Config(key_dim=key_dim, lambda0=float(lambda0), refresh_magnitude=float(refresh_magnitude),
+                 interpret=interpret, **overrides)
+    if not _pow2(cfg.anchor_every):
+        raise ValueError(f"vla pallas_triton: anchor_every={cfg.anchor_every}; expected a power of two")
+    return cfg
+
+
+def supports(call) -> Optional[str]:
+    """``None`` when this kernel can serve ``call`` (an ``api.VLACall``), else the reason."""
+    if getattr(call, "backend", None) != "gpu":
+        return f"the Pallas-Triton kernel runs on GPU only (backend is {call.backend!r})"
+    if pltriton is None:
+        return "jax.experimental.pallas.triton is not available in this JAX"
+    if not _pow2(call.key_dim) or not MIN_HEAD_DIM <= call.key_dim <= MAX_HEAD_DIM:
+        return f"key_dim={call.key_dim}: needs a power of two in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
+    if jnp.dtype(call.dtype) not in DTYPES:
+        return f"dtype {jnp.dtype(call.dtype).name} not supported (float32, bfloat16, float16)"
+    return None
+
+
+def token_flags(document_BT, refresh_BT):
+    """[B, T] int32: RESET where a document starts at t > 0 (A ← I/λ₀ before the token), REFRESH where
+    A ← A + ρI after it."""
+    starts = jnp.concatenate([jnp.zeros_like(document_BT[:, :1], dtype=bool),
+                              document_BT[:, 1:] != document_BT[:, :-1]], axis=1)
+    return starts.astype(jnp.int32) * RESET + refresh_BT.astype(jnp.int32) * REFRESH
+
+
+# ---------------------------------------------------------------------------------------------------------
+# in-kernel helpers (traced inside the kernels; only ops with Triton lowerings)
+
+
+def _eye(d):
+    rows = jax.lax.broadcasted_iota(jnp.int32, (d, d), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (d, d), 1)
+    return jnp.where(rows == cols, 1.0, 0.0).astype(F32)
+
+
+def _matvec(a, x):
+    """a x for a symmetric [d, d] tile and a [d] vector (a row reduction)."""
+    return jnp.sum(a * x[None, :], axis=1)
+
+
+def _outer(x, y):
+    return x[:, None] * y[None, :]
+
+
+def _flag(flags, bit):
+    return jnp.bitwise_and(flags, bit) != 0
+
+
+def _bit(flags, bit):
+    """The flag as a float32 0 or 1 (integer arithmetic: Triton's lowering cannot multiply a bool scalar
+    broadcast to a tile)."""
+    return (jnp.bitwise_and(flags, bit) // bit).astype(F32)
+
+
+def _rank1_factor(a, u):
+    """ŵ = A u / √(1 + u·A u): the Sherman–Morrison update is A − ŵ ŵᵀ."""
+    w = _matvec(a, u)
+    return w / jnp.sqrt(1.0 + jnp.sum(u * w))
+
+
+def _row(ref, t):
+    return ref[t, :].astype(F32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernels
+
+
+def _forward_kernel(cfg, n_chunks):
+    c, d = cfg.anchor_every, cfg.key_dim
+    n_tokens = n_chunks * c
+
+    def kernel(k_ref, u_ref, flags_ref, a0_ref, g_out, factor_out, anchors_out, a_final_out):
+        eye = _eye(d)
+
+        def token(j, carry, n):
+            a, k_hat, u, flags = carry
+            t = n * c + j
+            ahead = jnp.minimum(t + 1, n_tokens - 1)  # next token's inputs, loaded while this one computes
+            nxt = (_row(k_ref, ahead), _row(u_ref, ahead), flags_ref[ahead])
+            a = jnp.where(_flag(flags, RESET), eye * (1.0 / cfg.lambda0), a)
+            factor = _rank1_factor(a, u)
+            a = a - _outer(factor, factor)
+            g_out[t, :] = _matvec(a, k_hat)
+            factor_out[t, :] = factor
+            a = a + (cfg.refresh_magnitude * _bit(flags, REFRESH)) * eye
+            return (a, *nxt)
+
+        def chunk(n, carry):
+            anchors_out[n] = carry[0]
+            return jax.lax.fori_loop(0, c, functools.partial(token, n=n), carry)
+
+        first = (a0_ref[...].astype(F32), _row(k_ref, 0), _row(u_ref, 0), flags_ref[0])
+        a = jax.lax.fori_loop(0, n_chunks, chunk, first)[0]
+        anchors_out[n_chunks] = a
+        a_final_out[...] = a
+
+    return kernel
+
+
+def _backward_kernel(cfg, n_chunks):
+    c, d = cfg.anchor_every, cfg.key_dim
+    rho = cfg.refresh_magnitude
+
+    def kernel(k_ref, u_ref, factor_ref, flags_ref, d_g_ref, anchors_ref, d_final_ref, dk_out, du_out,
+               d_a0_out):
+        eye = _eye(d)
+
+        def load(t):
+            return (_row(k_ref, t), _row(u_ref, t), _row(factor_ref, t), _row(d_g_ref, t), flags_ref[t])
+
+        def replay(n, stop):
+            """A after token stop − 1 (stop inside chunk n), from the chunk's start anchor: the forward's
+            updates again, the same operations on the same stored factors."""
+            def step(j, a):
+                t = n * c + j
+                flags = flags_ref[t]
+                factor = _row(factor_ref, t)
+                a = jnp.where(_flag(flags, RESET), eye * (1.0 / cfg.lambda0), a)
+                a = a - _outer(factor, factor)
+                return a + (rho * _bit(flags, REFRESH)) * eye
+
+            return jax.lax.fori_loop(0, stop - n * c, step, anchors_ref[n])
+
+        def token(i, carry, n):
+            a_post, d_a, (k_hat, u, factor, d_g, flags) = carry
+            t = n * c + c - 1 - i
+            nxt = load(jnp.maximum(t - 1, 0))
+            reset = _flag(flags, RESET)
+            a = a_post - (rho * _bit(flags, REFRESH)) * eye      # A after the update, before ρI
+            # g = A k̂ (α̂ = g / max(‖g‖, ε) is XLA's, outside the kernel): dk̂ = A dg, B̄ = Ā + sym(dg k̂ᵀ)
+            dk_out[t, :] = _matvec(a, d_g)
+            # Sherman–Morrison: A = A_prev − w wᵀ/δ with w = √δ ŵ, δ = 1 + u·w, so u·ŵ = (δ − 1)/√δ
+            cu = jnp.sum(u * factor)
+            root = 0.5 * (cu + jnp.sqrt(cu * cu + 4.0))                        # √δ
+            # B̄ ŵ = Ā ŵ + (dg (k̂·ŵ) + k̂ (dg·ŵ))/2 without forming B̄ (the two dots are off Ā's chain)
+            y = _matvec(d_a, factor) + 0.5 * (d_g * jnp.sum(k_hat * factor) + k_hat * jnp.sum(d_g * factor))
+            d_delta = jnp.sum(factor * y) / (root * root)                      # ŵᵀB̄ŵ / δ
+            d_w = -2.0 * y / root + d_delta * u
+            a_prev = jnp.where(reset, eye * (1.0 / cfg.lambda0), a + _outer(factor, factor))
+            du_out[t, :] = d_delta * root * factor + _matvec(a_prev, d_w)
+            # Ā_{t−1} = Ā + sym(dg k̂ᵀ + dw uᵀ) = Ā + sym((dw + dg) k̂ᵀ + dw (u − k̂)ᵀ): every outer product has
+            # dw, a reduction result, on one side, so Triton keeps the tile in the layout of Ā instead of
+            # building dg k̂ᵀ (two loaded vectors) in another layout and converting the whole d×d tile
+            left = d_w + d_g
+            right = u - k_hat
+            d_a = d_a + 0.5 * (_outer(left, k_hat) + _outer(k_hat, left) + _outer(d_w, right) + _outer(right, d_w))
+            # step back to token t − 1: across a document start A is the previous document's (replayed)
+            # and no gradient flows into it
+            inside = reset & (t > n * c)
+            a_prev = jax.lax.cond(inside, lambda: replay(n, t), lambda: a_prev)
+            d_a = jnp.where(reset, 0.0, d_a)
+            return a_prev, d_a, nxt
+
+        def chunk(i, carry):
+            n = n_chunks - 1 - i
+            d_a, ahead = carry
+            _, d_a, ahead = jax.lax.fori_loop(0, c, functools.partial(token, n=n), (anchors_ref[n + 1], d_a, ahead))
+            return d_a, ahead
+
+        d_a, _ = jax.lax.fori_loop(0, n_chunks, chunk, (d_final_ref[...], load(n_chunks * c - 1)))
+        d_a0_out[...] = d_a
+
+    return kernel
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pallas_call wrappers (inputs padded to a multiple of anchor_every)
+
+
+def flops_per_token(d: int) -> dict:
+    """Executed FLOPs per token and head of each kernel (d×d element-wise work counted in full):
+    forward: A u, u·w, the ŵŵᵀ update, g = A k̂, the refresh add: ≈ 8 d²;
+    backward: the ρ removal, A dg, Ā ŵ, the A rebuild, A_prev dw, the symmetric rank-4 cotangent update:
+    ≈ 20 d². Replays at document starts inside a chunk add ≈ 4 d² per replayed token
+    (data-dependent, not counted)."""
+    return {"forward": 8 * d * d + 4 * d, "backward": 20 * d * d + 10 * d}
+
+
+def _cost(cfg, kernel, batch_heads, n_tokens):
+    d = cfg.key_dim
+    vectors = {"forward": 4, "backward": 6}[kernel]  # per-token [d] f32 rows read + written
+    anchors = (n_tokens // cfg.anchor_every + 1) * d * d * 4
+    return pl.CostEstimate(flops=int(batch_heads * n_tokens * flops_per_token(d)[kernel]),
+                           transcendentals=int(batch_heads * n_tokens),  # one square root per token
+                           bytes_accessed=int(batch_heads * (n_tokens * (vectors * d * 4 + 4) + anchors
+                                                             + 2 * d * d * 4)))
+
+
+def _params(cfg, warps):
+    if cfg.interpret or pltriton is None:
+        return None
+    return pltriton.CompilerParams(num_warps=warps, num_stages=1)
+
+
+def _specs(cfg, b, t, h):
+    d, n = cfg.key_dim, t // cfg.anchor_every
+    token = pl.BlockSpec((None, t, None, d), lambda b_, h_: (b_, 0, h_, 0))
+    flags = pl.BlockSpec((None, t), lambda b_, h_: (b_, 0))
+    square = pl.BlockSpec((None, None, d, d), lambda b_, h_: (b_, h_, 0, 0))
+    anchors = pl.BlockSpec((None, None, n + 1, d, d), lambda b_, h_: (b_, h_, 0, 0, 0))
+    return token, flags, square, anchors, n
+
+
+def _forward(cfg, k_hat, u, a0, flags):
+    b, t, h, d = k_hat.shape
+    token, flag_spec, square, anchors, n = _specs(cfg, b, t, h)
+    return pl.pallas_call(
+        _forward_kernel(cfg, n), grid=(b, h),
+        in_specs=[token, token, flag_spec, square],
+        out_specs=(token, token, anchors, square),
+        out_shape=(jax.ShapeDtypeStruct((b, t, h, d), F32), jax.ShapeDtypeStruct((b, t, h, d), F32),
+                   jax.ShapeDtypeStruct((b, h, n + 1, d, d), F32), jax.ShapeDtypeStruct((b, h, d, d), F32)),
+        interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_forward),
+        cost_estimate=_cost(cfg, "forward", b * h, t), name="vla_penalty_forward")(k_hat, u, flags, a0)
+
+
+def _backward(cfg, k_hat, u, factors, flags, d_g, anchors, d_final):
+    b, t, h, d = k_hat.shape
+    token, flag_spec, square, anchor_spec, n = _specs(cfg, b, t, h)
+    return pl.pallas_call(
+        _backward_kernel(cfg, n), grid=(b, h),
+        in_specs=[token, token, token, flag_spec, token, anchor_spec, square],
+        out_specs=(token, token, square),
+        out_shape=(jax.ShapeDtypeStruct((b, t, h, d), F32), jax.ShapeDtypeStruct((b, t, h, d), F32),
+                   jax.ShapeDtypeStruct((b, h, d, d), F32)),
+        interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_backward),
+        cost_estimate=_cost(cfg, "backward", b * h, t), name="vla_penalty_backward")(
+        k_hat, u, factors, flags, d_g, anchors, d_final)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _penalty_pass(cfg, k_hat, u, a0, flags):
+    g, _, _, a_final = _forward(cfg, k_hat, u, a0, flags)
+    return g, a_final
+
+
+def _penalty_pass_fwd(cfg, k_hat, u, a0, flags):
+    g, factors, anchors, a_final = _forward(cfg, k_hat, u, a0, flags)
+    g, a_final, factors, anchors = common.keep_for_backward((g, a_final, factors, anchors))
+    return (g, a_final), (k_hat, u, flags, factors, anchors)
+
+
+def _penalty_pass_bwd(cfg, residuals, cotangents):
+    k_hat, u, flags, factors, anchors = residuals
+    d_g, d_final = cotangents
+    d_final = d_final.astype(F32)
+    d_final = 0.5 * (d_final + jnp.swapaxes(d_final, -1, -2))  # the kernel carries a symmetric Ā
+    dk, du, d_a0 = _backward(cfg, k_hat, u, factors, flags, d_g.astype(F32), anchors, d_final)
+    # Ā is symmetric up to the rounding of fused multiply-adds; only its symmetric part is defined (A₀ is)
+    return dk, du, 0.5 * (d_a0 + jnp.swapaxes(d_a0, -1, -2)), None
+
+
+_penalty_pass.defvjp(_penalty_pass_fwd, _penalty_pass_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# public entry
+
+
+def penalty_pass(k_hat_BTHK, u_BTHK, penalty_BHKK, document_BT, refresh_BT, *, lambda0, refresh_magnitude, eps,
+                 interpret=False, **overrides):
+    """All α̂_t [B, T, H, K] float32 and the final A [B, H, K, K] float32, as ``xla.penalty_pass``
+    (k̂ and u unit-normalised; ``document_BT`` the running count of boundaries; ``refresh_BT`` refresh after
+    token t). Differentiable w.r.t. k̂, u and A₀ (custom VJP). ``overrides``: :class:`Config` fields."""
+    b, t, h, d = k_hat_BTHK.shape
+    cfg = make_config(d, lambda0=lambda0, refresh_magnitude=refresh_magnitude, interpret=interpret, **overrides)
+    # padded tokens: u = k̂ = 0 (no update, α̂ = 0), no reset, no refresh, so A_T is the last real token's
+    flags = common.pad_time(token_flags(document_BT, refresh_BT), cfg.anchor_every)
+    k_hat, u = (common.pad_time(x.astype(F32), cfg.anchor_every) for x in (k_hat_BTHK, u_BTHK))
+    g, a_final = _penalty_pass(cfg, k_hat, u, penalty_BHKK.astype(F32), flags)
+    # the normalisation in XLA (autodiff): no reductions for it on the kernels' serial path
+    return g[:, :t] / floored_norm(g[:, :t], eps), a_final
