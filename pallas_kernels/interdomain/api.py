@@ -151,14 +151,15 @@ _s4d_step = jax.jit(decode.s4d_step)
 TABLE = dispatch.OpTable("interdomain", fallback="xla", planned=("pallas_tpu", "pallas_triton"))
 TABLE.register(dispatch.Implementation("reference", _ref_ia))
 TABLE.register(dispatch.Implementation("xla", _ia_xla))
-# "auto" tries the kernel first; it refuses calls it cannot serve (backend, dtype, chunk, dims) with the
-# reason logged, and "auto" falls back to "xla". It takes q, k, v in the caller's dtype (bf16 GEMM operands).
-TABLE.register(dispatch.Implementation("pallas_triton", pallas_triton.run, pallas_triton.supports, fast=True))
+# The GPU kernel is opt-in (implementation="pallas_triton"), not "auto": correct on the H200 but slower than
+# "xla" there (8x4096, H12, M64, bf16: 21.7 / 51.5 ms fwd / fwd+bwd vs 9.6 / 29.6 ms; docs/kernels_gpu.md).
+# It takes q, k, v in the caller's dtype (bf16 GEMM operands).
+TABLE.register(dispatch.Implementation("pallas_triton", pallas_triton.run, pallas_triton.supports))
 
 S4D_TABLE = dispatch.OpTable("s4d", fallback="xla")
 S4D_TABLE.register(dispatch.Implementation("reference", _ref_s4d))
 S4D_TABLE.register(dispatch.Implementation("xla", _s4d_xla))
-S4D_TABLE.register(dispatch.Implementation("pallas_triton", pallas_triton.run_s4d, pallas_triton.supports, fast=True))
+S4D_TABLE.register(dispatch.Implementation("pallas_triton", pallas_triton.run_s4d, pallas_triton.supports))
 
 
 def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_state=None, segment_ids=None,
