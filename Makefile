@@ -46,7 +46,7 @@ ARGS ?=
 
 $(info mixerlab: platform $(PLATFORM) ($(PLATFORM_WHY)); venv $(VENV) from $(LOCK))
 
-.PHONY: train test lint venv clean-venv locks
+.PHONY: train test test-all lint venv clean-venv locks
 
 $(STAMP): $(LOCK) pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,7 +64,10 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 test: lint
-	$(PY) -m pytest -n 2 --dist loadgroup -q --durations=25 $(ARGS)
+	$(PY) -m pytest -n 2 --dist loadgroup -q --durations=25 -m "not extended" $(ARGS)
+
+test-all: lint  # make test plus the tests marked extended (larger shapes and variants; ~2x the time)
+	MIXERLAB_TEST_ALL=1 $(PY) -m pytest -n 2 --dist loadgroup -q --durations=25 $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

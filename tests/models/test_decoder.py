@@ -27,6 +27,15 @@ def _model(mixer, **over):
     return build_model(load_config("configs/tiny.yaml", args), vocab_size=97, seed=1)
 
 
+def _jitted(model):
+    """``model(tokens, segment_ids=, positions=)`` compiled once (eagerly, every op of a chunked kernel form would
+    compile on its own: several times slower on CPU)."""
+    from flax import nnx
+
+    f = nnx.jit(lambda m, t, s, p: m(t, segment_ids=s, positions=p))
+    return lambda t, segment_ids=None, positions=None: f(model, t, segment_ids, positions)
+
+
 def _packed(rng, lengths):
     tokens = np.concatenate([rng.integers(0, 97, n) for n in lengths])
     seg = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)])
@@ -48,7 +57,7 @@ def test_every_registered_mixer_implements_the_mixer_protocol():
 
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_documents_in_one_row_do_not_see_each_other(mixer):
-    model = _model(mixer)
+    model = _jitted(_model(mixer))
     rng = np.random.default_rng(0)
     tokens, seg, pos = _packed(rng, [21, 19, 9])
     base = model(tokens, segment_ids=seg, positions=pos)
@@ -64,14 +73,17 @@ def test_documents_in_one_row_do_not_see_each_other(mixer):
 
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_decode_token_by_token_equals_parallel_forward(mixer):
+    from flax import nnx
+
     model = _model(mixer)
     t = 13
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 97, (2, t)), jnp.int32)
-    full = model(tokens)
+    full = _jitted(model)(tokens)
     cache = model.init_cache(2, t)
+    decode = nnx.jit(lambda m, tok, c, pos: m.decode(tok, c, pos))  # one compile serves every position
     steps = []
     for i in range(t):
-        logits, cache = model.decode(tokens[:, i:i + 1], cache, jnp.full((2,), i, jnp.int32))
+        logits, cache = decode(model, tokens[:, i:i + 1], cache, jnp.full((2,), i, jnp.int32))
         steps.append(logits[:, 0])
     np.testing.assert_allclose(np.asarray(jnp.stack(steps, 1)), np.asarray(full), rtol=1e-4, atol=1e-4)
 

@@ -12,7 +12,7 @@ import pytest
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.slow  # ~60 s: XLA:CPU compiles of both implementations
+@pytest.mark.extended  # ~60 s: XLA:CPU compiles of both implementations
 def test_smoke_run_writes_every_row(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
