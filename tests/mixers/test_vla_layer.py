@@ -75,7 +75,8 @@ VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("variant", [0] + [pytest.param(v, marks=pytest.mark.extended) for v in range(1, len(VARIANTS))])
+@pytest.mark.parametrize("variant", [0] + [pytest.param(v, marks=pytest.mark.extended)
+                                     for v in range(1, len(VARIANTS))])
 def test_decode_equals_packed_forward_and_packing_equals_separate(variant):
     """A row of three documents: parallel forward with segment_ids == decode with positions restarting at 0
     (refreshes land at the same document positions) == each document run alone."""
