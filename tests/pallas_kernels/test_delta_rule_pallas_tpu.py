@@ -92,6 +92,7 @@ def test_float32_segments_odd_length_c64():
     _assert_within(errors, F32_TOL)
 
 
+@pytest.mark.extended  # segments and odd lengths stay covered at C 64 in make test
 def test_float32_c128_rectangular_state():
     """C = 128, n0 = 16, d_k = 64 ≠ d_v = 128, T = 200, B = 2 × H = 2 (the document index map is per batch
     row): row 0 has boundaries at 128 (chunk edge) and 150, row 1 one at 20 and a reused id at 90."""

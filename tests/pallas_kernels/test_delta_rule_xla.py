@@ -37,7 +37,8 @@ def _assert_close(ref, got, tol=F64_TOL):
     assert max_rel_err(state, ref_state) <= tol, max_rel_err(state, ref_state)
 
 
-@pytest.mark.parametrize("chunk_size, leaf_size", [(1, 1), (8, 4), (8, 8), (64, 4), (64, 16), (256, 8), (256, 16)])
+@pytest.mark.parametrize("chunk_size, leaf_size", [(1, 1), (8, 4), (64, 16), (256, 8)] + [  # make test-all: more pairs
+    pytest.param(c, n, marks=pytest.mark.extended) for c, n in ((8, 8), (64, 4), (256, 16))])
 def test_chunk_and_leaf_sizes(chunk_size, leaf_size):
     inputs = gdn2_inputs(0, 2, 300, 2, 16, 24)  # T = 300: not a multiple of 8, 64 or 256
     _assert_close(*_both(inputs, chunk_size=chunk_size, leaf_size=leaf_size))
