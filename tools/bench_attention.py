@@ -12,15 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from benchlib import timed  # noqa: E402  (tools/benchlib.py)
 
 
 def _inputs(b, t, h, d, seed=0):
@@ -32,14 +31,7 @@ def _inputs(b, t, h, d, seed=0):
 
 
 def _median_ms(fn, args, reps):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return timed(fn, args, reps)[0]
 
 
 def _fns(impl):

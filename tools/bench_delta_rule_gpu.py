@@ -90,15 +90,9 @@ def ours_gdn2_fn(chunk, leaf, **overrides):
 
 
 def time_jax(f, args, reps, warm=3):
-    import jax
-    for _ in range(warm):
-        jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times), min(times)
+    from benchlib import timed  # tools/benchlib.py
+
+    return timed(f, args, reps, warm=warm)
 
 
 def time_torch(f, reps, warm=3):

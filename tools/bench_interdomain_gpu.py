@@ -27,41 +27,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from benchlib import max_rel_err, record, timed, with_grad  # noqa: E402  (tools/benchlib.py)
 
 FULL = dict(tokens=32768, lengths=(4096, 16384, 32768), heads=12, key_dim=64, value_dim=64, modes=64,
             d_model=768, prefixes=(512, 1024, 2048, 4096, 8192, 16384), batches=(1, 8))
 SMOKE = dict(tokens=64, lengths=(32,), heads=2, key_dim=8, value_dim=8, modes=4, d_model=16,
              prefixes=(8, 16), batches=(2,))
-
-
-def timed(fn, args, reps):
-    """(median ms, min ms) of ``reps`` calls after one compile + warm-up call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), min(times)
-
-
-def with_grad(fn, argnums):
-    """fn(*args) -> output; returns a jit'd forward+backward of Σ output·w (w fixed, float32)."""
-    def loss(*args):
-        out = fn(*args).astype(jnp.float32)
-        return jnp.sum(out * jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape)))
-
-    return jax.jit(jax.grad(loss, argnums=argnums))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -163,23 +141,19 @@ def training_rows(sz, reps):
             row = dict(op=name, batch=b, length=t, heads=sz["heads"], key_dim=sz["key_dim"],
                        value_dim=sz["value_dim"], modes=sz["modes"] if name.startswith("interdomain") else None)
             refusal = interdomain_refusal(name.split("/")[1], b, t, sz) if name.startswith("interdomain") else None
-            if refusal is not None:
-                row["skipped"] = refusal[:500]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                continue
-            try:
+
+            def measure(row, name=name, case=case, fn=fn, argnums=argnums, refusal=refusal):
+                if refusal is not None:
+                    row["skipped"] = refusal[:500]
+                    return
                 args = case(b, t, sz, jax.random.key(t))
                 row["fwd_ms"], row["fwd_min_ms"] = timed(jax.jit(fn), args, reps)
                 if name.startswith("delta_rule") and not on_gpu:
                     row["fwd_bwd_skipped"] = CPU_DELTA_RULE_BACKWARD
                 else:
                     row["fwd_bwd_ms"], row["fwd_bwd_min_ms"] = timed(with_grad(fn, argnums), args, reps)
-            except Exception as exc:  # noqa: BLE001  (a failing row is recorded, the run goes on)
-                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
-                traceback.print_exc()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+
+            record(rows, row, measure)
     return rows
 
 
@@ -200,21 +174,15 @@ def check_rows(sz):
     names = ("o", "dq", "dk", "dv", "dlog_modulus", "dphase", "dgain", "dreadout")
     rows = []
     for impl in [n for n in ia.TABLE.names() if n not in ("auto", "reference", "xla")]:
-        row = dict(op=f"interdomain/{impl}", batch=b, length=t)
-        refusal = interdomain_refusal(impl, b, t, sz)
-        if refusal is not None:
-            row["skipped"] = refusal[:500]
-        else:
-            try:
-                got = outputs(impl)
-                for name, x, y in zip(names, [got[0], *got[1]], [want[0], *want[1]]):
-                    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-                    row[name] = float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30))
-            except Exception as exc:  # noqa: BLE001
-                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
-                traceback.print_exc()
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        def compare(row, impl=impl):
+            refusal = interdomain_refusal(impl, b, t, sz)
+            if refusal is not None:
+                row["skipped"] = refusal[:500]
+                return
+            got = outputs(impl)
+            row.update((name, max_rel_err(x, y)) for name, x, y in zip(names, [got[0], *got[1]], [want[0], *want[1]]))
+
+        record(rows, dict(op=f"interdomain/{impl}", batch=b, length=t), compare)
     return rows
 
 
@@ -250,16 +218,15 @@ def decode_latency(name, batch, prefix, sz, reps):
     step = jax.jit(step, donate_argnums=(1,))
     x = jax.random.normal(jax.random.key(1), (batch, 1, sz["d_model"]), jnp.bfloat16)
     pos = jnp.full((batch,), prefix, jnp.int32)
-    _, cache = step(state, cache, x, pos)  # compile + warm-up
-    jax.block_until_ready(cache)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        y, cache = step(state, cache, x, pos)
-        jax.block_until_ready((y, cache))
-        times.append((time.perf_counter() - start) * 1e3)
-    cache_bytes = sum(c.size * c.dtype.itemsize for c in jax.tree.leaves(cache))
-    return statistics.median(times), min(times), cache_bytes
+    carry = {"cache": cache}
+
+    def one_token():  # the donated cache is threaded through the timed calls
+        y, carry["cache"] = step(state, carry["cache"], x, pos)
+        return y, carry["cache"]
+
+    median, fastest = timed(one_token, (), reps)
+    cache_bytes = sum(c.size * c.dtype.itemsize for c in jax.tree.leaves(carry["cache"]))
+    return median, fastest, cache_bytes
 
 
 def decode_rows(sz, reps):
@@ -267,14 +234,10 @@ def decode_rows(sz, reps):
     for batch in sz["batches"]:
         for prefix in sz["prefixes"]:
             for name in ("interdomain", "softmax"):
-                row = dict(mixer=name, batch=batch, prefix=prefix)
-                try:
+                def measure(row, name=name, batch=batch, prefix=prefix):
                     row["ms"], row["min_ms"], row["cache_bytes"] = decode_latency(name, batch, prefix, sz, reps)
-                except Exception as exc:  # noqa: BLE001
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:500]
-                    traceback.print_exc()
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+
+                record(rows, dict(mixer=name, batch=batch, prefix=prefix), measure)
     return rows
 
 

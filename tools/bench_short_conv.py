@@ -20,15 +20,14 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from benchlib import timed  # noqa: E402  (tools/benchlib.py)
 
 from mixerlab.pallas_kernels.short_conv import pallas_triton, reference, xla  # noqa: E402
 
@@ -41,13 +40,7 @@ SWEEP = [  # each on top of the defaults (and of --config)
 
 
 def _median_ms(fn, args, reps):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return timed(fn, args, reps)[0]
 
 
 def _forward_and_backward(x, w, dy, fn):

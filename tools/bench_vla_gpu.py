@@ -26,16 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from benchlib import max_rel_err, record, timed, with_grad  # noqa: E402  (tools/benchlib.py)
 
 FULL = dict(tokens=32768, lengths=(4096, 16384), heads=12, key_dim=64, value_dim=64, document=1500,
             check=(2, 1024), sweep=((1, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16)))
@@ -46,27 +44,6 @@ CPU_BACKWARD = "not timed off the GPU: the delta rule's xla backward can crash X
 
 def on_gpu():
     return jax.default_backend() == "gpu"
-
-
-def timed(fn, args, reps):
-    """(median ms, min ms) of ``reps`` calls after one compile + warm-up call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), min(times)
-
-
-def weighted_sum(out):
-    out = out.astype(jnp.float32)
-    return jnp.sum(out * jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape)))
-
-
-def with_grad(fn, argnums):
-    """fn(*args) -> output; a jit'd forward+backward of Σ output·w (w fixed, float32)."""
-    return jax.jit(jax.grad(lambda *args: weighted_sum(fn(*args)), argnums=argnums))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -171,8 +148,8 @@ def check(sz):
     """Max |pallas_triton − xla| / max |xla| of o, S, A (and on the GPU the input gradients)."""
     b, t = sz["check"]
     args = vla_case(b, t, sz, 0)
-    result = dict(batch=b, length=t)
-    try:
+
+    def compare(result):
         got = vla_forward("pallas_triton")(*args)
         want = vla_forward("xla")(*args)
         pairs = list(zip(("o", "S", "A"), got, want))
@@ -180,14 +157,10 @@ def check(sz):
             argnums = (0, 1, 2, 3)
             pairs += list(zip(("dq", "dk", "dv", "dpenalty_key"), with_grad(vla_fn("pallas_triton"), argnums)(*args),
                               with_grad(vla_fn("xla"), argnums)(*args)))
-        for name, g, w in pairs:
-            g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-            result[name] = float(np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-30))
-    except Exception as exc:  # noqa: BLE001
-        result["error"] = f"{type(exc).__name__}: {exc}"[:500]
-        traceback.print_exc()
-    print("check pallas_triton vs xla:", json.dumps(result), flush=True)
-    return result
+        result.update((name, max_rel_err(g, w)) for name, g, w in pairs)
+
+    print("check pallas_triton vs xla:", flush=True)
+    return record([], dict(batch=b, length=t), compare)
 
 
 def training_rows(sz, reps):
@@ -200,18 +173,16 @@ def training_rows(sz, reps):
         b = max(sz["tokens"] // t, 1)
         for name, case, forward, fn, argnums in ops:
             row = dict(op=name, batch=b, length=t, heads=sz["heads"], key_dim=sz["key_dim"], value_dim=sz["value_dim"])
-            try:
+
+            def measure(row, name=name, case=case, forward=forward, fn=fn, argnums=argnums):
                 args = case(b, t, sz, t)
                 row["fwd_ms"], row["fwd_min_ms"] = timed(forward, args, reps)
                 if not on_gpu() and not name.startswith("vla_a_pass"):
                     row["fwd_bwd_skipped"] = CPU_BACKWARD
                 else:
                     row["fwd_bwd_ms"], row["fwd_bwd_min_ms"] = timed(with_grad(fn, argnums), args, reps)
-            except Exception as exc:  # noqa: BLE001  (a failing row is recorded, the run goes on)
-                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
-                traceback.print_exc()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+
+            record(rows, row, measure)
     return rows
 
 
@@ -221,16 +192,13 @@ def sweep_rows(sz, reps):
     args = a_pass_case(b, t, sz, 1)
     rows = []
     for fwd, bwd in sz["sweep"]:
-        row = dict(batch=b, length=t, warps_forward=fwd, warps_backward=bwd)
-        try:
+
+        def measure(row, fwd=fwd, bwd=bwd):
             fn = a_pass_fn("pallas_triton", warps_forward=fwd, warps_backward=bwd)
             row["fwd_ms"], _ = timed(jax.jit(fn), args, reps)
             row["fwd_bwd_ms"], _ = timed(with_grad(fn, (0, 1)), args, reps)
-        except Exception as exc:  # noqa: BLE001
-            row["error"] = f"{type(exc).__name__}: {exc}"[:500]
-            traceback.print_exc()
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+
+        record(rows, dict(batch=b, length=t, warps_forward=fwd, warps_backward=bwd), measure)
     return rows
 
 
