@@ -25,7 +25,7 @@ def test_tiny_model_compiles_for_tpu_generations(topology):
     assert "fits yes" in out.stdout and "params / chip" in out.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # 4-5 min on 2 cores; the tiny-config compile above keeps the --compile_only path in make test
 def test_muir_166m_compiles_for_v5e_2x2_and_reports_memory():
     # The Muir model of configs/paper/muir_166m.yaml (every width, the 32K vocabulary, its remat policy) with two
     # of its twelve layers and a reduced batch (8 × 1024 tokens instead of 128 × 4096), so that the CPU compile
