@@ -17,11 +17,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from mixerlab.pallas_kernels.triton_common import compiler_params, unavailable
 
-try:  # Pallas' Triton backend (present in JAX 0.10.2 and 0.11.2)
-    from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover
-    pltriton = None
 
 F32 = jnp.float32
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -35,10 +32,9 @@ def block_v(value_dim: int) -> int:
 
 def supports(backend: str, key_dim: int, value_dim: int, dtype, state_dtype) -> Optional[str]:
     """``None`` when the kernel can run this step, else the reason."""
-    if backend != "gpu":
-        return f"the Pallas-Triton decode kernel runs on GPU only (backend is {backend!r})"
-    if pltriton is None:
-        return "jax.experimental.pallas.triton is not available in this JAX"
+    reason = unavailable(backend, "the Pallas-Triton decode kernel")
+    if reason:
+        return reason
     for name, d in (("key_dim", key_dim), ("value_dim", value_dim)):
         if d < _MIN_DIM or d > _MAX_DIM or d & (d - 1):
             return f"{name}={d}: needs a power of two in [{_MIN_DIM}, {_MAX_DIM}]"
@@ -68,7 +64,7 @@ def step(q, k, erase, v, log_decay, state, *, interpret: bool = False, num_warps
     vec = pl.BlockSpec((None, None, dk), lambda i, j, n: (i, j, 0))
     val = pl.BlockSpec((None, None, bv), lambda i, j, n: (i, j, n))
     st = pl.BlockSpec((None, None, dk, bv), lambda i, j, n: (i, j, 0, n))
-    params = None if interpret or pltriton is None else pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    params = compiler_params(interpret, num_warps)
     bytes_accessed = 2 * state.size * 4 + 4 * q.size * q.dtype.itemsize + 2 * v.size * v.dtype.itemsize
     return pl.pallas_call(
         _kernel,

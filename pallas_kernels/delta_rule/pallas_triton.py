@@ -57,11 +57,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from mixerlab.pallas_kernels import common
+from mixerlab.pallas_kernels.triton_common import compiler_params, iota, pow2, unavailable
 
-try:  # Pallas' Triton backend (deprecated upstream since JAX 0.11 but present in 0.10.2 and 0.11.2)
-    from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover
-    pltriton = None
 
 F32 = jnp.float32
 SUPPORTED_CHUNKS = (32, 64, 128)
@@ -128,10 +125,6 @@ def _precision(name, interpret):
     return jax.lax.Precision.HIGHEST
 
 
-def _pow2(x: int) -> bool:
-    return x >= 1 and x & (x - 1) == 0
-
-
 def default_block_v(batch_heads: int, value_dim: int) -> int:
     """Dv block of the sequential kernels: the largest of 64/32/16 that still gives ≥ 128 CTAs."""
     for bv in (64, 32):
@@ -150,7 +143,7 @@ def make_config(chunk, leaf, key_dim, value_dim, operand_dtype, *, batch_heads=1
     cfg = Config(**base)
     if cfg.decay_sums not in ("auto", "tf32", "tf32x2"):
         raise ValueError(f"pallas_triton: decay_sums={cfg.decay_sums!r}; expected 'auto', 'tf32' or 'tf32x2'")
-    if cfg.key_dim % cfg.block_k or cfg.block_k < _MIN_DIM or not _pow2(cfg.block_k):
+    if cfg.key_dim % cfg.block_k or cfg.block_k < _MIN_DIM or not pow2(cfg.block_k):
         raise ValueError(f"pallas_triton: block_k={cfg.block_k} must be a power of two ≥ {_MIN_DIM} dividing "
                          f"key_dim={cfg.key_dim}")
     return cfg
@@ -158,16 +151,15 @@ def make_config(chunk, leaf, key_dim, value_dim, operand_dtype, *, batch_heads=1
 
 def supports(call) -> Optional[str]:
     """``None`` when this kernel can serve ``call`` (an ``api.DeltaRuleCall``), else the reason."""
-    if getattr(call, "backend", None) != "gpu":
-        return f"the Pallas-Triton kernel runs on GPU only (backend is {call.backend!r})"
-    if pltriton is None:
-        return "jax.experimental.pallas.triton is not available in this JAX"
+    reason = unavailable(getattr(call, "backend", None))
+    if reason:
+        return reason
     if call.chunk_size not in SUPPORTED_CHUNKS:
         return f"chunk_size={call.chunk_size} not in {SUPPORTED_CHUNKS}"
     if call.leaf_size not in SUPPORTED_LEAVES or call.leaf_size * 2 > call.chunk_size:
         return f"leaf_size={call.leaf_size} not in {SUPPORTED_LEAVES} (with chunk_size ≥ 2·leaf_size)"
     for name, d in (("key_dim", call.key_dim), ("value_dim", call.value_dim)):
-        if not _pow2(d) or d < _MIN_DIM or d > MAX_HEAD_DIM:
+        if not pow2(d) or d < _MIN_DIM or d > MAX_HEAD_DIM:
             return f"{name}={d}: needs a power of two in [{_MIN_DIM}, {MAX_HEAD_DIM}]"
     if jnp.dtype(call.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(call.dtype).name} not supported (float32, bfloat16, float16)"
@@ -176,10 +168,6 @@ def supports(call) -> Optional[str]:
 
 # ---------------------------------------------------------------------------------------------------------
 # in-kernel helpers (traced inside the Pallas kernels; only ops with Triton lowerings)
-
-
-def _iota(shape, dim):
-    return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
 def _matmul(a, b, trans_a, trans_b, precision):
@@ -204,8 +192,8 @@ def _level(cfg, level):
       sums  [C, C] 0/1 f32: (W λ)_i = Σ_{p<s≤i} λ for rows in a right half (p: the pivot, last token of the
             left half) and Σ_{i<s≤p} λ for rows in a left half."""
     c = cfg.chunk
-    i = _iota((c, c), 0)
-    j = _iota((c, c), 1)
+    i = iota((c, c), 0)
+    j = iota((c, c), 1)
     node_i = jax.lax.shift_right_logical(i, level)
     node_j = jax.lax.shift_right_logical(j, level)
     right = (node_i & 1) == 1
@@ -217,13 +205,13 @@ def _level(cfg, level):
 def _start_sums(cfg):
     """0/1 [C, C] with (W λ)_i = Σ_{0≤s≤i} λ (decay from the chunk start to token i)."""
     c = cfg.chunk
-    return jnp.where(_iota((c, c), 1) <= _iota((c, c), 0), 1.0, 0.0).astype(F32)
+    return jnp.where(iota((c, c), 1) <= iota((c, c), 0), 1.0, 0.0).astype(F32)
 
 
 def _end_sums(cfg):
     """0/1 [C, C] with (W λ)_j = Σ_{j<s<C} λ (decay from token j to the chunk end)."""
     c = cfg.chunk
-    return jnp.where(_iota((c, c), 1) > _iota((c, c), 0), 1.0, 0.0).astype(F32)
+    return jnp.where(iota((c, c), 1) > iota((c, c), 0), 1.0, 0.0).astype(F32)
 
 
 def _split(log_decay, cfg):
@@ -265,7 +253,7 @@ class _ChunkMasks:
         self.doc, self.carry, self.last, self.c = doc, carry, last, cfg.chunk
 
     def _rows_cols(self):
-        return _iota((self.c, self.c), 0), _iota((self.c, self.c), 1)
+        return iota((self.c, self.c), 0), iota((self.c, self.c), 1)
 
     @property
     def same_doc(self):
@@ -351,7 +339,7 @@ def _inverse(a, masks, cfg):
     """(I + A)⁻¹ for strictly lower A: Neumann product on the leaf blocks, then P ← P − P A_ℓ P per level."""
     c = cfg.chunk
     eye = jnp.where(masks.eye, 1.0, 0.0).astype(F32)
-    a_diag = jnp.where((_iota((c, c), 0) // cfg.leaf) == (_iota((c, c), 1) // cfg.leaf), a, 0.0)
+    a_diag = jnp.where((iota((c, c), 0) // cfg.leaf) == (iota((c, c), 1) // cfg.leaf), a, 0.0)
     inverse = eye - a_diag
     power = a_diag
     for _ in range(int(math.log2(cfg.leaf)) - 1):
@@ -569,9 +557,7 @@ def _cost(cfg, kernel, batch_heads, n_chunks, save_matrices=True):
 
 
 def _params(cfg, warps, stages=None):
-    if cfg.interpret or pltriton is None:
-        return None
-    return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+    return compiler_params(cfg.interpret, warps, stages)
 
 
 def _token_spec(cfg, width):

@@ -53,11 +53,8 @@ from jax.experimental import pallas as pl
 
 from mixerlab.pallas_kernels import common
 from mixerlab.pallas_kernels.interdomain import xla
+from mixerlab.pallas_kernels.triton_common import compiler_params, iota, pow2, unavailable
 
-try:  # Pallas' Triton backend (deprecated upstream since JAX 0.11 but present in 0.10.2 and 0.11.2)
-    from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover
-    pltriton = None
 
 F32 = jnp.float32
 SUPPORTED_CHUNKS = (16, 32, 64, 128)
@@ -121,10 +118,6 @@ class Config:
         return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
-def _pow2(x: int) -> bool:
-    return x >= 1 and x & (x - 1) == 0
-
-
 def make_config(chunk, key_dim, value_dim, modes, operand_dtype, *, interpret=False, **overrides):
     base = dict(chunk=chunk, key_dim=key_dim, value_dim=value_dim, modes=modes,
                 operand_dtype=jnp.dtype(operand_dtype), precision="highest" if interpret else "tf32",
@@ -136,11 +129,11 @@ def make_config(chunk, key_dim, value_dim, modes, operand_dtype, *, interpret=Fa
     if cfg.range_sums not in ("auto", "tf32", "tf32x3"):
         raise ValueError(f"interdomain pallas_triton: range_sums={cfg.range_sums!r}; expected 'auto', 'tf32' or "
                          "'tf32x3'")
-    if not _pow2(cfg.chunk):
+    if not pow2(cfg.chunk):
         raise ValueError(f"interdomain pallas_triton: chunk={cfg.chunk} must be a power of two")
     for name in ("block_m", "block_m_backward"):
         bm = getattr(cfg, name)
-        if not _pow2(bm) or cfg.modes % bm:
+        if not pow2(bm) or cfg.modes % bm:
             raise ValueError(f"interdomain pallas_triton: {name}={bm} must be a power of two dividing "
                              f"modes={cfg.modes}")
     return cfg
@@ -151,17 +144,16 @@ def supports(call) -> Optional[str]:
     whose key_dim is 0), else the reason."""
     if call.op not in ("interdomain", "s4d"):
         return f"op {call.op!r} has no Pallas-Triton kernel"
-    if getattr(call, "backend", None) != "gpu":
-        return f"the Pallas-Triton kernel runs on GPU only (backend is {call.backend!r})"
-    if pltriton is None:
-        return "jax.experimental.pallas.triton is not available in this JAX"
+    reason = unavailable(getattr(call, "backend", None))
+    if reason:
+        return reason
     if call.chunk_size not in SUPPORTED_CHUNKS:
         return f"chunk_size={call.chunk_size} not in {SUPPORTED_CHUNKS}"
     dims = [("value_dim", call.value_dim, MAX_HEAD_DIM), ("modes", call.modes, MAX_MODES)]
     if call.op == "interdomain":
         dims.insert(0, ("key_dim", call.key_dim, MAX_HEAD_DIM))
     for name, d, top in dims:
-        if not _pow2(d) or d < _MIN_DIM or d > top:
+        if not pow2(d) or d < _MIN_DIM or d > top:
             return f"{name}={d}: needs a power of two in [{_MIN_DIM}, {top}]"
     if jnp.dtype(call.dtype) not in _DTYPES:
         return f"dtype {jnp.dtype(call.dtype).name} not supported (float32, bfloat16, float16)"
@@ -171,10 +163,6 @@ def supports(call) -> Optional[str]:
 # ---------------------------------------------------------------------------------------------------------
 # tile math (traced inside the kernels; only 2-D tiles and ops with Triton lowerings). Complex tiles are
 # (Re, Im) pairs of [K, M] f32 tiles.
-
-
-def _iota(shape, dim):
-    return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
 def _matmul(a, b, trans_a, trans_b, precision):
@@ -226,7 +214,7 @@ class _Masks:
         self.doc, self.carry, self.k = doc, carry, k
 
     def _ij(self):
-        return _iota((self.k, self.k), 0), _iota((self.k, self.k), 1)
+        return iota((self.k, self.k), 0), iota((self.k, self.k), 1)
 
     @property
     def same_doc(self):
@@ -257,8 +245,8 @@ def _level(k, level):
     """Level ``level`` of the pivot tree (half size h = 2^level; may be traced). Returns
       pairs [K, K] bool: (s, j) with s in the right and j in the left half of the same node of size 2h;
       sums  [K, K] 0/1: row s selects r(p, s] (right half) or r(s, p] (left half), p the node's pivot."""
-    i = _iota((k, k), 0)
-    j = _iota((k, k), 1)
+    i = iota((k, k), 0)
+    j = iota((k, k), 1)
     half_i = jax.lax.shift_right_logical(i, level)
     half_j = jax.lax.shift_right_logical(j, level)
     right = (half_i & 1) == 1
@@ -560,9 +548,7 @@ def _common_specs(cfg, state_width):
 
 
 def _params(cfg, warps):
-    if cfg.interpret or pltriton is None:
-        return None
-    return pltriton.CompilerParams(num_warps=warps, num_stages=1)
+    return compiler_params(cfg.interpret, warps)
 
 
 def flop_counts(cfg):

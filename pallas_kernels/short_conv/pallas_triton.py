@@ -27,11 +27,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from mixerlab.pallas_kernels.triton_common import pltriton, compiler_params, iota, pow2, unavailable
 
-try:  # Pallas' Triton backend (present in JAX 0.10.2 and 0.11.2)
-    from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover
-    pltriton = None
 
 F32 = jnp.float32
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -55,10 +52,6 @@ class Config:
     interpret: bool = False
 
 
-def _pow2(n) -> bool:
-    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
-
-
 def make_config(length: int, channels: int, *, interpret: bool = False, **overrides) -> Config:
     """The default blocks (and backward steps) shrunk to the next power of two of small T and C, then
     ``overrides`` (any :class:`Config` field), checked."""
@@ -74,7 +67,7 @@ def make_config(length: int, channels: int, *, interpret: bool = False, **overri
                  interpret=interpret)
     cfg = dataclasses.replace(cfg, **overrides)
     for name in ("block_t", "block_c", "bwd_block_t", "bwd_block_c", "bwd_steps", "warps", "bwd_warps"):
-        if not _pow2(getattr(cfg, name)):
+        if not pow2(getattr(cfg, name)):
             raise ValueError(f"short_conv pallas_triton: {name}={getattr(cfg, name)!r}; expected a power of two "
                              f"(Triton block shapes and warp counts)")
     return cfg
@@ -82,10 +75,9 @@ def make_config(length: int, channels: int, *, interpret: bool = False, **overri
 
 def supports(backend: str, dtype, kernel_size: int) -> Optional[str]:
     """``None`` when the kernels can run this call, else the reason."""
-    if backend != "gpu":
-        return f"the Pallas-Triton short-conv kernels run on GPU only (backend is {backend!r})"
-    if pltriton is None:
-        return "jax.experimental.pallas.triton is not available in this JAX"
+    reason = unavailable(backend, "the Pallas-Triton short-conv kernels")
+    if reason:
+        return reason
     if jnp.dtype(dtype) not in DTYPES:
         return f"x dtype {jnp.dtype(dtype).name} not supported (float32, bfloat16, float16)"
     if kernel_size > MAX_KERNEL_SIZE:
@@ -95,10 +87,6 @@ def supports(backend: str, dtype, kernel_size: int) -> Optional[str]:
 
 # ---------------------------------------------------------------------------------------------------------
 # loads and stores
-
-
-def _iota(n):
-    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
 
 
 def _index(i: int):
@@ -140,7 +128,7 @@ def _forward_kernel(x_ref, w_ref, *refs, activation, has_segments, block_t, bloc
     length, channels = x_ref.shape[1], x_ref.shape[2]
     k = w_ref.shape[0]
     b, t0, c0 = pl.program_id(0), pl.program_id(1) * block_t, pl.program_id(2) * block_c
-    rows, cols = t0 + _iota(block_t), c0 + _iota(block_c)
+    rows, cols = t0 + iota(block_t), c0 + iota(block_c)
     col_ok = cols < channels
     taps = _load_taps(w_ref, cols, col_ok, k)
     seg_here = _load_segments(seg_ref, b, rows) if has_segments else None
@@ -161,13 +149,13 @@ def _backward_kernel(x_ref, w_ref, dy_ref, *refs, activation, has_segments, bloc
     length, channels = x_ref.shape[1], x_ref.shape[2]
     k = w_ref.shape[0]
     b, g, c0 = pl.program_id(0), pl.program_id(1), pl.program_id(2) * block_c
-    cols = c0 + _iota(block_c)
+    cols = c0 + iota(block_c)
     col_ok = cols < channels
     taps = _load_taps(w_ref, cols, col_ok, k)
 
     def step(s, d_w):
         t0 = (g * steps + s) * block_t
-        rows = t0 + _iota(block_t)
+        rows = t0 + iota(block_t)
         offsets = range(-(k - 1), k)  # x at t + d for every d the recomputed a_{t+i} and the dW terms need
         src = {d: rows + d for d in offsets}
         inside = {d: (src[d] >= 0) & (src[d] < length) for d in offsets}
@@ -211,9 +199,7 @@ def _backward_kernel(x_ref, w_ref, dy_ref, *refs, activation, has_segments, bloc
 
 
 def _compiler_params(cfg, warps):
-    if cfg.interpret or pltriton is None:
-        return None
-    return pltriton.CompilerParams(num_warps=warps, num_stages=1)
+    return compiler_params(cfg.interpret, warps)
 
 
 def _forward(cfg, x, w, seg, activation, out_dtype):

@@ -43,11 +43,8 @@ from jax.experimental import pallas as pl
 
 from mixerlab.pallas_kernels import common
 from mixerlab.pallas_kernels.vla.reference import floored_norm
+from mixerlab.pallas_kernels.triton_common import compiler_params, iota, pow2, unavailable
 
-try:  # Pallas' Triton backend (deprecated upstream since JAX 0.11 but present in 0.10.2 and 0.11.2)
-    from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover
-    pltriton = None
 
 F32 = jnp.float32
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128  # a d×d f32 tile per program: 64 KB at d = 128 already spills
@@ -70,25 +67,20 @@ class Config:
     interpret: bool = False
 
 
-def _pow2(x: int) -> bool:
-    return x >= 1 and x & (x - 1) == 0
-
-
 def make_config(key_dim, *, lambda0, refresh_magnitude, interpret=False, **overrides):
     cfg = Config(key_dim=key_dim, lambda0=float(lambda0), refresh_magnitude=float(refresh_magnitude),
                  interpret=interpret, **overrides)
-    if not _pow2(cfg.anchor_every):
+    if not pow2(cfg.anchor_every):
         raise ValueError(f"vla pallas_triton: anchor_every={cfg.anchor_every}; expected a power of two")
     return cfg
 
 
 def supports(call) -> Optional[str]:
     """``None`` when this kernel can serve ``call`` (an ``api.VLACall``), else the reason."""
-    if getattr(call, "backend", None) != "gpu":
-        return f"the Pallas-Triton kernel runs on GPU only (backend is {call.backend!r})"
-    if pltriton is None:
-        return "jax.experimental.pallas.triton is not available in this JAX"
-    if not _pow2(call.key_dim) or not MIN_HEAD_DIM <= call.key_dim <= MAX_HEAD_DIM:
+    reason = unavailable(getattr(call, "backend", None))
+    if reason:
+        return reason
+    if not pow2(call.key_dim) or not MIN_HEAD_DIM <= call.key_dim <= MAX_HEAD_DIM:
         return f"key_dim={call.key_dim}: needs a power of two in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
     if jnp.dtype(call.dtype) not in DTYPES:
         return f"dtype {jnp.dtype(call.dtype).name} not supported (float32, bfloat16, float16)"
@@ -108,8 +100,8 @@ def token_flags(document_BT, refresh_BT):
 
 
 def _eye(d):
-    rows = jax.lax.broadcasted_iota(jnp.int32, (d, d), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (d, d), 1)
+    rows = iota((d, d), 0)
+    cols = iota((d, d), 1)
     return jnp.where(rows == cols, 1.0, 0.0).astype(F32)
 
 
@@ -268,9 +260,7 @@ def _cost(cfg, kernel, batch_heads, n_tokens):
 
 
 def _params(cfg, warps):
-    if cfg.interpret or pltriton is None:
-        return None
-    return pltriton.CompilerParams(num_warps=warps, num_stages=1)
+    return compiler_params(cfg.interpret, warps)
 
 
 def _specs(cfg, b, t, h):

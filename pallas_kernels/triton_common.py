@@ -1,0 +1,40 @@
+"""What every Pallas-Triton (GPU) kernel file shares: the backend module, the refusal for a call it cannot run
+here, compiler parameters, and the small integer helpers of its tile code."""
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+try:  # Pallas' Triton backend (deprecated upstream since JAX 0.11 but present in 0.10.2 and 0.11.2)
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover
+    pltriton = None
+
+
+def unavailable(backend: str, what: str = "the Pallas-Triton kernel") -> Optional[str]:
+    """The reason ``what`` cannot run for ``backend`` (GPU only, Triton backend present), or None."""
+    if backend != "gpu":
+        return f"{what} runs on GPU only (backend is {backend!r})"
+    if pltriton is None:
+        return "jax.experimental.pallas.triton is not available in this JAX"
+    return None
+
+
+def compiler_params(interpret: bool, num_warps: int, num_stages: Optional[int] = 1):
+    """Triton compiler parameters; None in interpret mode (or without the backend)."""
+    if interpret or pltriton is None:
+        return None
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def pow2(x) -> bool:
+    return isinstance(x, numbers.Integral) and x >= 1 and x & (x - 1) == 0
+
+
+def iota(shape, dim: int = 0):
+    """int32 indices along ``dim`` of a tile of ``shape`` (an int: a 1-D tile)."""
+    shape = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
+    return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
