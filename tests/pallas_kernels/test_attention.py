@@ -92,8 +92,10 @@ def test_dispatch_on_cpu_and_errors():
     assert api.TABLE.choose("auto", api.AttentionCall(1, 8, 1, 16, jnp.dtype(jnp.float32), "cpu")).name == "xla"
     assert api.TABLE.choose("auto", api.AttentionCall(1, 8, 1, 128, jnp.dtype(jnp.bfloat16), "tpu")).name == \
         "pallas_tpu"
-    assert api.TABLE.choose("auto", api.AttentionCall(1, 8, 1, 128, jnp.dtype(jnp.bfloat16), "gpu")).name == \
-        "pallas_triton"
+    gpu_call = api.AttentionCall(1, 8, 1, 128, jnp.dtype(jnp.bfloat16), "gpu")
+    # cuDNN's packed layout first where this process sees a GPU of compute capability >= 9.0, else flash
+    expected = "cudnn_packed" if cudnn_packed.supports(gpu_call) is None else "pallas_triton"
+    assert api.TABLE.choose("auto", gpu_call).name == expected
     assert api.TABLE.choose("auto", api.AttentionCall(1, 8, 1, 128, jnp.dtype(jnp.float32), "gpu")).name == "xla"
     with pytest.raises(ValueError, match="pallas_tpu.*needs a TPU backend"):
         attention(q, k, v, implementation="pallas_tpu")
