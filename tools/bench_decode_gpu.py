@@ -11,6 +11,8 @@ Medians over ``--reps`` warm repetitions. Prints Markdown tables; ``--out`` writ
 
     python tools/bench_decode_gpu.py --batches 1,64 \
         --configs configs/paper/gdn2_166m.yaml,configs/paper/transformer_166m.yaml
+    python tools/bench_decode_gpu.py --impls "" --batches 1,8 --prefix 512,2048,8192,16384 \
+        --configs configs/paper/ia_interdomain_125m.yaml,configs/paper/ia_softmax_125m.yaml+model.mixer=vla
     python tools/bench_decode_gpu.py --smoke      # CPU: tiny sizes, interpret mode (checks the script)
 """
 from __future__ import annotations
@@ -90,7 +92,8 @@ def model_latency(config, batch, prefix, loop, reps, overrides=()):
         return jax.lax.fori_loop(0, loop, body, (jnp.zeros((batch, 1), jnp.int32), cache))
 
     per_token = _median_s(lambda: looped(params, cache), reps) / loop
-    return {"config": os.path.basename(config), "mixer": cfg.model.mixer, "batch": batch, "prefix": prefix,
+    return {"config": os.path.basename(config), "overrides": list(overrides), "mixer": cfg.model.mixer,
+            "batch": batch, "prefix": prefix,
             "per_token_ms": per_token * 1e3, "tokens_per_s": batch / per_token}
 
 
@@ -101,7 +104,7 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--impls", default="xla,pallas_triton")
     p.add_argument("--configs", default="")
-    p.add_argument("--prefix", type=int, default=4096)
+    p.add_argument("--prefix", default="4096", help="prefix length(s), comma list (e.g. 512,2048,8192,16384)")
     p.add_argument("--loop", type=int, default=64)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--smoke", action="store_true")
@@ -109,11 +112,12 @@ def main(argv=None):
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batches.split(",")]
     if a.smoke:
-        batches, a.heads, a.dim, a.loop, a.reps, a.prefix = [2], 2, 16, 4, 2, 8
+        batches, a.heads, a.dim, a.loop, a.reps, a.prefix = [2], 2, 16, 4, 2, "8,16"
+    prefixes = [int(n) for n in a.prefix.split(",")]
     print(f"# decode latency on {jax.devices()[0].device_kind}, jax {jax.__version__}")
     ops = []
     for b in batches:
-        for impl in a.impls.split(","):
+        for impl in filter(None, a.impls.split(",")):
             if a.smoke and impl != "xla":
                 ops.append(op_latency(b, a.heads, a.dim, impl, a.loop, a.reps, interpret=True))
             else:
@@ -124,11 +128,14 @@ def main(argv=None):
         print(f"| {r['batch']} | {r['heads']} | {r['dim']} | {r['impl']} | {r['per_token_us']:.1f} | "
               f"{r['per_call_us']:.1f} | {r['state_GBps']:.0f} |")
     models = []
-    for config in filter(None, a.configs.split(",")):
+    for entry in filter(None, a.configs.split(",")):
+        config, *over = entry.split("+")  # "path+key=value+key=value": config overrides (e.g. model.mixer=vla)
+        if a.smoke:
+            over += ["model.num_layers=1", "model.d_model=64", "model.num_heads=2", "model.ffn_dim=64"]
         for b in batches:
-            over = ["model.num_layers=1", "model.d_model=64", "model.num_heads=2", "model.ffn_dim=64"] if a.smoke \
-                else []
-            models.append(model_latency(config, b, a.prefix, a.loop, a.reps, over))
+            for prefix in prefixes:
+                models.append(model_latency(config, b, prefix, a.loop, a.reps, over))
+                print(json.dumps(models[-1]), flush=True)
     if models:
         print("\n| config | mixer | batch | prefix | ms per token | tokens/s |")
         print("|---|---|---|---|---|---|")

@@ -2,9 +2,9 @@
 # The training-throughput measurements of docs/benchmarks/train_h200.md, on the GPU machine (one H200, JAX 0.11.2,
 # Python 3.12): the paper configs on the embedded corpus (the output layer keeps its 32K vocabulary: step
 # time does not depend on which token ids occur).
-#   usage: bash tools/h200_train.sh {bench166|bench125|loop|losses} OUT_DIR
+#   usage: bash tools/h200_train.sh {bench166|bench125|loop|losses|losses_packed} OUT_DIR
 set -euo pipefail
-what=${1:?bench166, bench125, loop or losses}
+what=${1:?bench166, bench125, loop, losses or losses_packed}
 out=${2:?output directory}
 mkdir -p "$out"
 if ! python3 -c "import grain" 2>/dev/null; then  # the GPU machine lacks these; wheels carried in .whl/
@@ -34,5 +34,11 @@ case $what in
         train.log_every=1 train.eval_every=0 checkpoint.every=0 optim.warmup_steps=20 \
         mixers.softmax.implementation=$impl train.output_dir="$out/losses_$impl"
     done ;;
-  *) echo "unknown '$what' (valid: bench166, bench125, loop, losses)" >&2; exit 2 ;;
+  losses_packed)  # the first 200 losses of the 125M-shape softmax model at 8x4096: cuDNN packed vs Pallas flash
+    for impl in cudnn_packed pallas_triton; do
+      python3 train.py --config configs/paper/ia_softmax_125m.yaml $data train.steps=200 train.batch_size=8 \
+        train.log_every=10 train.eval_every=0 checkpoint.every=0 optim.warmup_steps=20 \
+        mixers.softmax.implementation=$impl train.output_dir="$out/losses_$impl"
+    done ;;
+  *) echo "unknown '$what' (valid: bench166, bench125, loop, losses, losses_packed)" >&2; exit 2 ;;
 esac
