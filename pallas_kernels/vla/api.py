@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from mixerlab.pallas_kernels import common, dispatch
+from mixerlab.pallas_kernels.delta_rule import pallas_tpu as delta_rule_pallas_tpu
 from mixerlab.pallas_kernels.delta_rule.api import delta_rule
-from mixerlab.pallas_kernels.vla import decode, pallas_triton, reference, xla
+from mixerlab.pallas_kernels.vla import decode, pallas_tpu, pallas_triton, reference, xla
 from mixerlab.pallas_kernels.vla.reference import floored_norm
 
 DEFAULT_LAMBDA0 = 0.1          # A₀ = I/λ₀ = 10 I              (VLA paper, Tables 3 and 6)
@@ -201,9 +202,43 @@ def _run_pallas_triton(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk
     return o, (S, A)
 
 
-TABLE = dispatch.OpTable("vla", fallback="xla", planned=("pallas_tpu",))
+def tpu_a_pass(heads):
+    """``pallas_tpu.penalty_pass``, per shard under a device mesh (batch over data/fsdp, heads over tensor)."""
+    return common.per_shard(pallas_tpu.penalty_pass, heads, ("tokens", "tokens", "state", "rows", "rows"),
+                            ("tokens", "state"))
+
+
+def _tpu_s_pass(q, alpha, v, k_hat, S0, document_BT, interpret):
+    """The delta rule with write key α̂ and erase key k̂, operands in the caller's dtype. On a TPU "auto" picks
+    its Pallas TPU kernel (head dims 64/128/256) or falls back to its xla form. ``interpret``: the delta
+    rule's TPU kernel in interpret mode (CPU tests), where its tiling serves the head dims."""
+    b, t, h, dk = q.shape
+    chunk, leaf = 64, 8
+    if interpret and delta_rule_pallas_tpu.check_config(chunk, leaf, dk, v.shape[-1]) is None:
+        return delta_rule_pallas_tpu.run(q, alpha, k_hat, v, jnp.zeros((b, t, h, dk), jnp.float32), S0, document_BT,
+                                         chunk_size=chunk, leaf_size=leaf, interpret=interpret)
+    return delta_rule(q, alpha, v, erase_key=k_hat, initial_state=S0, segment_ids=document_BT,
+                      implementation="auto")
+
+
+def _run_pallas_tpu(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk_size, lambda0, refresh_magnitude,
+                    eps, operand_dtype, interpret=False):
+    """A-pass: the token-level Sherman–Morrison Mosaic kernels (``pallas_tpu.py``, ``pallas_tpu_bwd.py``, their
+    own custom VJP); S-pass: the delta rule with operands in the caller's dtype (bf16 MXU operands for bf16
+    inputs: α̂ and k̂ rounded to bf16 there; state f32)."""
+    del chunk_size  # the xla form's A-pass chunk; the kernel is serial over tokens (its own grid chunk)
+    alpha, A = tpu_a_pass(k_hat.shape[2])(k_hat, u, A0, document_BT, refresh_BT, lambda0=lambda0,
+                                          refresh_magnitude=refresh_magnitude, eps=eps, interpret=interpret)
+    od = operand_dtype
+    o, S = _tpu_s_pass(q.astype(od), alpha.astype(od), v.astype(od), k_hat.astype(od), S0, document_BT, interpret)
+    return o, (S, A)
+
+
+TABLE = dispatch.OpTable("vla", fallback="xla")
 TABLE.register(dispatch.Implementation("reference", _run_reference))
 TABLE.register(dispatch.Implementation("xla", _run_xla))
+# "auto" picks the TPU kernel on a TPU (supports() refuses every other backend, so auto moves on there)
+TABLE.register(dispatch.Implementation("pallas_tpu", _run_pallas_tpu, pallas_tpu.supports, fast=True))
 # The GPU kernel is opt-in (implementation="pallas_triton"), not "auto", until it is timed: it passed its
 # compiled tests on the H200, but its speed there is not measured yet (docs/kernels_gpu.md).
 TABLE.register(dispatch.Implementation("pallas_triton", _run_pallas_triton, pallas_triton.supports))
@@ -250,8 +285,9 @@ def vla(q, k, v, *, penalty_key=None, initial_state=None, segment_ids=None, init
         of those tokens).
       eps: ε floor of every denominator (‖k‖, ‖p‖, 1 + uᵀAu, ‖k̂A‖).
       chunk_size: A-pass chunk length of "xla"; ≤ refresh_period − refresh_offset (default min(64, that)).
-      implementation: "auto" | "reference" | "xla" | "pallas_triton" (GPU: token-level A-pass kernel, then
-        the delta rule's kernel; "auto" picks it on GPU for power-of-two Dk in [16, 128]).
+      implementation: "auto" | "reference" | "xla" | "pallas_tpu" | "pallas_triton" (token-level A-pass
+        kernels, then the delta rule's kernel). "auto" picks "pallas_tpu" on a TPU for Dk in {16, 32, 64, 128,
+        256} and float32/bfloat16 inputs; "pallas_triton" is opt-in (GPU); everything else gets "xla".
 
     Returns:
       (o [B, T, H, Dv] in v's dtype, (S [B,H,Dk,Dv], A [B,H,Dk,Dk]) float32, or float64 for float64 inputs).

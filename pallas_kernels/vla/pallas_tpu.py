@@ -134,14 +134,20 @@ def flag(flags, bit):
     return jnp.bitwise_and(flags, bit) != 0
 
 
-def start_of_token(a, flags, eye, cfg):
-    """A before the token's update: I/λ₀ at a document start."""
-    return jnp.where(flag(flags, RESET), jnp.where(eye, 1.0 / cfg.lambda0, 0.0), a)
+def document_start(eye, cfg):
+    """I/λ₀, built once per grid step (outside the token loops)."""
+    return jnp.where(eye, 1.0 / cfg.lambda0, 0.0)
+
+
+def start_of_token(a, flags, a_reset):
+    """A before the token's update: I/λ₀ (``a_reset``) at a document start."""
+    return jnp.where(flag(flags, RESET), a_reset, a)
 
 
 def refresh(a, flags, eye, cfg):
-    """A + ρI after a refresh token (an exact no-op off the diagonal)."""
-    return a + jnp.where(eye & flag(flags, REFRESH), cfg.refresh_magnitude, 0.0)
+    """A + ρI after a refresh token (+0, an exact no-op, elsewhere)."""
+    rho = jnp.where(flag(flags, REFRESH), cfg.refresh_magnitude, 0.0)  # (1, 1)
+    return a + jnp.where(eye, rho, 0.0)
 
 
 def row(ref, j):
@@ -156,6 +162,7 @@ def _forward_kernel(k_ref, u_ref, flags_ref, a0_ref, g_ref, factor_ref, anchor_r
                     cfg: Config):
     n = pl.program_id(1)
     eye = eye_mask(cfg.key_dim)
+    a_reset = document_start(eye, cfg)
 
     @pl.when(n == 0)
     def _():
@@ -166,7 +173,7 @@ def _forward_kernel(k_ref, u_ref, flags_ref, a0_ref, g_ref, factor_ref, anchor_r
 
     def token(j, a):
         u, k_hat, flags = row(u_ref, j), row(k_ref, j), row(flags_ref, j)
-        a = start_of_token(a, flags, eye, cfg)
+        a = start_of_token(a, flags, a_reset)
         w_col = matvec_col(a, u)
         w_row = to_row(w_col, eye)
         root = jnp.sqrt(1.0 + dot_rows(u, w_row))  # √δ ≥ 1 (A SPD)
@@ -191,16 +198,16 @@ def _forward_kernel(k_ref, u_ref, flags_ref, a0_ref, g_ref, factor_ref, anchor_r
 def forward_ops_per_token(d: int) -> int:
     """Per token and head, counting d×d work element by element: reset select 1, A u (mul + reduce) 2,
     w to a row (select + reduce) 2, the rank-1 update (mul + sub) 2, A k̂ (mul + reduce) 2, g to a row 2,
-    the refresh (select + add) 2: 13 d², plus the O(d) vector work (u·w, two divisions)."""
+    the refresh (select + add) 2: 13 d², plus the O(d) vector work (u·w, the divisions by √δ)."""
     return 13 * d * d + 4 * d
 
 
 def backward_ops_per_token(d: int) -> int:
-    """Per token and head: the replay of the chunk from its anchor (reset 1, ŵ to a column 2, rank-1 update 2,
-    refresh 2, store 1: 8 d²) and the adjoint (columns of ŵ, dg, dw, u, k̂: 5 × 2; A_start dg, Ā ŵ,
-    A_start dw: 3 × 2; the symmetric rank-4 cotangent update: 4 mul + 4 add + scale + add = 10; the reset
-    select 1: 27 d²): 35 d², plus O(d) vector work."""
-    return 35 * d * d + 20 * d
+    """Per token and head: the replay of the chunk from its anchor (reset select 1, ŵ to a column 2, rank-1
+    update 2, refresh 2: 7 d²) and the adjoint (columns of ŵ, dg, k̂, u, dw: 5 × 2; A_start dg, Ā ŵ,
+    A_start dw: 3 × 2; the symmetric rank-4 cotangent update: 5 mul + 4 add; the reset select 1: 26 d²):
+    33 d², plus the O(d) vector work (the dots, y, dw, du, the left/right vectors)."""
+    return 33 * d * d + 20 * d
 
 
 def cost(kernel: str, d: int, bh: int, n_tokens: int, chunk: int) -> pl.CostEstimate:

@@ -29,14 +29,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mixerlab.pallas_kernels.vla.pallas_tpu import (
-    F32, RESET, Config, compiler_params, cost, dot_rows, eye_mask, flag, matvec_row, refresh, row, specs,
-    start_of_token, to_col)
+    F32, RESET, Config, compiler_params, cost, document_start, dot_rows, eye_mask, flag, matvec_row, refresh, row,
+    specs, start_of_token, to_col)
 
 
 def _backward_kernel(k_ref, u_ref, factor_ref, flags_ref, dg_ref, anchor_ref, d_final_ref, dk_ref, du_ref,
                      d_a0_ref, d_a_scr, a_start_scr, *, cfg: Config):
     n = pl.program_id(1)
     eye = eye_mask(cfg.key_dim)
+    a_reset = document_start(eye, cfg)
 
     @pl.when(n == 0)
     def _():
@@ -44,7 +45,7 @@ def _backward_kernel(k_ref, u_ref, factor_ref, flags_ref, dg_ref, anchor_ref, d_
 
     def replay(j, a):
         flags = row(flags_ref, j)
-        a = start_of_token(a, flags, eye, cfg)
+        a = start_of_token(a, flags, a_reset)
         a_start_scr[j] = a
         f = row(factor_ref, j)
         return refresh(a - to_col(f, eye) * f, flags, eye, cfg)
