@@ -10,8 +10,8 @@ implementation, without a TPU:
 * the declared CostEstimates: positive, linear in tokens and heads, quadratic in d, and equal to the element
   operations the traced kernel bodies issue (leading d² terms);
 * dispatch: "auto" picks the kernel on a TPU and falls back to "xla" elsewhere; supports() reasons;
-* real Mosaic compiles for TPU v5e, v6e and v5p through libtpu (forward, and forward + backward of the whole
-  op as "auto" picks it under a TPU mesh), marked ``tpu_compile``.
+* real Mosaic compiles for TPU v5e, v6e and v5p through libtpu, marked ``tpu_compile``: the A-pass kernels
+  (forward, forward + backward) and, marked ``extended``, the whole op as "auto" picks it under a TPU mesh.
 """
 from __future__ import annotations
 
@@ -295,6 +295,40 @@ def _tpu_mesh(gen):
 
 
 @pytest.mark.tpu_compile
+@pytest.mark.parametrize("gen", list(TOPOLOGIES))
+def test_compiles_a_pass_default_config(gen):
+    """The A-pass kernels at the default chunk, d = 128 (and d = 256, chunk 16): the forward alone, whose
+    cost_analysis is the declared CostEstimate plus the XLA normalisation of g, and forward + backward."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    rep = NamedSharding(_tpu_mesh(gen), P())
+    for d in (128, 256):
+        b, t, h = 1, 256, 2
+        sd = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=rep)  # noqa: E731
+        specs = [sd((b, t, h, d), jnp.float32)] * 2 + [sd((b, h, d, d), jnp.float32), sd((b, t), jnp.int32),
+                                                       sd((b, t), jnp.bool_)]
+
+        def fwd(k_hat, u, a0, document, refresh):
+            return pallas_tpu.penalty_pass(k_hat, u, a0, document, refresh, lambda0=0.1, refresh_magnitude=1e-3,
+                                           eps=1e-4)
+
+        def fwd_bwd(k_hat, u, a0, document, refresh):
+            def loss(k_hat, u, a0):
+                alpha, a = fwd(k_hat, u, a0, document, refresh)
+                return jnp.sum(alpha ** 2) + jnp.sum(a ** 2)
+            return jax.value_and_grad(loss, argnums=(0, 1, 2))(k_hat, u, a0)
+
+        compiled = jax.jit(fwd).lower(*specs).compile()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        declared = pallas_tpu.cost("forward", d, b * h, t, pallas_tpu.default_chunk(d))
+        assert declared.flops <= cost["flops"] <= declared.flops + 8 * b * t * h * d, (cost["flops"], declared.flops)
+        text = jax.jit(fwd_bwd).lower(*specs).compile().as_text()
+        assert "vla_penalty_fwd" in text and "vla_penalty_bwd" in text
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.extended  # ~20 s of CPU per generation, most of it the delta rule's kernels (compiled by their tests)
 @pytest.mark.parametrize("gen", list(TOPOLOGIES))
 def test_compiles_default_config(gen):
     """The op as "auto" picks it on a TPU (traced under the topology's mesh: the A-pass kernels and the delta
