@@ -64,6 +64,7 @@ class Config:
     lambda0: float
     refresh_magnitude: float
     interpret: Any = False  # False | True | pltpu.InterpretParams(...)
+    vmem_limit_bytes: Optional[int] = None  # None: the generation's default scoped VMEM limit (enough here)
 
 
 def default_chunk(key_dim: int) -> int:
@@ -237,8 +238,11 @@ def specs(cfg: Config, n_chunks: int, reverse: bool):
     return tokens, flags, square, per_chunk
 
 
-def compiler_params():
-    return _CompilerParams(dimension_semantics=("parallel", "arbitrary"))
+def compiler_params(cfg: Config):
+    kw = dict(dimension_semantics=("parallel", "arbitrary"))
+    if cfg.vmem_limit_bytes:
+        kw["vmem_limit_bytes"] = cfg.vmem_limit_bytes
+    return _CompilerParams(**kw)
 
 
 def forward_call(cfg: Config, k_hat, u, flags, a0):
@@ -255,7 +259,7 @@ def forward_call(cfg: Config, k_hat, u, flags, a0):
         in_specs=[tokens, tokens, flag_spec, square],
         out_specs=(tokens, tokens, per_chunk, square),
         scratch_shapes=[pltpu.VMEM((d, d), F32)],
-        compiler_params=compiler_params(),
+        compiler_params=compiler_params(cfg),
         cost_estimate=cost("forward", d, bh, tp, cfg.chunk),
         interpret=cfg.interpret,
         name="vla_penalty_fwd",

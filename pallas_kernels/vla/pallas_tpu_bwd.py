@@ -93,7 +93,7 @@ def backward_call(cfg: Config, k_hat, u, factors, flags, d_g, anchors, d_final):
         in_specs=[tokens, tokens, tokens, flag_spec, tokens, per_chunk, square],
         out_specs=(tokens, tokens, square),
         scratch_shapes=[pltpu.VMEM((d, d), F32), pltpu.VMEM((cfg.chunk, d, d), F32)],
-        compiler_params=compiler_params(),
+        compiler_params=compiler_params(cfg),
         cost_estimate=cost("backward", d, bh, tp, cfg.chunk),
         interpret=cfg.interpret,
         name="vla_penalty_bwd",
