@@ -13,7 +13,7 @@ cotangent Ā of A is carried in a VMEM f32 scratch across chunks. Per chunk:
        √δ = (u·ŵ + √((u·ŵ)² + 4)) / 2                   (u·ŵ = (δ − 1)/√δ)
        y = Ā ŵ + (dg (k̂·ŵ) + k̂ (dg·ŵ)) / 2,   dδ = ŵ·y / δ,   dw = −2 y / √δ + dδ u
        du = dδ √δ ŵ + A_start dw
-       Ā ← Ā + sym((dw + dg) k̂ᵀ + dw (u − k̂)ᵀ);   Ā ← 0 at a document start (A_start = I/λ₀ there)
+       Ā ← Ā + sym(dg k̂ᵀ + dw uᵀ);   Ā ← 0 at a document start (A_start = I/λ₀ there)
    Ā after the chunk's first token is carried to the previous chunk; after chunk 0 it is dA₀.
 
 Vectors change orientation exactly (identity mask + reduction, see ``pallas_tpu``), so Ā stays exactly
@@ -29,12 +29,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mixerlab.pallas_kernels.vla.pallas_tpu import (
-    F32, RESET, Config, compiler_params, cost, document_start, dot_rows, eye_mask, flag, matvec_row, refresh, row,
-    specs, start_of_token, to_col)
+    F32, RESET, Config, compiler_params, cost, document_start, dot_rows, eye_mask, flag, matvec_col, matvec_row,
+    refresh, row, specs, start_of_token, to_col, to_row)
 
 
 def _backward_kernel(k_ref, u_ref, factor_ref, flags_ref, dg_ref, anchor_ref, d_final_ref, dk_ref, du_ref,
-                     d_a0_ref, d_a_scr, a_start_scr, *, cfg: Config):
+                     d_a0_ref, d_a_scr, a_post_scr, *, cfg: Config):
     n = pl.program_id(1)
     eye = eye_mask(cfg.key_dim)
     a_reset = document_start(eye, cfg)
@@ -45,30 +45,31 @@ def _backward_kernel(k_ref, u_ref, factor_ref, flags_ref, dg_ref, anchor_ref, d_
 
     def replay(j, a):
         flags = row(flags_ref, j)
-        a = start_of_token(a, flags, a_reset)
-        a_start_scr[j] = a
         f = row(factor_ref, j)
-        return refresh(a - to_col(f, eye) * f, flags, eye, cfg)
+        a = start_of_token(a, flags, a_reset) - to_col(f, eye) * f
+        a_post_scr[j] = a
+        return refresh(a, flags, eye, cfg)
 
     jax.lax.fori_loop(0, cfg.chunk, replay, anchor_ref[...])
 
     def token(i, d_a):
         j = cfg.chunk - 1 - i
-        a_start = a_start_scr[j]
+        a_post = a_post_scr[j]
         k_hat, u, f, d_g, flags = (row(r, j) for r in (k_ref, u_ref, factor_ref, dg_ref, flags_ref))
-        f_col, dg_col, k_col, u_col = (to_col(x, eye) for x in (f, d_g, k_hat, u))
-        f_dot_dg = dot_rows(f, d_g)
-        dk_ref[pl.ds(j, 1), :] = matvec_row(a_start, dg_col) - f * f_dot_dg
+        dg_col, k_col, u_col = (to_col(x, eye) for x in (d_g, k_hat, u))
+        dk_ref[pl.ds(j, 1), :] = matvec_row(a_post, dg_col)
         cu = dot_rows(u, f)
         root = 0.5 * (cu + jnp.sqrt(cu * cu + 4.0))  # √δ
-        y = matvec_row(d_a, f_col) + 0.5 * (d_g * dot_rows(k_hat, f) + k_hat * f_dot_dg)
+        y_col = matvec_col(d_a, f) + 0.5 * (dg_col * dot_rows(k_hat, f) + k_col * dot_rows(d_g, f))
+        y = to_row(y_col, eye)
         d_delta = dot_rows(f, y) / (root * root)
         d_w = -2.0 * y / root + d_delta * u
         dw_col = to_col(d_w, eye)
-        du_ref[pl.ds(j, 1), :] = d_delta * root * f + matvec_row(a_start, dw_col)
-        left, left_col = d_w + d_g, dw_col + dg_col
-        right, right_col = u - k_hat, u_col - k_col
-        d_a = d_a + 0.5 * ((left_col * k_hat + k_col * left) + (dw_col * right + right_col * d_w))
+        # du = dδ √δ ŵ + A_start dw = −(2/√δ) A_post y: the two terms of the first form cancel where A is large
+        du_ref[pl.ds(j, 1), :] = matvec_row(a_post, y_col) * (-2.0 / root)
+        # sym(dg k̂ᵀ + dw uᵀ) as written: the GPU kernel's regrouping (dw + dg) k̂ᵀ + dw (u − k̂)ᵀ adds and removes
+        # dw k̂ᵀ, which costs float32 accuracy where dw ≫ dg
+        d_a = d_a + 0.5 * ((dg_col * k_hat + k_col * d_g) + (dw_col * u + u_col * d_w))
         return jnp.where(flag(flags, RESET), 0.0, d_a)
 
     d_a = jax.lax.fori_loop(0, cfg.chunk, token, d_a_scr[...])
