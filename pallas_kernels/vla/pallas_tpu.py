@@ -22,6 +22,7 @@ chain is serial, so a matmul pass per token would only add latency.
 Outputs: g_t and ŵ_t per token ([B·H, Tp, d] f32), A at the start of every chunk ("anchors",
 [B·H, N, d, d] f32, the backward's replay points) and the final A. The backward kernel replays each chunk
 from its anchor with the stored ŵ (so it sees the forward's A bitwise) and walks the tokens in reverse.
+Both directions are Pallas kernels; nothing is autodiffed through a kernel.
 
 Inputs arrive unit-normalised and float32 (the op normalises in XLA); all state and accumulation is float32.
 A₀ must be symmetric positive definite (the op checks it), so δ ≥ 1 and the ε floor of δ never binds.
@@ -205,9 +206,9 @@ def forward_ops_per_token(d: int) -> int:
 
 def backward_ops_per_token(d: int) -> int:
     """Per token and head: the replay of the chunk from its anchor (reset select 1, ŵ to a column 2, rank-1
-    update 2, refresh 2: 7 d²) and the adjoint (columns of ŵ, dg, k̂, u, dw: 5 × 2; A_start dg, Ā ŵ,
-    A_start dw: 3 × 2; the symmetric rank-4 cotangent update: 5 mul + 4 add; the reset select 1: 26 d²):
-    33 d², plus the O(d) vector work (the dots, y, dw, du, the left/right vectors)."""
+    update 2, refresh 2: 7 d²) and the adjoint (dg, k̂, u, dw to columns and y to a row: 5 × 2; A_post dg,
+    Ā ŵ, A_post y: 3 × 2; the symmetric rank-4 cotangent update: 5 mul + 4 add; the reset select 1: 26 d²):
+    33 d², plus the O(d) vector work (the dots, y, dw, du)."""
     return 33 * d * d + 20 * d
 
 

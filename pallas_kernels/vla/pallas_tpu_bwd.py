@@ -5,14 +5,14 @@ Grid (B·H "parallel", N chunks "arbitrary", walked in reverse: grid step c is c
 cotangent Ā of A is carried in a VMEM f32 scratch across chunks. Per chunk:
 
 1. Replay: from the chunk's anchor (A before its first token, saved by the forward) the forward's updates
-   again with the stored ŵ — A_start,j = (reset? I/λ₀ : A), A ← A_start,j − ŵŵᵀ (+ ρI after a refresh) —
-   storing every A_start,j in a [C, d, d] VMEM scratch. Same operations on the same values as the forward,
-   so the backward sees the forward's A bitwise, including across document starts inside the chunk.
-2. Reverse over the chunk's tokens, the adjoint of one token (as the GPU kernel's backward):
-       dk̂ = A_post dg = A_start dg − ŵ (ŵ·dg)
+   again with the stored ŵ — A ← (reset? I/λ₀ : A) − ŵŵᵀ = A_post,j (+ ρI after a refresh) — storing every
+   A_post,j in a [C, d, d] VMEM scratch. Same operations on the same values as the forward, so the backward
+   sees the forward's A bitwise, including across document starts inside the chunk.
+2. Reverse over the chunk's tokens, the adjoint of one token (that of the GPU kernel, two terms rearranged):
+       dk̂ = A_post dg
        √δ = (u·ŵ + √((u·ŵ)² + 4)) / 2                   (u·ŵ = (δ − 1)/√δ)
        y = Ā ŵ + (dg (k̂·ŵ) + k̂ (dg·ŵ)) / 2,   dδ = ŵ·y / δ,   dw = −2 y / √δ + dδ u
-       du = dδ √δ ŵ + A_start dw
+       du = dδ √δ ŵ + A_start dw = −(2/√δ) A_post y       (A_start u = √δ ŵ; no cancelling terms)
        Ā ← Ā + sym(dg k̂ᵀ + dw uᵀ);   Ā ← 0 at a document start (A_start = I/λ₀ there)
    Ā after the chunk's first token is carried to the previous chunk; after chunk 0 it is dA₀.
 
