@@ -160,6 +160,14 @@ def merge(paths: list[str], out: str, title: str = "MQAR") -> list[dict]:
     return records
 
 
+def sweep_parser() -> argparse.ArgumentParser:
+    p = build_parser(__doc__)
+    p.add_argument("--layout", choices=["vla_contiguous", "zoology"], help="default: the config's task.layout")
+    p.add_argument("--n", help="vla_contiguous: comma-separated key-value pair counts (default: task.num_kv_pairs)")
+    p.add_argument("--pairs", help="zoology: comma-separated T:n pairs (default: task.seq_len:task.num_kv_pairs)")
+    return p
+
+
 def main(argv=None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--merge" in argv:
@@ -169,11 +177,7 @@ def main(argv=None) -> list[dict]:
         m.add_argument("--title", default="MQAR vla_contiguous")
         margs = m.parse_args(argv)
         return merge(margs.merge, margs.out, margs.title)
-    p = build_parser(__doc__)
-    p.add_argument("--layout", choices=["vla_contiguous", "zoology"], help="default: the config's task.layout")
-    p.add_argument("--n", help="vla_contiguous: comma-separated key-value pair counts (default: task.num_kv_pairs)")
-    p.add_argument("--pairs", help="zoology: comma-separated T:n pairs (default: task.seq_len:task.num_kv_pairs)")
-    args = p.parse_args(argv)
+    args = sweep_parser().parse_args(argv)
     layout_override = [f"task.layout={args.layout}"] if args.layout else []
     cfg, task, mixers, seeds, out = prepare(args, layout_override)
     if task.kind != "mqar":
