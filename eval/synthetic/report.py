@@ -46,8 +46,8 @@ def accuracy_table(records: list[dict], key: str = "accuracy") -> str:
     """Rows = mixers, columns = settings; the mean of ``key`` over seeds, with "± sample std [min, max]"
     when there are several."""
     mixers = _ordered(records, "mixer")
-    settings = []
-    for r in records:
+    settings = []  # in order of n (merged sweeps may list n = 32 before n = 4), ties in order of appearance
+    for r in sorted(records, key=lambda r: r.get("x", 0.0)):
         if column(r, records) not in settings:
             settings.append(column(r, records))
     groups = _group(records, key)

@@ -10,10 +10,10 @@ Per head, row vectors, key-major state S [Dk, Dv] (``o = q S``) and penalty inve
     o = q S
 
 Ablations of the VLA paper (Tables 2 and 4), all off by default (= the paper's full method):
-``normalize_key=False`` writes and reads with the raw key k instead of k̂ (u stays unit); ``normalize_write_direction
-=False`` writes along α = k̂A itself (the classical RLS gain direction, not unit length); ``penalty_update="fixed"``
-skips the Sherman–Morrison update and the refresh, so A stays at its start value (I/λ₀ or the caller's A₀) — run
-as u = 0 and no refresh, which every implementation then honours unchanged.
+* ``normalize_key=False``: write and read with the raw key k instead of k̂ (u stays unit);
+* ``normalize_write_direction=False``: write along α = k̂A itself (the classical RLS gain direction when u = k̂);
+* ``penalty_update="fixed"``: no Sherman–Morrison update and no refresh, so A stays at its start value (I/λ₀ or
+  the caller's A₀). It runs as u = 0 with no refresh, which every implementation then honours unchanged.
 
 The layer applies the feature maps: it passes ``q = φ(q)`` (or a normalised query), ``k = φ(k)`` (or the raw
 key) and ``penalty_key = f_θ(k)``; the op applies the unit normalisations with the ε floor. ``pos_t`` is the

@@ -107,7 +107,8 @@ def test_seed_lists_per_n_label_ood_and_merge_with_mean_std(tmp_path, capsys):
     other = [{"mixer": "softmax (tiny)", "setting": "n=4", "x": 4.0, "seed": seed, "train_steps": 2,
               "accuracy": acc, "ood_accuracy": None} for seed, acc in ((42, 0.5), (123, 0.7), (999, 0.9))]
     (tmp_path / "b.json").write_text(json.dumps({"results": other}))
-    mqar.main(["--merge", str(tmp_path / "a" / "results.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "m")])
+    # b first: the columns still come in order of n
+    mqar.main(["--merge", str(tmp_path / "b.json"), str(tmp_path / "a" / "results.json"), "--out", str(tmp_path / "m")])
     text = (tmp_path / "m" / "table.md").read_text()
     header, row = [line for line in text.splitlines() if line.startswith("| ")][:2]
     assert [c.strip() for c in header.split("|")[1:-1]] == ["mixer", "n=2 (3 steps)", "n=4 (2 steps)"]
