@@ -150,11 +150,12 @@ def streams(seed: int, scales, write, chains: int, tokens: int):
 
 
 def run_seed(seed: int, mus, horizons, lags, *, d_k=64, d_v=64, key_power=0.43, decay_gap=(0.01, 0.3),
-             chains=16, probes=128, every=16, draws=4, max_lag=512) -> dict:
+             chains=16, probes=128, every=16, draws=4, max_lag=512, head_seed=None) -> dict:
     """Normalised MSE of every readout for every μ (static readouts per geometric horizon; the bimodal block per
-    μ), and the gains of the bimodal block. Distributions: horizons..., lags..., in that order."""
+    μ), and the gains of the bimodal block. Distributions: horizons..., lags..., in that order. The head (scales,
+    decays, write gate) is drawn from ``head_seed`` if given, else from ``seed``; streams and lags from ``seed``."""
     mus = np.asarray(mus, np.float64)
-    scales, alpha, write = head(seed, d_k, d_v, key_power, decay_gap)
+    scales, alpha, write = head(seed if head_seed is None else head_seed, d_k, d_v, key_power, decay_gap)
     moments = normalized_gaussian_key_moments(scales)
     kappa = moments.second
     erase = mus[:, None] * np.ones(d_k)
@@ -248,7 +249,7 @@ def _pm(pair, digits=4):
 
 
 def geometric_table(summary, horizons) -> str:
-    head = [f"MSE H={h}" for h in horizons] + [f"μ* H={h}" for h in horizons]
+    head = [f"MSE H={h:g}" for h in horizons] + [f"μ* H={h:g}" for h in horizons]
     rows = []
     for name, label in STATIC_READOUTS.items():
         g = summary["geometric"][name]
@@ -282,7 +283,7 @@ def plot(summary, mus, horizons, lags, path: str, title: str) -> str:
             ax.fill_between(mus, g["mean"][h] - g["sd"][h], g["mean"][h] + g["sd"][h], color=line.get_color(),
                             alpha=0.2)
             ax.axvline(g["mu_star"][h], color=line.get_color(), lw=0.6, ls=":")
-        ax.set(xlabel="erase strength μ", ylabel="normalised MSE", title=f"(a) geometric lags, H = {horizons[h]}")
+        ax.set(xlabel="erase strength μ", ylabel="normalised MSE", title=f"(a) geometric lags, H = {horizons[h]:g}")
         lo = min(summary["geometric"][n]["mean"][h].min() for n in STATIC_READOUTS)
         ax.set_ylim(lo - 0.02, min(1.02, lo + 0.35))
     axes[0].legend(fontsize=7)
@@ -295,7 +296,8 @@ def plot(summary, mus, horizons, lags, path: str, title: str) -> str:
                yerr=b["sd"], label=label)
     ax.set_xticks(np.arange(len(cols)), cols)
     ax.set(ylabel="normalised MSE", title=f"(b) two lags, μ = {summary['bimodal_mu']:.2f}")
-    ax.legend(fontsize=7)
+    ax.set_ylim(0, 1.45 * max(summary["bimodal"][n]["mean"].max() for n in BIMODAL_READOUTS))
+    ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(title, fontsize=9)
     return report.save_figure(fig, path)
 
@@ -335,6 +337,9 @@ def main(argv=None) -> dict:
     p.add_argument("--draws", type=int, default=4, help="queries (lags) per probe, chain and lag distribution")
     p.add_argument("--max_lag", type=int, default=512, help="longest lag (geometric lags are truncated here); "
                    "also the burn-in")
+    p.add_argument("--head_seed", type=int, default=None,
+                   help="draw the head (key scales, decays, write gate) from this seed for every run, so that "
+                        "only the streams and lags vary with the seed (default: a new head per seed)")
     p.add_argument("--out", default="runs/eval/muir_retrieval")
     p.add_argument("--png", default=None, help="plot path (default <out>/muir_retrieval.png)")
     a = p.parse_args(argv)
@@ -349,13 +354,14 @@ def main(argv=None) -> dict:
     runs = []
     for seed in range(a.seeds):
         runs.append(run_seed(seed, mus, horizons, lags, d_k=a.dk, d_v=a.dv, key_power=a.key_power, decay_gap=gap,
-                             chains=a.chains, probes=a.probes, every=a.every, draws=a.draws, max_lag=a.max_lag))
+                             chains=a.chains, probes=a.probes, every=a.every, draws=a.draws, max_lag=a.max_lag,
+                             head_seed=a.head_seed))
         print(f"seed {seed} done", flush=True)
     summary = summarize(runs, mus, horizons, lags, a.bimodal_mu)
     m_err = [float(np.mean(np.abs(r["m_measured"] / r["m_star"] - 1))) for r in runs]
     setup = {"d_k": a.dk, "d_v": a.dv, "seeds": a.seeds, "mus": mus, "horizons": horizons, "lags": lags,
              "bimodal_mu": summary["bimodal_mu"], "key_power": a.key_power, "decay_gap": gap, "chains": a.chains,
-             "probes": a.probes, "every": a.every, "draws": a.draws, "max_lag": a.max_lag,
+             "probes": a.probes, "every": a.every, "draws": a.draws, "max_lag": a.max_lag, "head_seed": a.head_seed,
              "queries_per_distribution_and_seed": 2 * runs[0]["queries_per_half"],
              "erase": "isotropic b = μ·1", "mean_abs_rel_err_measured_vs_closed_row_energy": float(np.mean(m_err))}
     tables = geometric_table(summary, horizons) + "\n\n" + bimodal_table(summary, lags)
@@ -369,7 +375,8 @@ def main(argv=None) -> dict:
     os.makedirs(a.out, exist_ok=True)
     with open(out_md, "w") as f:
         f.write(tables + "\n")
-    plot(summary, mus, horizons, lags, png, f"one head, d_k = {a.dk}, {a.seeds} seeds (mean ± SD)")
+    heads = "one head drawn from seed %d" % a.head_seed if a.head_seed is not None else "a new head per seed"
+    plot(summary, mus, horizons, lags, png, f"d_k = {a.dk}, {a.seeds} seeds (mean ± SD), {heads}")
     print(f"\nwrote {out_json}, {out_md} and {png}")
     return payload
 
