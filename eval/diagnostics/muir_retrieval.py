@@ -320,6 +320,28 @@ def mu_grid(step: float, bimodal_mu: float) -> np.ndarray:
     return np.unique(np.append(grid, round(bimodal_mu, 6)))
 
 
+def _arrays(x):
+    """JSON lists back to numpy arrays (dicts kept; lists of pairs stay lists)."""
+    if isinstance(x, dict):
+        return {k: (v if k == "mse_at_mu_star" else _arrays(v)) for k, v in x.items()}
+    return np.asarray(x) if isinstance(x, list) else x
+
+
+def redraw(json_path: str, png: str) -> str:
+    """Tables and plot again from a saved ``muir_retrieval.json`` (no simulation)."""
+    import json
+
+    with open(json_path) as f:
+        payload = json.load(f)
+    setup, summary = payload["setup"], _arrays(payload["summary"])
+    tables = geometric_table(summary, setup["horizons"]) + "\n\n" + bimodal_table(summary, setup["lags"])
+    head_seed = setup.get("head_seed")
+    heads = "a new head per seed" if head_seed is None else f"one head drawn from seed {head_seed}"
+    plot(summary, np.asarray(setup["mus"]), setup["horizons"], setup["lags"], png,
+         f"d_k = {setup['d_k']}, {setup['seeds']} seeds (mean ± SD), {heads}")
+    return tables
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dk", type=int, default=64)
@@ -342,7 +364,13 @@ def main(argv=None) -> dict:
                         "only the streams and lags vary with the seed (default: a new head per seed)")
     p.add_argument("--out", default="runs/eval/muir_retrieval")
     p.add_argument("--png", default=None, help="plot path (default <out>/muir_retrieval.png)")
+    p.add_argument("--redraw", default=None, metavar="JSON",
+                   help="print the tables and draw the plot from a saved muir_retrieval.json; no simulation")
     a = p.parse_args(argv)
+    if a.redraw:
+        png = a.png or os.path.join(os.path.dirname(a.redraw), "muir_retrieval.png")
+        print(redraw(a.redraw, png))
+        return {"png": png}
     gap = tuple(_floats(a.decay_gap, "--decay_gap"))
     if len(gap) != 2 or not 0 < gap[0] < gap[1] < 1:
         raise ValueError(f"--decay_gap={a.decay_gap!r}: expected 'lo,hi' with 0 < lo < hi < 1")
@@ -375,8 +403,7 @@ def main(argv=None) -> dict:
     os.makedirs(a.out, exist_ok=True)
     with open(out_md, "w") as f:
         f.write(tables + "\n")
-    heads = "one head drawn from seed %d" % a.head_seed if a.head_seed is not None else "a new head per seed"
-    plot(summary, mus, horizons, lags, png, f"d_k = {a.dk}, {a.seeds} seeds (mean ± SD), {heads}")
+    redraw(out_json, png)
     print(f"\nwrote {out_json}, {out_md} and {png}")
     return payload
 

@@ -168,5 +168,7 @@ def test_cli_tiny(tmp_path):
     assert len(saved["per_seed"]) == 2 and set(saved["summary"]["geometric"]) == set(mr.STATIC_READOUTS)
     assert "(paper)" in open(out / "muir_retrieval.md").read()  # default horizons 10, 27, 81: paper rows shown
     assert payload["summary"]["geometric"]["unit"]["mean"].shape == (3, 3)
+    mr.main(["--redraw", str(out / "muir_retrieval.json"), "--png", str(tmp_path / "again.png")])
+    assert os.path.exists(tmp_path / "again.png")
     with pytest.raises(ValueError, match="--decay_gap"):
         mr.main(["--decay_gap", "0.3,0.1", "--out", str(out)])
