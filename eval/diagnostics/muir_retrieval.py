@@ -39,7 +39,8 @@ import numpy as np
 from mixerlab.eval import report
 from mixerlab.eval.diagnostics.muir_row_energy import make_problem
 from mixerlab.eval.diagnostics.retrieval_stats import RetrievalStats, retrieval_stats
-from mixerlab.eval.diagnostics.row_energy_law import normalized_gaussian_key_moments, stationary_row_energy
+from mixerlab.eval.diagnostics.row_energy_law import (KeyMoments, normalized_gaussian_key_moments,
+                                                      stationary_row_energy)
 
 # Muir Table 6 (middle block), mean ± SD over 20 seeds: MSE at μ* and μ* per horizon H = 10, 27, 81.
 PAPER_GEOMETRIC = {
@@ -134,34 +135,55 @@ def spearman(x, y) -> float:
 # ------------------------------------------------------------------------------------------- one seed
 
 
+def key_moments(scales, key_law: str) -> KeyMoments:
+    """κ and C of the key law: the channel law's, or (token law) their average over channel permutations."""
+    m = normalized_gaussian_key_moments(scales)
+    if key_law == "channel":
+        return m
+    d = len(scales)
+    diag = np.trace(m.fourth) / d
+    off = (m.fourth.sum() - np.trace(m.fourth)) / (d * (d - 1))
+    return KeyMoments(np.full(d, 1.0 / d), np.full((d, d), off) + np.eye(d) * (diag - off))
+
+
 def head(seed: int, d_k: int, d_v: int, key_power: float, decay_gap):
     """Channel scales, decays and write gate of the row-energy input model (its erase draw is not used)."""
     problem = make_problem(d_k, d_v, mu=0.1, key_power=key_power, decay_gap=decay_gap, seed=seed)
     return problem.scales, problem.alpha, problem.write
 
 
-def streams(seed: int, scales, write, chains: int, tokens: int):
-    """Unit keys k = (s ⊙ g)/‖s ⊙ g‖ and written values v̂ = w ⊙ v, [C, T, d]."""
-    kg, kv = jax.random.split(jax.random.key(seed))
-    g = jax.random.normal(kg, (chains, tokens, len(scales)), jnp.float32) * jnp.asarray(scales, jnp.float32)
+KEY_LAWS = ("channel", "token")
+
+
+def streams(seed: int, scales, write, chains: int, tokens: int, key_law: str = "channel"):
+    """Unit keys k = (s ⊙ g)/‖s ⊙ g‖ and written values v̂ = w ⊙ v, [C, T, d]. key_law "channel": the scale
+    profile s sits on fixed channels; "token": each key puts it on its own random permutation of the channels
+    (keys as concentrated, E[η_eff] unchanged, but every channel gets the same mean energy κ_j = 1/d_k)."""
+    if key_law not in KEY_LAWS:
+        raise ValueError(f"key_law={key_law!r}: expected one of {KEY_LAWS}")
+    kg, kv, kp = jax.random.split(jax.random.key(seed), 3)
+    s = jnp.asarray(scales, jnp.float32)
+    if key_law == "token":
+        s = s[jnp.argsort(jax.random.uniform(kp, (chains, tokens, len(scales))), axis=-1)]
+    g = jax.random.normal(kg, (chains, tokens, len(scales)), jnp.float32) * s
     keys = g / jnp.linalg.norm(g, axis=-1, keepdims=True)
     values = jax.random.normal(kv, (chains, tokens, len(write)), jnp.float32) * jnp.asarray(write, jnp.float32)
     return keys, values
 
 
 def run_seed(seed: int, mus, horizons, lags, *, d_k=64, d_v=64, key_power=0.43, decay_gap=(0.01, 0.3),
-             chains=16, probes=128, every=16, draws=4, max_lag=512, head_seed=None) -> dict:
+             chains=16, probes=128, every=16, draws=4, max_lag=512, head_seed=None, key_law="channel") -> dict:
     """Normalised MSE of every readout for every μ (static readouts per geometric horizon; the bimodal block per
     μ), and the gains of the bimodal block. Distributions: horizons..., lags..., in that order. The head (scales,
     decays, write gate) is drawn from ``head_seed`` if given, else from ``seed``; streams and lags from ``seed``."""
     mus = np.asarray(mus, np.float64)
     scales, alpha, write = head(seed if head_seed is None else head_seed, d_k, d_v, key_power, decay_gap)
-    moments = normalized_gaussian_key_moments(scales)
+    moments = key_moments(scales, key_law)
     kappa = moments.second
     erase = mus[:, None] * np.ones(d_k)
     pmfs = [geometric_pmf(h, max_lag) for h in horizons] + [fixed_pmf(ell, max_lag) for ell in lags]
     lag_draws = draw_lags(pmfs, probes, draws, chains, np.random.default_rng([seed, 1]))
-    keys, values = streams(seed, scales, write, chains, max_lag + probes * every)
+    keys, values = streams(seed, scales, write, chains, max_lag + probes * every, key_law)
     stats = retrieval_stats(keys, values, np.log(alpha), erase, lag_draws, burn_in=max_lag, every=every)
     pooled = stats.pooled()
     write_energy = float(np.sum(write ** 2))
@@ -313,10 +335,10 @@ def _floats(text: str, name: str) -> list[float]:
 
 
 def mu_grid(step: float, bimodal_mu: float) -> np.ndarray:
-    """step, 2·step, …, 1 (and bimodal_mu)."""
+    """0, step, 2·step, …, 1 (and bimodal_mu); μ = 0 is no erase (a decayed linear-attention head)."""
     if not 0 < step <= 1:
         raise ValueError(f"--mu_step={step}: expected 0 < step <= 1")
-    grid = np.round(np.arange(1, math.floor(1 / step + 1e-9) + 1) * step, 6)
+    grid = np.round(np.arange(0, math.floor(1 / step + 1e-9) + 1) * step, 6)
     return np.unique(np.append(grid, round(bimodal_mu, 6)))
 
 
@@ -338,7 +360,8 @@ def redraw(json_path: str, png: str) -> str:
     head_seed = setup.get("head_seed")
     heads = "a new head per seed" if head_seed is None else f"one head drawn from seed {head_seed}"
     plot(summary, np.asarray(setup["mus"]), setup["horizons"], setup["lags"], png,
-         f"d_k = {setup['d_k']}, {setup['seeds']} seeds (mean ± SD), {heads}")
+         f"d_k = {setup['d_k']}, {setup['seeds']} seeds (mean ± SD), {heads}, key law "
+         f"{setup.get('key_law', 'channel')}, 1 − α in {setup['decay_gap']}")
     return tables
 
 
@@ -347,12 +370,15 @@ def main(argv=None) -> dict:
     p.add_argument("--dk", type=int, default=64)
     p.add_argument("--dv", type=int, default=64)
     p.add_argument("--seeds", "-n", type=int, default=20, help="seeds 0..n-1 (gates, keys, values, lags)")
-    p.add_argument("--mu_step", type=float, default=0.05, help="erase strengths μ = step, 2·step, …, 1")
+    p.add_argument("--mu_step", type=float, default=0.05, help="erase strengths μ = 0, step, 2·step, …, 1")
     p.add_argument("--horizons", default="10,27,81", help="means H of the geometric lag distributions")
     p.add_argument("--lags", default="2,80", help="the fixed lags of the bimodal block (short, long)")
     p.add_argument("--bimodal_mu", type=float, default=0.6, help="μ of the bimodal block")
     p.add_argument("--key_power", type=float, default=0.43, help="key channel scales s_j = j^-key_power")
     p.add_argument("--decay_gap", default="0.01,0.3", help="range of 1 − α_j (log-uniform)")
+    p.add_argument("--key_law", default="channel", choices=KEY_LAWS,
+                   help="channel: the scale profile on fixed channels (the row-energy model); token: on a random "
+                        "channel permutation per key (same E[η_eff], uniform mean channel energy)")
     p.add_argument("--chains", type=int, default=16, help="independent chains per seed (even)")
     p.add_argument("--probes", type=int, default=128, help="state probes per chain after the burn-in")
     p.add_argument("--every", type=int, default=16, help="tokens between probes")
@@ -383,13 +409,14 @@ def main(argv=None) -> dict:
     for seed in range(a.seeds):
         runs.append(run_seed(seed, mus, horizons, lags, d_k=a.dk, d_v=a.dv, key_power=a.key_power, decay_gap=gap,
                              chains=a.chains, probes=a.probes, every=a.every, draws=a.draws, max_lag=a.max_lag,
-                             head_seed=a.head_seed))
+                             head_seed=a.head_seed, key_law=a.key_law))
         print(f"seed {seed} done", flush=True)
     summary = summarize(runs, mus, horizons, lags, a.bimodal_mu)
     m_err = [float(np.mean(np.abs(r["m_measured"] / r["m_star"] - 1))) for r in runs]
     setup = {"d_k": a.dk, "d_v": a.dv, "seeds": a.seeds, "mus": mus, "horizons": horizons, "lags": lags,
              "bimodal_mu": summary["bimodal_mu"], "key_power": a.key_power, "decay_gap": gap, "chains": a.chains,
              "probes": a.probes, "every": a.every, "draws": a.draws, "max_lag": a.max_lag, "head_seed": a.head_seed,
+             "key_law": a.key_law,
              "queries_per_distribution_and_seed": 2 * runs[0]["queries_per_half"],
              "erase": "isotropic b = μ·1", "mean_abs_rel_err_measured_vs_closed_row_energy": float(np.mean(m_err))}
     tables = geometric_table(summary, horizons) + "\n\n" + bimodal_table(summary, lags)

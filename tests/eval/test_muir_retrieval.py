@@ -115,6 +115,18 @@ def test_signal_decays_as_the_closed_form_retention():
             assert abs(measured.sum() - np.sum(kappa * alpha ** ell)) > 0.04
 
 
+def test_token_key_law_moments_match_monte_carlo():
+    scales = np.arange(1, 9) ** -0.8
+    keys, _ = mr.streams(0, scales, np.ones(2), 4, 20000, key_law="token")
+    k2 = np.asarray(keys, np.float64).reshape(-1, 8) ** 2
+    m = mr.key_moments(scales, "token")
+    np.testing.assert_allclose(k2.mean(0), m.second, atol=3e-3)  # uniform 1/8
+    np.testing.assert_allclose(k2.T @ k2 / len(k2), m.fourth, atol=3e-3)
+    channel = mr.key_moments(scales, "channel")
+    assert np.ptp(channel.second) > 0.1  # the channel law is not uniform: the test can tell them apart
+    np.testing.assert_allclose(np.trace(m.fourth), np.trace(channel.fourth))  # same E‖k‖₄⁴ (E[η_eff])
+
+
 @pytest.fixture(scope="module")
 def small_seed():
     mus = [0.2, 0.6, 1.0]
@@ -155,7 +167,7 @@ def test_lag_distributions():
     assert pmf[0] == 0
     with pytest.raises(ValueError, match="max_lag"):
         mr.fixed_pmf(80, 64)
-    np.testing.assert_allclose(mr.mu_grid(0.25, 0.6), [0.25, 0.5, 0.6, 0.75, 1.0])
+    np.testing.assert_allclose(mr.mu_grid(0.25, 0.6), [0.0, 0.25, 0.5, 0.6, 0.75, 1.0])
 
 
 def test_cli_tiny(tmp_path):
@@ -164,10 +176,10 @@ def test_cli_tiny(tmp_path):
                        "--max_lag", "32", "--lags", "2,20", "--mu_step", "0.5", "--out", str(out)])
     assert os.path.exists(out / "muir_retrieval.png") and os.path.exists(out / "muir_retrieval.md")
     saved = json.load(open(out / "muir_retrieval.json"))
-    assert saved["setup"]["mus"] == [0.5, 0.6, 1.0]
+    assert saved["setup"]["mus"] == [0.0, 0.5, 0.6, 1.0]
     assert len(saved["per_seed"]) == 2 and set(saved["summary"]["geometric"]) == set(mr.STATIC_READOUTS)
     assert "(paper)" in open(out / "muir_retrieval.md").read()  # default horizons 10, 27, 81: paper rows shown
-    assert payload["summary"]["geometric"]["unit"]["mean"].shape == (3, 3)
+    assert payload["summary"]["geometric"]["unit"]["mean"].shape == (3, 4)
     mr.main(["--redraw", str(out / "muir_retrieval.json"), "--png", str(tmp_path / "again.png")])
     assert os.path.exists(tmp_path / "again.png")
     with pytest.raises(ValueError, match="--decay_gap"):
