@@ -6,6 +6,8 @@ Task (reconstructed where the paper's text is missing; every choice is a flag):
 * One head, d_k = d_v = 64, gates fixed in time. Keys, decays α and write gate w come from the row-energy input
   model (``muir_row_energy.make_problem``, same seed → same draw): k = (s ⊙ g)/‖s ⊙ g‖ with s_j = j^−0.43
   permuted, 1 − α_j log-uniform in [0.01, 0.3], w_j ~ U(0.2, 1); values v ~ N(0, I), written as v̂ = w ⊙ v.
+  --key_law token puts the key profile on a random channel permutation per key instead (same concentration,
+  uniform mean channel energy); --head_seed keeps one head for every seed.
 * Erase strength μ: an isotropic erase gate b = μ·1, so ⟨k, b ⊙ k⟩ = μ for every unit key. (The row-energy
   model's drawn profile b_j ∝ U(0.2, 1) cannot reach μ ≈ 0.9 with b_j < 1.)
 * Query q = k_{t−ℓ} (the key written ℓ tokens ago), target v̂_{t−ℓ}, readout o = c (γ ⊙ q) S_t. Lags: geometric
@@ -28,6 +30,7 @@ the expected per-token retention of a written value in row j, κ_j = E[k_j²], s
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -351,8 +354,6 @@ def _arrays(x):
 
 def redraw(json_path: str, png: str) -> str:
     """Tables and plot again from a saved ``muir_retrieval.json`` (no simulation)."""
-    import json
-
     with open(json_path) as f:
         payload = json.load(f)
     setup, summary = payload["setup"], _arrays(payload["summary"])

@@ -117,7 +117,7 @@ def test_signal_decays_as_the_closed_form_retention():
 
 def test_token_key_law_moments_match_monte_carlo():
     scales = np.arange(1, 9) ** -0.8
-    keys, _ = mr.streams(0, scales, np.ones(2), 4, 20000, key_law="token")
+    keys, _ = mr.streams(0, scales, np.ones(2), 4, 8000, key_law="token")
     k2 = np.asarray(keys, np.float64).reshape(-1, 8) ** 2
     m = mr.key_moments(scales, "token")
     np.testing.assert_allclose(k2.mean(0), m.second, atol=3e-3)  # uniform 1/8
