@@ -8,7 +8,15 @@
     python -m mixerlab.eval.mqar --merge runs/a/results.json runs/b/results.json --out runs/eval/merged
 
 --merge draws one table and capacity plot from the results.json of several sweeps (e.g. one process per
-mixer, run side by side on one GPU by tools/gpu_mqar_sweep.sh); it trains nothing.
+mixer, run side by side on one GPU by tools/gpu_mqar_sweep.sh); it trains nothing. Cells are the mean over
+seeds, "± sample std [min, max]" when there are several; a column also names its step count when the merged
+runs differ in train.steps. Different seed lists per n: one sweep per list, then --merge
+(tools/gpu_mqar_paper.sh does this).
+
+--label NAME records the (single) mixer under NAME, e.g. an ablation of vla beside vla itself:
+    ... --mixers vla --label "vla, A fixed" mixers.vla.penalty_update=fixed
+task.ood_key_range=[64,127] also evaluates every run on held-out rows whose keys come from [64, 127) (VLA
+paper, Table 13); the table of those accuracies follows the main one.
 
 Mixers: registered names, or hybrids as a '+'-joined layer pattern (gdn2+softmax). Without --mixers the
 config's own model.mixer / model.layer_pattern is used; without --seeds its train.seed.
@@ -58,6 +66,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--seeds", help="comma-separated seeds (model init and data); default: train.seed")
     p.add_argument("--out", help="output directory (default: train.output_dir)")
     p.add_argument("--verbose", action="store_true", help="print every held-out evaluation inside each run")
+    p.add_argument("--label", help="name the (single) mixer's runs this in results, table and plots "
+                                   "(e.g. an ablation of the same mixer)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides (task.* included)")
     return p
 
@@ -70,6 +80,8 @@ def prepare(args, extra_overrides=()):
     except ValueError as e:  # ConfigError is a ValueError
         raise SystemExit(f"error: {e}") from None
     mixers = [m.strip() for m in args.mixers.split(",") if m.strip()] if args.mixers else [config_mixers(cfg)]
+    if getattr(args, "label", None) and len(mixers) != 1:
+        raise SystemExit(f"error: --label names one mixer's runs; got --mixers {','.join(mixers)}")
     seeds = _int_list(args.seeds, "--seeds") if args.seeds else [None]
     out = args.out or cfg.train.output_dir
     storage.makedirs(out, "--out")
@@ -85,6 +97,8 @@ def run_and_report(args, cfg, task, mixers, settings, seeds, out, *, overrides, 
                 settings=[s.label for s in settings], seeds=[cfg.train.seed if s is None else s for s in seeds])
 
     def save(record):
+        if getattr(args, "label", None):
+            record = {**record, "mixer": args.label, "mixer_entry": record["mixer"]}
         records.append(record)
         report.write_json(json_path, records=records, total_s=time.perf_counter() - start, **meta)
 
@@ -95,17 +109,27 @@ def run_and_report(args, cfg, task, mixers, settings, seeds, out, *, overrides, 
                   log=lambda m: print(m, flush=True))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    table = report.accuracy_table(records)
+    text = tables_text(records, title)
     total = time.perf_counter() - start
-    storage.write_text(storage.join(out, "table.md"), f"{title}; held-out per-query-token accuracy (mean [min,max] "
-                       f"over seeds)\n\n{table}\n", "--out")
-    print(f"\nheld-out per-query-token accuracy ({title}):\n{table}\ntotal {total:.1f} s")
+    storage.write_text(storage.join(out, "table.md"), text, "--out")
+    print(f"\n{text}\ntotal {total:.1f} s")
     paths = [json_path, storage.join(out, "table.md")]
     if capacity_plot:
         paths.append(report.plot_capacity(records, storage.join(out, "capacity.png"), title=title))
     paths.append(report.plot_learning_curves(records, storage.join(out, "learning_curves.png"), title=title))
     print("wrote " + ", ".join(paths))
     return records
+
+
+def tables_text(records: list[dict], title: str) -> str:
+    """table.md: the held-out accuracy table, then the OOD-key table when any run has one."""
+    text = (f"{title}; held-out per-query-token accuracy (mean ± sample std [min,max] over seeds)\n\n"
+            f"{report.accuracy_table(records)}\n")
+    if any(r.get("ood_accuracy") is not None for r in records):
+        keys = next(r["task"]["ood_key_range"] for r in records if r.get("ood_accuracy") is not None)
+        text += (f"\nthe same models on held-out rows with out-of-distribution keys from {list(keys)} "
+                 f"(task.ood_key_range)\n\n{report.accuracy_table(records, 'ood_accuracy')}\n")
+    return text
 
 
 def merge(paths: list[str], out: str, title: str = "MQAR") -> list[dict]:
@@ -123,18 +147,25 @@ def merge(paths: list[str], out: str, title: str = "MQAR") -> list[dict]:
     if not records:
         raise SystemExit(f"error: --merge: no runs in {', '.join(paths)}")
     storage.makedirs(out, "--out")
-    table = report.accuracy_table(records)
-    storage.write_text(storage.join(out, "table.md"), f"{title}; held-out per-query-token accuracy (mean [min,max] "
-                       f"over seeds)\n\n{table}\n", "--out")
+    text = tables_text(records, title)
+    storage.write_text(storage.join(out, "table.md"), text, "--out")
     write_json(storage.join(out, "results.json"), {"merged_from": sources, "results": records})
     paths_out = [storage.join(out, "results.json"), storage.join(out, "table.md"),
                  report.plot_capacity(records, storage.join(out, "capacity.png"), title=title)]
     if any(r.get("history") for r in records):
         paths_out.append(report.plot_learning_curves(records, storage.join(out, "learning_curves.png"),
                                                      title=title))
-    print(f"held-out per-query-token accuracy ({title}, {len(records)} runs from {len(paths)} file(s)):\n{table}")
+    print(f"{len(records)} runs from {len(paths)} file(s)\n{text}")
     print("wrote " + ", ".join(paths_out))
     return records
+
+
+def sweep_parser() -> argparse.ArgumentParser:
+    p = build_parser(__doc__)
+    p.add_argument("--layout", choices=["vla_contiguous", "zoology"], help="default: the config's task.layout")
+    p.add_argument("--n", help="vla_contiguous: comma-separated key-value pair counts (default: task.num_kv_pairs)")
+    p.add_argument("--pairs", help="zoology: comma-separated T:n pairs (default: task.seq_len:task.num_kv_pairs)")
+    return p
 
 
 def main(argv=None) -> list[dict]:
@@ -146,11 +177,7 @@ def main(argv=None) -> list[dict]:
         m.add_argument("--title", default="MQAR vla_contiguous")
         margs = m.parse_args(argv)
         return merge(margs.merge, margs.out, margs.title)
-    p = build_parser(__doc__)
-    p.add_argument("--layout", choices=["vla_contiguous", "zoology"], help="default: the config's task.layout")
-    p.add_argument("--n", help="vla_contiguous: comma-separated key-value pair counts (default: task.num_kv_pairs)")
-    p.add_argument("--pairs", help="zoology: comma-separated T:n pairs (default: task.seq_len:task.num_kv_pairs)")
-    args = p.parse_args(argv)
+    args = sweep_parser().parse_args(argv)
     layout_override = [f"task.layout={args.layout}"] if args.layout else []
     cfg, task, mixers, seeds, out = prepare(args, layout_override)
     if task.kind != "mqar":

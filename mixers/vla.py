@@ -59,6 +59,15 @@ class VLAOptions:
                                       before the Sherman–Morrison update of those tokens [R]; "none": no
                                       refresh [R].
     eps: float = 1e-4                 floor of every denominator [S:VLA Tab.3/6].
+    normalize_key: bool = True        k̂ = k_feat/max(‖k_feat‖, eps) [S: VLA §1.2]; False: write and read with the
+                                      raw k_feat (the paper's "no k̂ norm" ablation, Table 4) [ablation].
+    normalize_write_direction: bool = True   α̂ = k̂A/max(‖k̂A‖, eps) [S: VLA §1.2, App. A.1]; False: write
+                                      along α = k̂A itself (the unnormalised "VLAv2" of Table 2: with u = k̂ this
+                                      is the classical RLS gain) [ablation].
+    penalty_update: "sherman_morrison"   A_t by the Sherman–Morrison update and the refresh [S: VLA §3.3];
+                                      "fixed": A stays I/λ₀ (= 10 I), no update and no refresh (Table 4's
+                                      "A_t = 10I fixed" row; α̂ = k̂, i.e. a delta rule with β = 1). W_u is then
+                                      not created [ablation].
     use_short_conv: bool = False      causal depthwise conv (K=conv_size, no activation) on q, k, v; the paper
                                       has none; Zoology-style baselines do [R].
     conv_size: int = 4                its kernel width [R].
@@ -78,6 +87,9 @@ class VLAOptions:
     refresh_magnitude: float = 1e-3
     refresh_placement: Literal["after_write", "before_update", "none"] = "after_write"
     eps: float = 1e-4
+    normalize_key: bool = True
+    normalize_write_direction: bool = True
+    penalty_update: Literal["sherman_morrison", "fixed"] = "sherman_morrison"
     use_short_conv: bool = False
     conv_size: int = 4
     use_output_norm: bool = False
@@ -96,12 +108,25 @@ class VLAOptions:
                              f"got {self.refresh_period!r}")
         if self.refresh_magnitude < 0 or not self.eps > 0:
             raise ValueError("mixers.vla.refresh_magnitude must be >= 0 and mixers.vla.eps > 0")
+        if self.penalty_update not in ("sherman_morrison", "fixed"):
+            raise ValueError(f"mixers.vla.penalty_update must be 'sherman_morrison' (the paper's method) or "
+                             f"'fixed' (A stays I/lambda0), got {self.penalty_update!r}")
 
     @property
-    def op_refresh(self) -> dict:
+    def op_kwargs(self) -> dict:
         period = 0 if self.refresh_placement == "none" else self.refresh_period
         return dict(refresh_period=period, refresh_magnitude=self.refresh_magnitude,
-                    refresh_offset=REFRESH_OFFSET[self.refresh_placement] if period else 0, eps=self.eps)
+                    refresh_offset=REFRESH_OFFSET[self.refresh_placement] if period else 0, eps=self.eps,
+                    **self.op_ablation)
+
+    @property
+    def op_ablation(self) -> dict:
+        return dict(normalize_key=self.normalize_key, normalize_write_direction=self.normalize_write_direction,
+                    penalty_update=self.penalty_update)
+
+    @property
+    def learns_penalty_map(self) -> bool:
+        return self.penalty_map == "linear" and self.penalty_update == "sherman_morrison"
 
 
 class _Projections(nnx.Module):
@@ -149,7 +174,7 @@ class _Projections(nnx.Module):
 class VLA(_Projections):
     def __init__(self, spec: MixerSpec, options: VLAOptions, *, rngs: nnx.Rngs):
         self._build_projections(spec, options, rngs)
-        if options.penalty_map == "linear":
+        if options.learns_penalty_map:  # a fixed penalty never reads u: no W_u to train
             # f_θ: identity-initialised per-head map; dynamics-like (defines the penalty geometry): no decay
             self.penalty_map = DynamicsParam(jnp.broadcast_to(jnp.eye(self.head_dim, dtype=jnp.float32),
                                                               (self.num_heads, self.head_dim, self.head_dim)))
@@ -165,7 +190,7 @@ class VLA(_Projections):
             qf = vla_api.normalize(qf, o.eps)
         kf = elu_plus_one(k) if o.key_feature_map == "elu_plus_one" else k
         p = None
-        if o.penalty_map == "linear":
+        if o.learns_penalty_map:
             p = jnp.einsum("...hk,hkj->...hj", kf, self.penalty_map[...],
                            precision=jax.lax.Precision.HIGHEST).astype(self.dtype)
         return qf.astype(self.dtype), kf.astype(self.dtype), v.astype(self.dtype), p
@@ -180,7 +205,7 @@ class VLA(_Projections):
         o, state = vla_api.vla(
             q, k, v, penalty_key=p, segment_ids=segment_ids, lambda0=self.options.lambda0,
             chunk_size=self.options.chunk_size or None, implementation=self.options.implementation,
-            **self.options.op_refresh)
+            **self.options.op_kwargs)
         return self._output(o), state
 
     def __call__(self, x_BTD, *, segment_ids=None, positions=None):
@@ -218,7 +243,7 @@ class VLA(_Projections):
         new_cache = {}
         q, k, v, p = self._features(*self._qkv_step(x[:, 0], cache, new_cache))
         o, (S, A) = vla_api.vla_step(q, k, v, penalty_key=p, state=(cache["S"], cache["A"]),
-                                                position=positions_B.astype(jnp.int32), **self.options.op_refresh)
+                                                position=positions_B.astype(jnp.int32), **self.options.op_kwargs)
         new_cache["S"], new_cache["A"] = S.astype(jnp.float32), A.astype(jnp.float32)
         return self._output(o[:, None]), new_cache
 

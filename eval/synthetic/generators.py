@@ -6,7 +6,8 @@ position that sees its cue), and ``IGNORE`` (-100) wherever there is no loss or 
 
 * ``mqar_zoology``        the public HazyResearch/zoology ``multiquery_ar`` rules (comparable to published MQAR).
 * ``mqar_vla_contiguous`` the VLA paper's layout ``k1 v1 … kn vn SEP k_π(1) … k_π(n)``, optionally with random
-                          filler between SEP and the queries (the long-context variant).
+                          filler between SEP and the queries (the long-context variant), and optionally with
+                          keys from another token range (the out-of-distribution keys of the paper's Table 13).
 * ``copy_task``           ``x1 … xL SEP x1 … xL [PAD]`` with the loss on the copied half.
 
 Sampling "without replacement" is vectorised over rows; the samples therefore differ from zoology's own random
@@ -98,12 +99,46 @@ def vla_filler(rng: np.random.Generator, keys: np.ndarray, length: int, vocab_si
     return np.take_along_axis(allowed_tokens, picks, axis=1)
 
 
+def check_key_range(key_range, num_kv_pairs: int, vocab_size: int) -> tuple[int, int]:
+    """(low, high) of the key tokens: [1, V/2) by default; a custom range must lie in [1, V) (0 is SEP), hold
+    ``num_kv_pairs`` distinct keys, and leave ``num_kv_pairs`` value tokens in [V/2, V) outside a row's keys."""
+    V, n = vocab_size, num_kv_pairs
+    if key_range is None or len(key_range) == 0:
+        return 1, V // 2
+    _require(len(key_range) == 2 and all(isinstance(x, (int, np.integer)) for x in key_range),
+             f"key_range: got {key_range!r}; expected two integers [low, high) (e.g. [64, 127]) or empty")
+    low, high = int(key_range[0]), int(key_range[1])
+    _require(1 <= low < high <= V, f"key_range: got [{low}, {high}); must satisfy 1 <= low < high <= vocab_size "
+                                   f"({V}); token 0 is SEP")
+    _require(high - low >= n, f"key_range: [{low}, {high}) holds {high - low} tokens, fewer than num_kv_pairs={n}")
+    overlap = max(0, min(high, V) - max(low, V // 2))  # key tokens inside the value range
+    free_values = V // 2 - min(n, overlap)  # per row, in the worst case: the values minus the row's keys
+    _require(free_values >= n, f"key_range: [{low}, {high}) can leave only {free_values} value tokens in "
+                               f"[{V // 2}, {V}) outside a row's keys, fewer than num_kv_pairs={n}")
+    return low, high
+
+
+def values_avoiding(rng: np.random.Generator, keys: np.ndarray, low: int, high: int) -> np.ndarray:
+    """``keys.shape[1]`` distinct values per row, uniform over [low, high) minus that row's keys."""
+    num_rows, n = keys.shape
+    rows, cols = np.nonzero((keys >= low) & (keys < high))
+    taken = np.zeros((num_rows, high - low), bool)
+    taken[rows, keys[rows, cols] - low] = True
+    scores = np.where(taken, 2.0, rng.random((num_rows, high - low)))  # a row's keys sort last (others < 1)
+    return (np.argsort(scores, axis=1)[:, :n] + low).astype(np.int64)
+
+
 def mqar_vla_contiguous(rng: np.random.Generator, num_examples: int, *, num_kv_pairs: int, vocab_size: int = 128,
-                        seq_len: int | None = None) -> dict:
+                        seq_len: int | None = None, key_range=None) -> dict:
     """``k1 v1 … kn vn SEP [filler] k_π(1) … k_π(n)``; keys distinct from [1, V/2), values distinct from
     [V/2, V) (V = 128: keys 1..63, values 64..127), SEP = 0. The label of each query key is its value, on the
     query's own position. ``seq_len`` None means 3n+1 (no filler); a longer ``seq_len`` inserts
-    ``seq_len − 3n − 1`` filler tokens between SEP and the queries (the long-context variant)."""
+    ``seq_len − 3n − 1`` filler tokens between SEP and the queries (the long-context variant).
+
+    ``key_range`` [low, high): draw the keys from there instead (VLA paper, Table 13: models trained on keys
+    {0..63} are tested on keys {64..126}, i.e. [64, 127)). Where that range overlaps the value range, each
+    row's values avoid that row's keys, so no token is both a key and a value of one row (the paper does not
+    say how it handled the overlap; this is our choice)."""
     _check_count("num_examples", num_examples)
     _check_count("num_kv_pairs", num_kv_pairs)
     n, V = num_kv_pairs, vocab_size
@@ -116,8 +151,12 @@ def mqar_vla_contiguous(rng: np.random.Generator, num_examples: int, *, num_kv_p
     _require(isinstance(T, (int, np.integer)) and T >= 3 * n + 1,
              f"seq_len: got {seq_len}; the vla_contiguous layout needs seq_len >= 3*num_kv_pairs+1 = {3 * n + 1} "
              f"(or null for exactly that)")
-    keys = distinct_per_row(rng, num_examples, 1, V // 2, n)
-    values = distinct_per_row(rng, num_examples, V // 2, V, n)
+    low, high = check_key_range(key_range, n, V)
+    keys = distinct_per_row(rng, num_examples, low, high, n)
+    if high <= V // 2:  # the default split: values never meet keys
+        values = distinct_per_row(rng, num_examples, V // 2, V, n)
+    else:
+        values = values_avoiding(rng, keys, V // 2, V)
     order = np.argsort(rng.random((num_examples, n)), axis=1)  # π: the query order, one per row
     query_start = T - n
 

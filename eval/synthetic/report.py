@@ -10,11 +10,20 @@ import numpy as np
 from mixerlab.eval import report
 
 
+def column(r: dict, records: list[dict]) -> str:
+    """A record's table column: its setting, plus its step count when the runs of the table differ in it
+    (e.g. the VLA paper's n = 32, 48 at 1000 steps beside n ≤ 24 at 2000)."""
+    steps = {x.get("train_steps") for x in records}
+    return r["setting"] if len(steps) <= 1 else f"{r['setting']} ({r.get('train_steps')} steps)"
+
+
 def _group(records: list[dict], key: str = "accuracy") -> dict:
-    """(mixer, setting) -> list of values over seeds, keeping the sweep's order."""
+    """(mixer, column) -> list of values over seeds, keeping the sweep's order (records without ``key``
+    are left out)."""
     out: dict = {}
     for r in records:
-        out.setdefault((r["mixer"], r["setting"]), []).append(r[key])
+        if r.get(key) is not None:
+            out.setdefault((r["mixer"], column(r, records)), []).append(r[key])
     return out
 
 
@@ -26,15 +35,28 @@ def _ordered(records: list[dict], field: str) -> list:
     return seen
 
 
-def accuracy_table(records: list[dict]) -> str:
-    """Rows = mixers, columns = settings; mean held-out accuracy over seeds, [min, max] when several."""
-    mixers, settings = _ordered(records, "mixer"), _ordered(records, "setting")
-    groups = _group(records)
+def mean_std(values) -> tuple[float, float]:
+    """Mean and sample standard deviation (ddof = 1, as the VLA paper's Table 9: 0.074, 0.077, 0.072 →
+    0.074 ± 0.003); std 0 for one value."""
+    values = np.asarray(values, np.float64)
+    return float(values.mean()), float(values.std(ddof=1)) if values.size > 1 else 0.0
+
+
+def accuracy_table(records: list[dict], key: str = "accuracy") -> str:
+    """Rows = mixers, columns = settings; the mean of ``key`` over seeds, with "± sample std [min, max]"
+    when there are several."""
+    mixers = _ordered(records, "mixer")
+    settings = []  # in order of n (merged sweeps may list n = 32 before n = 4), ties in order of appearance
+    for r in sorted(records, key=lambda r: r.get("x", 0.0)):
+        if column(r, records) not in settings:
+            settings.append(column(r, records))
+    groups = _group(records, key)
 
     def cell(values):
         if len(values) == 1:
             return f"{values[0]:.3f}"
-        return f"{np.mean(values):.3f} [{min(values):.3f},{max(values):.3f}]"
+        mean, std = mean_std(values)
+        return f"{mean:.3f} ± {std:.3f} [{min(values):.3f},{max(values):.3f}]"
 
     rows = [[m, *(cell(groups[(m, s)]) if (m, s) in groups else "-" for s in settings)] for m in mixers]
     return report.table(["mixer", *settings], rows)

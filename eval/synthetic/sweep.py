@@ -59,11 +59,12 @@ def run_sweep(config_path: str, mixers: list[str], settings: list[Setting], seed
         result = train_on_task(cfg, task, log=log if verbose_runs else None)
         wall = time.perf_counter() - start
         record = {"mixer": mixer, "setting": setting.label, "x": setting.x, "seed": cfg.train.seed,
-                  "task": dataclasses.asdict(task), "seq_len": task.resolved_seq_len(),
+                  "train_steps": cfg.train.steps, "task": dataclasses.asdict(task), "seq_len": task.resolved_seq_len(),
                   **{k: v for k, v in dataclasses.asdict(result).items()}, "wall_s": wall}
         records.append(record)
+        ood = "" if result.ood_accuracy is None else f", OOD-key accuracy {result.ood_accuracy:.4f}"
         log(f"[{i}/{len(runs)}] {mixer:<18} {setting.label:<12} seed {cfg.train.seed}: accuracy "
-            f"{result.accuracy:.4f} (exact match {result.exact_match:.3f}), loss {result.final_loss:.4f}, "
+            f"{result.accuracy:.4f} (exact match {result.exact_match:.3f}){ood}, loss {result.final_loss:.4f}, "
             f"{result.steps} steps{' (early stop)' if result.stopped_early else ''}, {wall:.1f} s "
             f"(first step {result.first_step_s:.1f} s), {result.num_params / 1e3:.0f}k params")
         if on_record is not None:

@@ -29,6 +29,9 @@ class TaskConfig:
     eval_every: int = 0  # steps between held-out evaluations during training; 0: only at the end
     target_accuracy: float | None = None  # stop early once held-out accuracy reaches this (checked at eval_every)
     lag_buckets: tuple[int, ...] = ()  # edges [e0, e1, ...): also report accuracy per key-to-query lag bucket
+    # vla_contiguous: also evaluate on held-out rows whose keys come from [low, high) instead of the training
+    # keys [1, V/2) (VLA paper, Table 13: [64, 127)); () = off. Values then avoid each row's keys.
+    ood_key_range: tuple[int, ...] = ()
 
     def resolved_seq_len(self) -> int:
         if self.seq_len is not None:
@@ -61,15 +64,24 @@ def validate_task(task: TaskConfig, vocab_size: int | None) -> None:
     if list(task.lag_buckets) != sorted(set(task.lag_buckets)) or any(e < 0 for e in task.lag_buckets):
         raise ValueError(f"task.lag_buckets: got {list(task.lag_buckets)}; must be increasing non-negative edges")
     task.resolved_seq_len()
+    if task.ood_key_range and (task.kind != "mqar" or task.layout != "vla_contiguous"):
+        raise ValueError(f"task.ood_key_range: got {list(task.ood_key_range)}; out-of-distribution keys exist only "
+                         f"for kind: mqar with layout: vla_contiguous (got {task.kind}, {task.layout})")
     try:  # the generators check their own ranges; their messages name the parameter first
         generate(task, np.random.default_rng(0), 1, vocab_size)
+        if task.ood_key_range:
+            generate(task, np.random.default_rng(0), 1, vocab_size, out_of_distribution=True)
     except ValueError as e:
         message = str(e)
-        raise ValueError(("model." if message.startswith("vocab_size") else "task.") + message) from None
+        key = "task.ood_" if message.startswith("key_range") else ("model." if message.startswith("vocab_size")
+                                                                   else "task.")
+        raise ValueError(key + message) from None
 
 
-def generate(task: TaskConfig, rng: np.random.Generator, num_examples: int, vocab_size: int) -> dict:
-    """One batch of ``num_examples`` rows of the configured task."""
+def generate(task: TaskConfig, rng: np.random.Generator, num_examples: int, vocab_size: int, *,
+             out_of_distribution: bool = False) -> dict:
+    """One batch of ``num_examples`` rows of the configured task (keys from ``task.ood_key_range`` if
+    ``out_of_distribution``)."""
     if task.kind == "copy":
         return generators.copy_task(rng, num_examples, seq_len=task.resolved_seq_len(), vocab_size=vocab_size)
     if task.layout == "zoology":
@@ -77,7 +89,8 @@ def generate(task: TaskConfig, rng: np.random.Generator, num_examples: int, voca
                                        num_kv_pairs=task.num_kv_pairs, vocab_size=vocab_size, power_a=task.power_a,
                                        random_non_queries=task.random_non_queries)
     return generators.mqar_vla_contiguous(rng, num_examples, num_kv_pairs=task.num_kv_pairs,
-                                          vocab_size=vocab_size, seq_len=task.seq_len)
+                                          vocab_size=vocab_size, seq_len=task.seq_len,
+                                          key_range=task.ood_key_range if out_of_distribution else None)
 
 
 def load_eval_config(path: str, overrides=()) -> tuple[config_lib.Config, TaskConfig]:

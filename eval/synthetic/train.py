@@ -21,7 +21,7 @@ from mixerlab.eval.synthetic.metrics import AccuracyCounter
 from mixerlab.eval.synthetic.task import TaskConfig, generate, validate_task, with_task_schedule
 from mixerlab.training.loop import Trainer
 
-TRAIN_STREAM, HELD_OUT_STREAM = 1, 2  # np.random.default_rng([seed, stream]): disjoint data streams
+TRAIN_STREAM, HELD_OUT_STREAM, OOD_STREAM = 1, 2, 3  # np.random.default_rng([seed, stream]): disjoint streams
 
 
 @dataclasses.dataclass
@@ -38,6 +38,8 @@ class TaskRunResult:
     eval_s: float
     history: list  # {"step", "loss"} every log_every steps and {"step", "accuracy"} at every evaluation
     num_params: int
+    ood_accuracy: float | None = None  # held-out accuracy with keys from task.ood_key_range (None: not asked)
+    ood_held_out: dict | None = None  # its AccuracyCounter summary
 
 
 def trainer_batch(batch: dict) -> dict:
@@ -87,9 +89,11 @@ class SyntheticTaskTrainer:
         return counter.summary()
 
 
-def held_out_batches(task: TaskConfig, seed: int, batch_size: int, vocab_size: int) -> list[dict]:
-    rng = np.random.default_rng([seed, HELD_OUT_STREAM])
-    return [generate(task, rng, batch_size, vocab_size) for _ in range(task.eval_batches)]
+def held_out_batches(task: TaskConfig, seed: int, batch_size: int, vocab_size: int, *,
+                     out_of_distribution: bool = False) -> list[dict]:
+    rng = np.random.default_rng([seed, OOD_STREAM if out_of_distribution else HELD_OUT_STREAM])
+    return [generate(task, rng, batch_size, vocab_size, out_of_distribution=out_of_distribution)
+            for _ in range(task.eval_batches)]
 
 
 def train_on_task(cfg, task: TaskConfig, *, log: Callable[[str], None] | None = None,
@@ -132,8 +136,13 @@ def train_on_task(cfg, task: TaskConfig, *, log: Callable[[str], None] | None = 
     if window:  # an early stop between two log steps
         last_loss = float(np.mean(window))
         history.append({"step": step, "loss": last_loss})
+    ood = None
+    if task.ood_key_range:  # once, at the end (VLA paper, Table 13: ID and OOD accuracy of the final model)
+        start = time.perf_counter()
+        ood = runner.evaluate(held_out_batches(task, seed, batch_size, runner.vocab_size, out_of_distribution=True))
+        eval_s += time.perf_counter() - start
     return TaskRunResult(
         accuracy=summary["accuracy"], exact_match=summary["exact_match"], held_out=summary, steps=step,
         stopped_early=stopped_early, final_loss=last_loss,
         skipped_steps=skipped, first_step_s=first_step_s, train_s=train_s, eval_s=eval_s, history=history,
-        num_params=runner.num_params)
+        num_params=runner.num_params, ood_accuracy=None if ood is None else ood["accuracy"], ood_held_out=ood)

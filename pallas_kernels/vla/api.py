@@ -9,6 +9,12 @@ Per head, row vectors, key-major state S [Dk, Dv] (``o = q S``) and penalty inve
     A ← A + ρ I   after token t when (pos_t + 1 + refresh_offset) mod P == 0   (identity refresh)
     o = q S
 
+Ablations of the VLA paper (Tables 2 and 4), all off by default (= the paper's full method):
+* ``normalize_key=False``: write and read with the raw key k instead of k̂ (u stays unit);
+* ``normalize_write_direction=False``: write along α = k̂A itself (the classical RLS gain direction when u = k̂);
+* ``penalty_update="fixed"``: no Sherman–Morrison update and no refresh, so A stays at its start value (I/λ₀ or
+  the caller's A₀). It runs as u = 0 with no refresh, which every implementation then honours unchanged.
+
 The layer applies the feature maps: it passes ``q = φ(q)`` (or a normalised query), ``k = φ(k)`` (or the raw
 key) and ``penalty_key = f_θ(k)``; the op applies the unit normalisations with the ε floor. ``pos_t`` is the
 token's position inside its document (restarting at every segment boundary; the first segment starts at
@@ -34,6 +40,7 @@ DEFAULT_LAMBDA0 = 0.1          # A₀ = I/λ₀ = 10 I              (VLA paper, 
 DEFAULT_REFRESH_PERIOD = 20    # P                              (VLA paper, Tables 3 and 6)
 DEFAULT_REFRESH_MAGNITUDE = 1e-3  # ρ                           (VLA paper, Tables 3 and 6)
 DEFAULT_EPS = 1e-4             # every denominator floor        (VLA paper, Tables 3 and 6)
+PENALTY_UPDATES = ("sherman_morrison", "fixed")
 MAX_DEFAULT_CHUNK = 64
 
 
@@ -81,6 +88,15 @@ def validate_hyper(lambda0, refresh_period, refresh_magnitude, refresh_offset, e
                          f" (refresh_period={refresh_period})")
     if not _is_real(eps) or not eps > 0:
         raise ValueError(f"vla: eps={eps!r}; expected a positive number")
+
+
+def validate_ablation(normalize_key, normalize_write_direction, penalty_update):
+    for name, value in (("normalize_key", normalize_key), ("normalize_write_direction", normalize_write_direction)):
+        if not isinstance(value, bool):
+            raise ValueError(f"vla: {name}={value!r}; expected True (the paper's method) or False (ablation)")
+    if penalty_update not in PENALTY_UPDATES:
+        raise ValueError(f"vla: penalty_update={penalty_update!r}; expected one of {PENALTY_UPDATES} "
+                         "('sherman_morrison' = the paper's method, 'fixed' = A stays at its start value)")
 
 
 def resolve_chunk_size(chunk_size, refresh_period, refresh_offset):
@@ -166,17 +182,19 @@ def initial_state(batch, heads, key_dim, value_dim, *, lambda0=DEFAULT_LAMBDA0, 
 
 
 def _run_reference(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk_size, lambda0, refresh_magnitude,
-                   eps, operand_dtype=None):
+                   eps, normalize_write_direction=True, operand_dtype=None):
     del chunk_size, operand_dtype
     return reference.vla_reference(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, lambda0=lambda0,
-                                   refresh_magnitude=refresh_magnitude, eps=eps)
+                                   refresh_magnitude=refresh_magnitude, eps=eps,
+                                   normalize_write_direction=normalize_write_direction)
 
 
 def _run_xla(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk_size, lambda0, refresh_magnitude, eps,
-             operand_dtype=None):
+             normalize_write_direction=True, operand_dtype=None):
     del operand_dtype
     alpha, A = xla.penalty_pass(k_hat, u, A0, document_BT, refresh_BT, chunk_size=chunk_size, lambda0=lambda0,
-                                refresh_magnitude=refresh_magnitude, eps=eps)
+                                refresh_magnitude=refresh_magnitude, eps=eps,
+                                normalize_write_direction=normalize_write_direction)
     o, S = delta_rule(q, alpha, v, erase_key=k_hat, initial_state=S0, segment_ids=document_BT,
                       implementation="xla")
     return o, (S, A)
@@ -189,13 +207,15 @@ def triton_a_pass(heads):
 
 
 def _run_pallas_triton(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk_size, lambda0, refresh_magnitude,
-                       eps, operand_dtype, interpret=False):
+                       eps, operand_dtype, normalize_write_direction=True, interpret=False):
     """A-pass: the token-level Sherman–Morrison kernel (``pallas_triton.py``, its own custom VJP); S-pass: the
     delta rule with operands in the caller's dtype, so that "auto" picks its Pallas-Triton kernel on GPU
     (bf16 tensor-core matmuls for bf16 inputs; α̂ and k̂ rounded to that dtype there, state f32)."""
     del chunk_size  # the kernel is serial over tokens; anchor_every sets its backward checkpoints
     alpha, A = triton_a_pass(k_hat.shape[2])(k_hat, u, A0, document_BT, refresh_BT, lambda0=lambda0,
-                                             refresh_magnitude=refresh_magnitude, eps=eps, interpret=interpret)
+                                             refresh_magnitude=refresh_magnitude, eps=eps,
+                                             normalize_write_direction=normalize_write_direction,
+                                             interpret=interpret)
     od = operand_dtype
     o, S = delta_rule(q.astype(od), alpha.astype(od), v.astype(od), erase_key=k_hat.astype(od), initial_state=S0,
                       segment_ids=document_BT, implementation="auto")
@@ -222,13 +242,14 @@ def _tpu_s_pass(q, alpha, v, k_hat, S0, document_BT, interpret):
 
 
 def _run_pallas_tpu(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk_size, lambda0, refresh_magnitude,
-                    eps, operand_dtype, interpret=False):
+                    eps, operand_dtype, normalize_write_direction=True, interpret=False):
     """A-pass: the token-level Sherman–Morrison Mosaic kernels (``pallas_tpu.py``, ``pallas_tpu_bwd.py``, their
     own custom VJP); S-pass: the delta rule with operands in the caller's dtype (bf16 MXU operands for bf16
     inputs: α̂ and k̂ rounded to bf16 there; state f32)."""
     del chunk_size  # the xla form's A-pass chunk; the kernel is serial over tokens (its own grid chunk)
     alpha, A = tpu_a_pass(k_hat.shape[2])(k_hat, u, A0, document_BT, refresh_BT, lambda0=lambda0,
-                                          refresh_magnitude=refresh_magnitude, eps=eps, interpret=interpret)
+                                          refresh_magnitude=refresh_magnitude, eps=eps,
+                                          normalize_write_direction=normalize_write_direction, interpret=interpret)
     od = operand_dtype
     o, S = _tpu_s_pass(q.astype(od), alpha.astype(od), v.astype(od), k_hat.astype(od), S0, document_BT, interpret)
     return o, (S, A)
@@ -245,12 +266,11 @@ TABLE.register(dispatch.Implementation("pallas_triton", _run_pallas_triton, pall
 
 
 def _prepare(q, k, v, penalty_key, initial_state_, segment_ids, initial_position, lambda0, refresh_period,
-             refresh_offset, eps):
+             refresh_offset, eps, normalize_key=True, penalty_update="sherman_morrison"):
     dtype = compute_dtype(q.dtype)
     b, t, h, dk = q.shape
     dv = v.shape[-1]
-    k_hat = normalize(k.astype(dtype), eps)
-    u = k_hat if penalty_key is None else normalize(penalty_key.astype(dtype), eps)
+    k_hat, u = _key_and_penalty_direction(k, penalty_key, dtype, eps, normalize_key, penalty_update)
     if initial_state_ is None:
         S0, A0 = initial_state(b, h, dk, dv, lambda0=lambda0, dtype=dtype)
     else:
@@ -259,13 +279,26 @@ def _prepare(q, k, v, penalty_key, initial_state_, segment_ids, initial_position
         # differentiates) the same symmetric part, so the gradient w.r.t. A₀ is symmetric
     document = document_index(segment_ids, b, t)
     refresh = refresh_mask(document_positions(document, initial_position), refresh_period, refresh_offset)
+    if penalty_update == "fixed":  # no refresh either: A stays exactly at its start value
+        refresh = jnp.zeros_like(refresh)
     return q.astype(dtype), k_hat, u, v.astype(dtype), S0, A0, document, refresh
+
+
+def _key_and_penalty_direction(k, penalty_key, dtype, eps, normalize_key, penalty_update):
+    """(write/read key, penalty direction u) in the compute dtype. u is always unit (or 0 for a fixed penalty:
+    the Sherman–Morrison update with u = 0 leaves A unchanged); the key is unit unless ``normalize_key=False``."""
+    k = k.astype(dtype)
+    u = normalize(k if penalty_key is None else penalty_key.astype(dtype), eps)
+    if penalty_update == "fixed":
+        u = jnp.zeros_like(u)
+    return (normalize(k, eps) if normalize_key else k), u
 
 
 def vla(q, k, v, *, penalty_key=None, initial_state=None, segment_ids=None, initial_position=0,
         lambda0: float = DEFAULT_LAMBDA0, refresh_period: int = DEFAULT_REFRESH_PERIOD,
         refresh_magnitude: float = DEFAULT_REFRESH_MAGNITUDE, refresh_offset: int = 0,
-        eps: float = DEFAULT_EPS, chunk_size: Optional[int] = None, implementation: str = "auto"):
+        eps: float = DEFAULT_EPS, chunk_size: Optional[int] = None, implementation: str = "auto",
+        normalize_key: bool = True, normalize_write_direction: bool = True, penalty_update: str = "sherman_morrison"):
     """Variational Linear Attention core (see the module docstring for the recurrence).
 
     Args:
@@ -288,37 +321,43 @@ def vla(q, k, v, *, penalty_key=None, initial_state=None, segment_ids=None, init
       implementation: "auto" | "reference" | "xla" | "pallas_tpu" | "pallas_triton" (token-level A-pass
         kernels, then the delta rule's kernel). "auto" picks "pallas_tpu" on a TPU for Dk in {16, 32, 64, 128,
         256} and float32/bfloat16 inputs; "pallas_triton" is opt-in (GPU); everything else gets "xla".
+      normalize_key, normalize_write_direction, penalty_update: the ablations of the module docstring
+        (defaults = the paper's method); every implementation honours them.
 
     Returns:
       (o [B, T, H, Dv] in v's dtype, (S [B,H,Dk,Dv], A [B,H,Dk,Dk]) float32, or float64 for float64 inputs).
     """
     validate_hyper(lambda0, refresh_period, refresh_magnitude, refresh_offset, eps)
+    validate_ablation(normalize_key, normalize_write_direction, penalty_update)
     call = validate(q, k, v, penalty_key, initial_state, segment_ids, initial_position, chunk_size,
                     refresh_period, refresh_offset)
     impl = TABLE.choose(implementation, call)
     args = _prepare(q, k, v, penalty_key, initial_state, segment_ids, initial_position, lambda0,
-                    refresh_period, refresh_offset, eps)
+                    refresh_period, refresh_offset, eps, normalize_key, penalty_update)
     o, (S, A) = impl.run(*args, chunk_size=call.chunk_size, lambda0=lambda0,
-                         refresh_magnitude=refresh_magnitude, eps=eps, operand_dtype=q.dtype)
+                         refresh_magnitude=refresh_magnitude, eps=eps, operand_dtype=q.dtype,
+                         normalize_write_direction=normalize_write_direction)
     return o.astype(v.dtype), (S, A)
 
 
 def vla_diagnostics(q, k, v, *, penalty_key=None, initial_state=None, segment_ids=None, initial_position=0,
                     lambda0: float = DEFAULT_LAMBDA0, refresh_period: int = DEFAULT_REFRESH_PERIOD,
                     refresh_magnitude: float = DEFAULT_REFRESH_MAGNITUDE, refresh_offset: int = 0,
-                    eps: float = DEFAULT_EPS):
+                    eps: float = DEFAULT_EPS, normalize_key: bool = True, normalize_write_direction: bool = True,
+                    penalty_update: str = "sherman_morrison"):
     """Per-token diagnostics from the reference scan (docs/math/vla.md, 'Jacobian norm'), each [B, T, H]:
     ``state_norm`` ‖S_t‖_F, ``penalty_norm`` ‖A_t‖_F (after any refresh at t), ``alignment`` c_t = α̂_t·k̂_t,
     ``jacobian_norm`` ‖J_t‖₂ = ‖I − α̂_t k̂_tᵀ‖₂ from the closed form sqrt((3 − 2c + sqrt(5 − 4c))/2); plus
     ``alpha`` [B, T, H, Dk] (α̂_t). Products of J over windows (‖∏_{25} J‖₂) need α̂ and k̂: see
     ``jacobian_window_norm``."""
     validate_hyper(lambda0, refresh_period, refresh_magnitude, refresh_offset, eps)
+    validate_ablation(normalize_key, normalize_write_direction, penalty_update)
     validate(q, k, v, penalty_key, initial_state, segment_ids, initial_position, None, refresh_period,
              refresh_offset)
     args = _prepare(q, k, v, penalty_key, initial_state, segment_ids, initial_position, lambda0,
-                    refresh_period, refresh_offset, eps)
+                    refresh_period, refresh_offset, eps, normalize_key, penalty_update)
     _, _, diag = reference.vla_reference(*args, lambda0=lambda0, refresh_magnitude=refresh_magnitude, eps=eps,
-                                         diagnostics=True)
+                                         normalize_write_direction=normalize_write_direction, diagnostics=True)
     return diag
 
 
@@ -336,11 +375,13 @@ def jacobian_window_norm(k_hat_BTHK, alpha_BTHK, window: int):
 
 def vla_step(q, k, v, *, penalty_key=None, state, position, refresh_period: int = DEFAULT_REFRESH_PERIOD,
              refresh_magnitude: float = DEFAULT_REFRESH_MAGNITUDE, refresh_offset: int = 0,
-             eps: float = DEFAULT_EPS):
+             eps: float = DEFAULT_EPS, normalize_key: bool = True, normalize_write_direction: bool = True,
+             penalty_update: str = "sherman_morrison"):
     """One decode token: q, k, penalty_key [B, H, Dk]; v [B, H, Dv]; state = (S [B,H,Dk,Dv], A [B,H,Dk,Dk]);
     position [B] int = the token's position in its document (sets the refresh). Returns (o [B,H,Dv] in v's
     dtype, (S, A) float32 / float64). Document resets are the caller's job: pass ``initial_state(...)``."""
     validate_hyper(DEFAULT_LAMBDA0, refresh_period, refresh_magnitude, refresh_offset, eps)
+    validate_ablation(normalize_key, normalize_write_direction, penalty_update)
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_float(name, x)
         if x.ndim != 3:
@@ -363,9 +404,9 @@ def vla_step(q, k, v, *, penalty_key=None, state, position, refresh_period: int 
     if not hasattr(position, "shape") or tuple(position.shape) != (b,):
         raise _fail("position", position, f"an integer array of shape [B={b}]")
     dtype = compute_dtype(q.dtype)
-    k_hat = normalize(k.astype(dtype), eps)
-    u = k_hat if penalty_key is None else normalize(penalty_key.astype(dtype), eps)
-    refresh = refresh_mask(position, refresh_period, refresh_offset)
+    k_hat, u = _key_and_penalty_direction(k, penalty_key, dtype, eps, normalize_key, penalty_update)
+    refresh = refresh_mask(position, refresh_period, refresh_offset) & (penalty_update != "fixed")
     o, (S, A) = decode.step(q.astype(dtype), k_hat, u, v.astype(dtype), S.astype(dtype), A.astype(dtype), refresh,
-                            refresh_magnitude=refresh_magnitude, eps=eps)
+                            refresh_magnitude=refresh_magnitude, eps=eps,
+                            normalize_write_direction=normalize_write_direction)
     return o.astype(v.dtype), (S, A)

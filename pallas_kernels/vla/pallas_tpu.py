@@ -309,7 +309,7 @@ def _to_bh(x, tp):
 
 
 def penalty_pass(k_hat_BTHK, u_BTHK, penalty_BHKK, document_BT, refresh_BT, *, lambda0, refresh_magnitude, eps,
-                 chunk: Optional[int] = None, interpret=False):
+                 normalize_write_direction=True, chunk: Optional[int] = None, interpret=False):
     """All α̂_t [B, T, H, K] float32 and the final A [B, H, K, K] float32, as ``xla.penalty_pass`` (k̂ and u
     unit-normalised; ``document_BT`` the running count of boundaries; ``refresh_BT`` refresh after token t).
     Differentiable w.r.t. k̂, u and A₀ (custom VJP; both directions are Pallas kernels). ``chunk``: tokens per
@@ -327,4 +327,4 @@ def penalty_pass(k_hat_BTHK, u_BTHK, penalty_BHKK, document_BT, refresh_BT, *, l
     g, a_final = _penalty_pass(cfg, k_hat, u, penalty_BHKK.astype(F32).reshape(b * h, d, d), flags)
     g = g[:, :t].reshape(b, h, t, d).transpose(0, 2, 1, 3)
     # the normalisation in XLA (autodiff): no reductions for it on the kernels' serial path
-    return g / floored_norm(g, eps), a_final.reshape(b, h, d, d)
+    return (g / floored_norm(g, eps) if normalize_write_direction else g), a_final.reshape(b, h, d, d)

@@ -329,10 +329,12 @@ _penalty_pass.defvjp(_penalty_pass_fwd, _penalty_pass_bwd)
 
 
 def penalty_pass(k_hat_BTHK, u_BTHK, penalty_BHKK, document_BT, refresh_BT, *, lambda0, refresh_magnitude, eps,
-                 interpret=False, **overrides):
+                 normalize_write_direction=True, interpret=False, **overrides):
     """All α̂_t [B, T, H, K] float32 and the final A [B, H, K, K] float32, as ``xla.penalty_pass``
     (k̂ and u unit-normalised; ``document_BT`` the running count of boundaries; ``refresh_BT`` refresh after
-    token t). Differentiable w.r.t. k̂, u and A₀ (custom VJP). ``overrides``: :class:`Config` fields."""
+    token t). Differentiable w.r.t. k̂, u and A₀ (custom VJP). ``overrides``: :class:`Config` fields.
+    ``normalize_write_direction=False`` returns g = k̂ A_t itself (the kernels never normalise, so nothing else
+    changes)."""
     b, t, h, d = k_hat_BTHK.shape
     cfg = make_config(d, lambda0=lambda0, refresh_magnitude=refresh_magnitude, interpret=interpret, **overrides)
     # padded tokens: u = k̂ = 0 (no update, α̂ = 0), no reset, no refresh, so A_T is the last real token's
@@ -340,4 +342,5 @@ def penalty_pass(k_hat_BTHK, u_BTHK, penalty_BHKK, document_BT, refresh_BT, *, l
     k_hat, u = (common.pad_time(x.astype(F32), cfg.anchor_every) for x in (k_hat_BTHK, u_BTHK))
     g, a_final = _penalty_pass(cfg, k_hat, u, penalty_BHKK.astype(F32), flags)
     # the normalisation in XLA (autodiff): no reductions for it on the kernels' serial path
-    return g[:, :t] / floored_norm(g[:, :t], eps), a_final
+    g = g[:, :t]
+    return (g / floored_norm(g, eps) if normalize_write_direction else g), a_final

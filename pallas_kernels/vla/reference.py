@@ -5,7 +5,7 @@ Per head, row-vector maths, key-major state (``o = q S``):
 
     A_0 = I/λ₀,  S_0 = 0    (or the caller's initial state; both reset at every document boundary)
     z = A u;  δ = max(1 + u·z, ε);  A ← A − zᵀz/δ;  A ← (A + Aᵀ)/2        Sherman–Morrison
-    g = k̂ A  (post-update A);  α̂ = g / max(‖g‖, ε)
+    g = k̂ A  (post-update A);  α̂ = g / max(‖g‖, ε)   (or α = g: ``normalize_write_direction=False``)
     e = v − k̂ S;  S ← S + α̂ᵀ e                                          residual write
     if refresh_t:  A ← A + ρ I                                            identity refresh (after the write)
     o = q S
@@ -34,10 +34,12 @@ def jacobian_norm(c):
 
 
 def vla_reference(q_BTHK, k_hat_BTHK, u_BTHK, v_BTHV, state_BHKV, penalty_BHKK, document_BT, refresh_BT, *,
-                  lambda0, refresh_magnitude, eps, diagnostics=False):
+                  lambda0, refresh_magnitude, eps, normalize_write_direction=True, diagnostics=False):
     """Returns (o [B,T,H,V], (S [B,H,K,V], A [B,H,K,K])), plus a dict of per-token diagnostics [B,T,H] if
     ``diagnostics``: ``state_norm`` ‖S_t‖_F, ``penalty_norm`` ‖A_t‖_F (after the refresh), ``alignment``
-    c_t = α̂_t·k̂_t and ``jacobian_norm`` ‖I − α̂_t k̂_tᵀ‖₂ (closed form) — and ``alpha`` [B,T,H,K]."""
+    c_t = α̂_t·k̂_t and ``jacobian_norm`` ‖I − α̂_t k̂_tᵀ‖₂ (closed form, valid for unit α̂ and k̂ only) — and
+    ``alpha`` [B,T,H,K]. ``normalize_write_direction=False``: the write direction is g = k̂ A_t itself (the
+    VLA paper's unnormalised ablation, Tables 2 and 4)."""
     dtype = state_BHKV.dtype
     dk = k_hat_BTHK.shape[-1]
     eye = jnp.eye(dk, dtype=dtype)
@@ -55,7 +57,7 @@ def vla_reference(q_BTHK, k_hat_BTHK, u_BTHK, v_BTHV, state_BHKV, penalty_BHKK, 
         A = A - z[..., :, None] * z[..., None, :] / delta[..., None, None]
         A = 0.5 * (A + jnp.swapaxes(A, -1, -2))
         g = jnp.einsum("bhij,bhj->bhi", A, k_hat, precision=_HIGHEST)
-        alpha = g / floored_norm(g, eps)
+        alpha = g / floored_norm(g, eps) if normalize_write_direction else g
         e = v - jnp.einsum("bhk,bhkv->bhv", k_hat, S, precision=_HIGHEST)
         S = S + alpha[..., :, None] * e[..., None, :]
         A = A + jnp.where(refresh[:, None, None, None], refresh_magnitude, 0.0) * eye

@@ -45,7 +45,7 @@ def _mm(spec, *ops):
     return jnp.einsum(spec, *ops, precision=_HIGHEST)
 
 
-def _chunk_body(A0, chunk, *, lambda0, refresh_magnitude, eps):
+def _chunk_body(A0, chunk, *, lambda0, refresh_magnitude, eps, normalize_write_direction=True):
     """One chunk, all (B, H) at once. A0 [B,H,K,K]; chunk = (k_hat, u [B,H,c,K], doc [B,c] int,
     refresh [B,c] bool, starts_document [B] bool). Returns (A_end, G-normalised α̂ [B,H,c,K])."""
     k_hat, u, doc, refresh, starts_document = chunk
@@ -87,7 +87,7 @@ def _chunk_body(A0, chunk, *, lambda0, refresh_magnitude, eps):
     causal_same = same & jnp.tril(jnp.ones((c, c), bool))[None]
     KW = jnp.where(mat(causal_same), _mm("bhik,bhjk->bhij", k_hat, W), 0.0)
     G = Y - _mm("bhij,bhjk->bhik", KW, W)
-    alpha = G / floored_norm(G, eps)
+    alpha = G / floored_norm(G, eps) if normalize_write_direction else G
 
     # state after the chunk: base of the last token's piece minus that piece's rank-1 terms
     end_doc = doc[:, -1]
@@ -101,7 +101,7 @@ def _chunk_body(A0, chunk, *, lambda0, refresh_magnitude, eps):
 
 
 def penalty_pass(k_hat_BTHK, u_BTHK, penalty_BHKK, document_BT, refresh_BT, *, chunk_size, lambda0,
-                 refresh_magnitude, eps, checkpoint=True):
+                 refresh_magnitude, eps, normalize_write_direction=True, checkpoint=True):
     """All α̂_t [B,T,H,K] and the final A [B,H,K,K], chunk by chunk (serial ``lax.scan`` over T/c chunks).
 
     ``document_BT`` = running count of boundaries; ``refresh_BT`` = refresh after token t. Requires that a
@@ -124,7 +124,8 @@ def penalty_pass(k_hat_BTHK, u_BTHK, penalty_BHKK, document_BT, refresh_BT, *, c
           jnp.moveaxis(starts_document, 1, 0))
 
     def body(A0, chunk):
-        return _chunk_body(A0, chunk, lambda0=lambda0, refresh_magnitude=refresh_magnitude, eps=eps)
+        return _chunk_body(A0, chunk, lambda0=lambda0, refresh_magnitude=refresh_magnitude, eps=eps,
+                           normalize_write_direction=normalize_write_direction)
 
     if checkpoint:
         body = jax.checkpoint(body)

@@ -328,8 +328,9 @@ def test_table_and_plot_aggregate_over_seeds(tmp_path):
                                        ("vla", 8, 2, 0.7), ("gdn2", 4, 1, 0.25), ("gdn2", 4, 2, 0.25)]]
     lines = report.accuracy_table(records).splitlines()
     assert [c.strip() for c in lines[0].split("|")[1:4]] == ["mixer", "n=4", "n=8"]
-    assert "0.950 [0.900,1.000]" in lines[2] and "0.600 [0.500,0.700]" in lines[2]
-    assert "0.250 [0.250,0.250]" in lines[3] and lines[3].split("|")[3].strip() == "-"  # gdn2 has no n=8 run
+    # mean ± sample std (ddof 1): (1.0, 0.9) -> 0.950 ± 0.071; (0.5, 0.7) -> 0.600 ± 0.141
+    assert "0.950 ± 0.071 [0.900,1.000]" in lines[2] and "0.600 ± 0.141 [0.500,0.700]" in lines[2]
+    assert "0.250 ± 0.000 [0.250,0.250]" in lines[3] and lines[3].split("|")[3].strip() == "-"  # gdn2: no n=8
     assert os.path.getsize(report.plot_capacity(records, str(tmp_path / "c.png"))) > 0
 
 

@@ -119,3 +119,26 @@ def test_options_are_validated():
         vla_mixers.VLAOptions(lambda0=0.0)
     with pytest.raises(ValueError, match="before_update"):
         vla_mixers.VLAOptions(refresh_placement="before_update", refresh_period=1)
+    with pytest.raises(ValueError, match="penalty_update"):
+        vla_mixers.VLAOptions(penalty_update="frozen")
+
+
+def test_ablation_options_reach_the_op(monkeypatch):
+    """mixers.vla.{normalize_key, normalize_write_direction, penalty_update} are passed to the op (forward and
+    decode); a fixed penalty builds no W_u and passes no penalty key."""
+    seen = []
+    real_vla, real_step = vla_mixers.vla_api.vla, vla_mixers.vla_api.vla_step
+    monkeypatch.setattr(vla_mixers.vla_api, "vla", lambda *a, **kw: seen.append(kw) or real_vla(*a, **kw))
+    monkeypatch.setattr(vla_mixers.vla_api, "vla_step", lambda *a, **kw: seen.append(kw) or real_step(*a, **kw))
+    m = _build("vla", normalize_key=False, normalize_write_direction=False, penalty_update="fixed")
+    assert not jax.tree.leaves(nnx.state(m, DynamicsParam))
+    x = _x(3, 1, 4)
+    _forward(m, x)  # jitted: the keyword arguments are recorded while tracing
+    _decode_all(m, x[:, :1], jnp.zeros((1, 1), jnp.int32))
+    assert len(seen) == 2
+    for kw in seen:
+        assert kw["normalize_key"] is False and kw["normalize_write_direction"] is False
+        assert kw["penalty_update"] == "fixed" and kw["penalty_key"] is None
+    defaults = vla_mixers.VLAOptions().op_kwargs
+    assert defaults["normalize_key"] and defaults["normalize_write_direction"]
+    assert defaults["penalty_update"] == "sherman_morrison"

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# MQAR as the VLA paper ran it (configs/eval/mqar_vla_paper.yaml: no short convs, the paper's model and
+# optimiser) on the GPU machine: one process per job, all at once on the one GPU (tiny models: the GPU idles
+# between kernel launches; the CPU cores compile in parallel). Modelled on tools/gpu_mqar_sweep.sh.
+#
+#   usage: [MQAR_OVERRIDES="..."] [DRY_RUN=1] bash tools/gpu_mqar_paper.sh OUT_DIR PART[,PART...] [MIXERS] [SECONDS]
+#   PART    jobs (each a process; per-run times from the earlier sweep: 33–88 s per 2000-step run)
+#   seed42  n = 4,8,16,24 with seed 42, 2000 steps (Fig. 5, Tables 8–9), and n = 32,48 with seed 42, 1000 steps
+#           (Tables 10–11 were run with 1000 steps): 2 processes per mixer, ≤ 4 runs each      (~350–450 s)
+#   seeds   n = 4,8,16,24 with seeds 123 and 999, 2000 steps: 2 processes per mixer, 4 runs each (~350–450 s)
+#   ablation  vla at n = 8,16,32, seed 42, 1000 steps (Table 4): the full method, the fixed penalty
+#           (A = I/λ₀ = 10 I), the unnormalised write direction, the unnormalised key: 4 processes   (~250 s)
+#   ood     n = 8,16,24, seed 42, 1000 steps, held-out accuracy on training keys and on keys from [64, 127)
+#           (Table 13): 1 process per mixer                                                        (~250 s)
+#   merge   nothing new: merge what OUT_DIR holds and pack it
+# The whole protocol does not fit one ~540 s call: run `seed42` and `seeds` as two calls (then `ablation,ood`
+# as a third). Every call merges everything OUT_DIR holds so far, so the second call's tables cover both; if
+# the machine was released in between, carry OUT_DIR back (`carry: [".whl", "runs/mqar_vla_paper"]`).
+# Outputs: OUT_DIR/<job>/results.json (rewritten after every run: a job stopped by SECONDS keeps what it
+# finished) and OUT_DIR/<job>.log; merged tables and plots in OUT_DIR/{main,ablation,ood}/ (mean ± sample std
+# over seeds); OUT_DIR.tgz packs everything (the device tool returns only a few files per call).
+# A persistent XLA compilation cache (/tmp/mqar_paper_xla_cache) lets runs that differ only in the seed reuse
+# the compiled train step (the same program: the seed changes the data and initial parameters only).
+#   e.g. (device call, `carry: [".whl"]`): bash tools/gpu_mqar_paper.sh runs/mqar_vla_paper seed42 && cp runs/mqar_vla_paper.tgz $OUT/
+set -euo pipefail
+out=${1:?output directory}
+parts=${2:?part: seed42, seeds, ablation, ood, merge (comma-separated)}
+mixers=${3:-softmax,linear_attention,paper_deltanet,vla}
+seconds=${4:-520}
+config=configs/eval/mqar_vla_paper.yaml
+for part in ${parts//,/ }; do
+  case $part in seed42|seeds|ablation|ood|merge) ;; *) echo "unknown part '$part' (seed42, seeds, ablation, ood, merge)" >&2; exit 2;; esac
+done
+dry=${DRY_RUN:-}
+if [ -z "$dry" ]; then
+  if ! python3 -c "import grain" 2>/dev/null; then  # the GPU machine lacks these; wheels carried in .whl/
+    pip install -q --no-deps --target /tmp/site .whl/grain-*.whl .whl/array_record-*.whl .whl/portpicker-*.whl \
+        .whl/tensorboardx-*.whl
+  fi
+  export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+  export JAX_COMPILATION_CACHE_DIR=/tmp/mqar_paper_xla_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+  mkdir -p "$out"
+fi
+pids=()
+
+job() {  # job NAME ARGS...: one eval.mqar process writing OUT_DIR/NAME
+  local name=$1
+  shift
+  if [ -n "$dry" ]; then
+    printf '%s:' "$name"
+    # shellcheck disable=SC2086
+    printf ' %q' python3 -m mixerlab.eval.mqar --config "$config" --out "$out/$name" "$@" ${MQAR_OVERRIDES:-}
+    echo
+    return
+  fi
+  # shellcheck disable=SC2086  # MQAR_OVERRIDES is a list of section.key=value words
+  timeout -s INT "$seconds" python3 -m mixerlab.eval.mqar --config "$config" --out "$out/$name" "$@" \
+      ${MQAR_OVERRIDES:-} >"$out/$name.log" 2>&1 &
+  pids+=($!)
+}
+
+for part in ${parts//,/ }; do
+  for mixer in ${mixers//,/ }; do
+    case $part in
+      seed42)
+        job "main_${mixer}_s42" --mixers "$mixer" --n 4,8,16,24 --seeds 42
+        job "main_${mixer}_overload" --mixers "$mixer" --n 32,48 --seeds 42 train.steps=1000 ;;
+      seeds)
+        job "main_${mixer}_s123" --mixers "$mixer" --n 4,8,16,24 --seeds 123
+        job "main_${mixer}_s999" --mixers "$mixer" --n 4,8,16,24 --seeds 999 ;;
+      ood)
+        job "ood_${mixer}" --mixers "$mixer" --n 8,16,24 --seeds 42 train.steps=1000 "task.ood_key_range=[64,127]" ;;
+    esac
+  done
+  if [ "$part" = ablation ]; then
+    abl=(--mixers vla --n 8,16,32 --seeds 42 train.steps=1000)  # options before the trailing overrides
+    job ablation_full --label "vla (full)" "${abl[@]}"
+    job ablation_fixed_penalty --label "vla, A fixed = 10I" "${abl[@]}" mixers.vla.penalty_update=fixed
+    job ablation_unnormalised_write --label "vla, write direction unnormalised" "${abl[@]}" \
+        mixers.vla.normalize_write_direction=false
+    job ablation_unnormalised_key --label "vla, key unnormalised" "${abl[@]}" mixers.vla.normalize_key=false
+  fi
+done
+[ -n "$dry" ] && exit 0
+
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+compgen -G "$out/*.log" >/dev/null && tail -n 8 "$out"/*.log
+
+merge() {  # merge GROUP TITLE: every OUT_DIR/GROUP_*/results.json into OUT_DIR/GROUP
+  local files=()
+  for f in "$out/$1"_*/results.json; do [ -f "$f" ] && files+=("$f"); done
+  if [ ${#files[@]} -gt 0 ]; then
+    python3 -m mixerlab.eval.mqar --merge "${files[@]}" --out "$out/$1" --title "$2" || status=$?
+  fi
+}
+merge main "MQAR, VLA paper setup (no short convs)"
+merge ablation "VLA ablations (paper Table 4), 1000 steps, seed 42"
+merge ood "MQAR with OOD keys [64,127) (paper Table 13), 1000 steps, seed 42"
+tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"
+exit $status
