@@ -95,15 +95,16 @@ def check_config(chunk_size, key_dim, value_dim, modes) -> Optional[str]:
 
 
 def supports(call) -> Optional[str]:
-    """None if the Pallas TPU kernels serve ``call`` (an ``api.InterdomainCall``), else the reason."""
-    if call.op != "interdomain":
-        return (f"op {call.op!r} has no Pallas TPU kernel (only 'interdomain'; the S4D-only core runs on 'xla' "
-                f"on TPU)")
+    """None if the Pallas TPU kernels serve ``call`` (an ``api.InterdomainCall``; op "interdomain", or "s4d" whose
+    key_dim is 0 and which runs the output kernels alone), else the reason."""
+    if call.op not in ("interdomain", "s4d"):
+        return f"op {call.op!r} has no Pallas TPU kernel (only 'interdomain' and 's4d')"
     if call.backend != "tpu":
         return f"needs a TPU backend (got {call.backend!r}); on CPU use pallas_tpu.run(..., interpret=True)"
     if jnp.dtype(call.dtype) not in _DTYPES:
         return f"dtype {jnp.dtype(call.dtype).name} not supported (TPU kernels: bfloat16 or float32)"
-    return check_config(call.chunk_size, call.key_dim, call.value_dim, call.modes)
+    key_dim = call.value_dim if call.op == "s4d" else call.key_dim
+    return check_config(call.chunk_size, key_dim, call.value_dim, call.modes)
 
 
 def operand_dtype(dtype) -> str:
@@ -170,7 +171,8 @@ def level(k, h) -> Level:
     half_i, half_j = i >> shift, j >> shift
     right = (half_i & 1) == 1
     pairs = ((half_i >> 1) == (half_j >> 1)) & right & ((half_j & 1) == 0)
-    sums = jnp.where((half_i == half_j) & jnp.where(right, j <= i, j > i), 1.0, 0.0).astype(F32)
+    in_range = (right & (j <= i)) | (~right & (j > i))  # boolean algebra: Mosaic has no select of i1 vectors
+    sums = jnp.where((half_i == half_j) & in_range, 1.0, 0.0).astype(F32)
     s = jax.lax.broadcasted_iota(jnp.int32, (k, 1), 0)
     within = s & (h - 1)  # position inside the half
     offset = jnp.where(((s >> shift) & 1) == 1, within + 1, h - 1 - within).astype(F32)
@@ -514,6 +516,31 @@ def run(q, k, v, log_modulus, phase, gain, readout, key_state, value_state, docu
     out = _output(cfg, om_re, om_im, vb, rb, params, xv, doc_col, doc_row)
     out = out[:, :t].reshape(b, h, t, dv).transpose(0, 2, 1, 3).astype(v.dtype)
     return out, key.astype(F32), value.astype(F32)
+
+
+def run_s4d(z, log_modulus, phase, gain, readout, state, document_BT, *, chunk_size, sub_chunk_size=None,
+            interpret=False):
+    """The S4D-only core (the ``s4d`` op's contract; z [B, T, H, C] in the caller's dtype, readout ω [H, 2M]): the
+    output kernel pair alone with ω fixed per head (no query side; its gradient is dω summed over the tokens by
+    XLA). Returns (o [B, T, H, C] in z's dtype, final state [B, H, 2M, C] float32)."""
+    del sub_chunk_size
+    b, t, h, c = z.shape
+    m = phase.shape[-1]
+    reason = check_config(chunk_size, c, c, m)
+    if reason:
+        raise ValueError(f"s4d pallas_tpu: {reason}")
+    cfg = KernelConfig(chunk_size, c, c, m, h, operand_dtype(z.dtype), interpret)
+    (xs,), (final,) = xla.chunk_start_states([z.astype(F32)], [state.astype(F32)], log_modulus.astype(F32),
+                                             phase.astype(F32), gain.astype(F32), document_BT, chunk_size=chunk_size)
+    tp = -(-t // chunk_size) * chunk_size
+    params = jnp.stack([phase, gain[:, :m], gain[:, m:]], axis=1).astype(F32)
+    doc_col, doc_row = relative_documents(document_BT, chunk_size, tp)
+    omega = jnp.broadcast_to(readout.astype(F32)[None, :, None, :], (b, h, tp, 2 * m)).reshape(b * h, tp, 2 * m)
+    out = _output(cfg, omega[..., :m], omega[..., m:], _to_bh(z.astype(cfg.cdt), tp),
+                  _to_bh(log_modulus.astype(F32), tp), params, xs.reshape(b * h, tp // chunk_size, 2 * m, c),
+                  doc_col, doc_row)
+    out = out[:, :t].reshape(b, h, t, c).transpose(0, 2, 1, 3).astype(z.dtype)
+    return out, final.astype(F32)
 
 
 def interdomain_interpret(q, k, v, *, log_modulus, phase, input_gain, readout, initial_state=None,
