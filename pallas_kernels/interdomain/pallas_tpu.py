@@ -72,6 +72,7 @@ class KernelConfig:
     heads: int
     operand_dtype: str  # "bfloat16" | "float32": the GEMM operands
     interpret: Any = False  # False | True | pltpu.InterpretParams(...)
+    vmem_limit_bytes: Optional[int] = None  # None: the generation's default scoped VMEM limit (enough, see docs)
 
     @property
     def cdt(self):
@@ -165,18 +166,25 @@ class Level:
     offset: Any  # [K, 1] f32: tokens in row s's range (s − p or p − s)
 
 
-def level(k, h) -> Level:
+def level(k, n) -> Level:
+    """Level n (half size h = 2ⁿ; n may be a traced loop index) of the pivot tree of a chunk of K tokens."""
     i, j = iota2((k, k))
-    shift = int(math.log2(h))
-    half_i, half_j = i >> shift, j >> shift
+    half_i, half_j = i >> n, j >> n
     right = (half_i & 1) == 1
     pairs = ((half_i >> 1) == (half_j >> 1)) & right & ((half_j & 1) == 0)
     in_range = (right & (j <= i)) | (~right & (j > i))  # boolean algebra: Mosaic has no select of i1 vectors
     sums = jnp.where((half_i == half_j) & in_range, 1.0, 0.0).astype(F32)
     s = jax.lax.broadcasted_iota(jnp.int32, (k, 1), 0)
-    within = s & (h - 1)  # position inside the half
-    offset = jnp.where(((s >> shift) & 1) == 1, within + 1, h - 1 - within).astype(F32)
+    last = (1 << n) - 1  # h − 1
+    within = s & last  # position inside the half
+    offset = jnp.where(((s >> n) & 1) == 1, within + 1, last - within).astype(F32)
     return Level(pairs, sums, offset)
+
+
+def over_levels(cfg: KernelConfig, body, init):
+    """acc = body(level, acc) for the levels h = 1 … K/2, as one loop (scf.for in Mosaic): the kernel body stays
+    one level long, which keeps Mosaic's and the CPU interpreter's compile times small."""
+    return jax.lax.fori_loop(0, len(cfg.levels), lambda n, acc: body(level(cfg.chunk, n), acc), init)
 
 
 def range_sums(weights, x, *, transpose=False):
@@ -252,13 +260,15 @@ def _query_kernel(q_ref, k_ref, r_ref, params_ref, xk_ref, doc_col_ref, doc_row_
         scores_out[0][...] = scores.astype(scores_out[0].dtype)
     diag = jnp.sum(q.astype(F32) * k.astype(F32), axis=1, keepdims=True)
     w_re, w_im = diag * ch.b_re, diag * ch.b_im
-    for h in cfg.levels:
-        lv = level(cfg.chunk, h)
+
+    def pair_sums(lv, acc):
         f_re, f_im = ch.factor(lv)
         c_re, c_im = ch.gained(f_re, f_im)
         s_l = jnp.where(lv.pairs, scores, 0.0)
         d_re, d_im = cmul(f_re, f_im, mm(s_l, c_re, cdt), mm(s_l, c_im, cdt))
-        w_re, w_im = w_re + d_re, w_im + d_im
+        return acc[0] + d_re, acc[1] + d_im
+
+    w_re, w_im = over_levels(cfg, pair_sums, (w_re, w_im))
     xk = xk_ref[...]
     y_re, y_im = mm_nt(q, xk[:m], cdt), mm_nt(q, xk[m:], cdt)
     a_re, a_im = cmul(*ch.carry_in(), y_re, y_im)
@@ -274,13 +284,15 @@ def _output_kernel(om_re_ref, om_im_ref, v_ref, r_ref, params_ref, xv_ref, doc_c
     diag = jnp.sum(om_re * ch.b_re + om_im * ch.b_im, axis=1, keepdims=True)  # Re(conj(ω)·b), D = 1
     p = jnp.where(ch.eye, diag, 0.0)
     same = ch.same_doc
-    for h in cfg.levels:
-        lv = level(cfg.chunk, h)
+
+    def pair_matrix(lv, p):
         f_re, f_im = ch.factor(lv)
         c_re, c_im = ch.gained(f_re, f_im)
         h_re, h_im = conj_mul(om_re, om_im, f_re, f_im)
         p_l = mm_nt(h_re, c_re, cdt) - mm_nt(h_im, c_im, cdt)
-        p = p + jnp.where(lv.pairs & same, p_l, 0.0)
+        return p + jnp.where(lv.pairs & same, p_l, 0.0)
+
+    p = over_levels(cfg, pair_matrix, p)
     g_re, g_im = conj_mul(om_re, om_im, *ch.carry_in())
     xv = xv_ref[...]
     out = mm(g_re, xv[:m], cdt) - mm(g_im, xv[m:], cdt) + mm(p, v_ref[...], cdt)
@@ -350,13 +362,16 @@ class Specs:
         return pl.BlockSpec((_SQ, _SQ, 2 * self.cfg.modes, width), lambda b, n: (b, n, 0, 0))
 
 
-def compiler_params():
-    return _CompilerParams(dimension_semantics=("parallel", "parallel"))
+def compiler_params(cfg: KernelConfig):
+    kw = dict(dimension_semantics=("parallel", "parallel"))
+    if cfg.vmem_limit_bytes:
+        kw["vmem_limit_bytes"] = cfg.vmem_limit_bytes
+    return _CompilerParams(**kw)
 
 
 def pallas(cfg: KernelConfig, kernel, name, grid, in_specs, out_shape, out_specs, saving=False):
     return pl.pallas_call(functools.partial(kernel, cfg=cfg), out_shape=out_shape, grid=grid, in_specs=in_specs,
-                          out_specs=out_specs, compiler_params=compiler_params(),
+                          out_specs=out_specs, compiler_params=compiler_params(cfg),
                           cost_estimate=cost(cfg, name, grid[0] * grid[1], saving), interpret=cfg.interpret,
                           name=f"interdomain_tpu_{name}")
 

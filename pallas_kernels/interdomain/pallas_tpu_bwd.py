@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from mixerlab.pallas_kernels.interdomain.pallas_tpu import (F32, Chunk, KernelConfig, Specs, conj_mul,
-                                                            factor_grads, level, mm, mm_nt, mm_tn, pallas, upto)
+                                                            factor_grads, mm, mm_nt, mm_tn, over_levels, pallas, upto)
 
 
 def _gain_grads(ch: Chunk, dc_re, dc_im, f_re, f_im):
@@ -61,8 +61,9 @@ def _query_bwd_kernel(q_ref, k_ref, r_ref, params_ref, xk_ref, doc_col_ref, doc_
     d_scores = jnp.zeros_like(scores)
     dr = jnp.zeros_like(ch.r)
     dth = jnp.zeros_like(ch.theta)
-    for h in cfg.levels:
-        lv = level(cfg.chunk, h)
+
+    def pair_grads(lv, acc):
+        d_scores, dr, dth, db_re, db_im = acc
         f_re, f_im = ch.factor(lv)
         c_re, c_im = ch.gained(f_re, f_im)
         s_l = jnp.where(lv.pairs, scores, 0.0)
@@ -73,7 +74,9 @@ def _query_bwd_kernel(q_ref, k_ref, r_ref, params_ref, xk_ref, doc_col_ref, doc_
         df_re, df_im, db_l_re, db_l_im = _gain_grads(ch, dc_re, dc_im, f_re, f_im)
         du_re, du_im = conj_mul(u_re, u_im, da_re, da_im)  # f's own cotangent conj(u) ⊙ dâ
         dr_l, dth_l = factor_grads(lv.sums, lv.offset, f_re, f_im, df_re + du_re, df_im + du_im)
-        dr, dth, db_re, db_im = dr + dr_l, dth + dth_l, db_re + db_l_re, db_im + db_l_im
+        return d_scores, dr + dr_l, dth + dth_l, db_re + db_l_re, db_im + db_l_im
+
+    d_scores, dr, dth, db_re, db_im = over_levels(cfg, pair_grads, (d_scores, dr, dth, db_re, db_im))
     d_scores = jnp.where(ch.strict, d_scores, 0.0)
     dk_ref[...] = (mm_tn(d_scores, q, cdt) + d_diag * qf).astype(dk_ref.dtype)
     dq = mm(d_scores, k, cdt) + d_diag * kf
@@ -108,8 +111,9 @@ def _output_bwd_kernel(om_re_ref, om_im_ref, v_ref, r_ref, params_ref, xv_ref, d
     dr = jnp.zeros_like(ch.r)
     dth = jnp.zeros_like(ch.theta)
     same = ch.same_doc
-    for h in cfg.levels:
-        lv = level(cfg.chunk, h)
+
+    def pair_grads(lv, acc):
+        dom_re, dom_im, dr, dth, db_re, db_im = acc
         f_re, f_im = ch.factor(lv)
         c_re, c_im = ch.gained(f_re, f_im)
         h_re, h_im = conj_mul(om_re, om_im, f_re, f_im)
@@ -122,7 +126,9 @@ def _output_bwd_kernel(om_re_ref, om_im_ref, v_ref, r_ref, params_ref, xv_ref, d
         df_re = df_re + dh_re * om_re - dh_im * om_im  # h = conj(ω) ⊙ f
         df_im = df_im + dh_re * om_im + dh_im * om_re
         dr_l, dth_l = factor_grads(lv.sums, lv.offset, f_re, f_im, df_re, df_im)
-        dr, dth, db_re, db_im = dr + dr_l, dth + dth_l, db_re + db_l_re, db_im + db_l_im
+        return dom_re, dom_im, dr + dr_l, dth + dth_l, db_re + db_l_re, db_im + db_l_im
+
+    dom_re, dom_im, dr, dth, db_re, db_im = over_levels(cfg, pair_grads, (dom_re, dom_im, dr, dth, db_re, db_im))
     # the carried part Re(conj(ω) ⊙ e^{ℓ}) X̂ᵛ₀
     e_re, e_im = ch.carry_in()
     g_re, g_im = conj_mul(om_re, om_im, e_re, e_im)
