@@ -7,7 +7,8 @@ prints the VMEM table of docs/kernels.md ('TPU: interdomain attention').
 Each kernel is compiled alone on the [B·H, T, D] layout it sees (B·H = 2, T = 512), first under the
 generation's default scoped limit (must work), then under a too-small limit: Mosaic's E1001 refusal
 "Scoped allocation with size N" names what it needed; the limit is raised to N + 4 KiB until the kernel
-compiles, and the last N is the kernel's scoped VMEM (the probe of tools/tpu_compile_report.py).
+compiles, and the last N is the kernel's scoped VMEM (the probe of tools/tpu_compile_report.py); "< 1": it
+compiled under the first limit tried, 1 MiB.
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def scoped_vmem_bytes(gen, chunk, d, m, dtype, kernel):
     for _ in range(12):
         try:
             kernel_program(gen, chunk, d, m, dtype, kernel, limit)
-            return last if last is not None else float("nan")
+            return last  # None: it compiled under the first limit (1 MiB)
         except Exception as err:  # noqa: BLE001 - the OOM is the measurement
             found = _OOM.search(str(err))
             if not found:
@@ -94,8 +95,8 @@ def main(argv=None):
             sizes = []
             for kernel in KERNELS:
                 kernel_program(gen, chunk, d, m, dtype, kernel, None)  # the default limit must be enough
-                sizes.append(scoped_vmem_bytes(gen, chunk, d, m, dtype, kernel) / 2 ** 20)
-            cells.append(" / ".join(f"{s:.2f}" for s in sizes))
+                sizes.append(scoped_vmem_bytes(gen, chunk, d, m, dtype, kernel))
+            cells.append(" / ".join("< 1" if s is None else f"{s / 2 ** 20:.2f}" for s in sizes))
         print(f"| {chunk} | {d} | {m} | {dtype} | " + " | ".join(cells) + " |", flush=True)
 
 
