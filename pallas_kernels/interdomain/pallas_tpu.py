@@ -556,18 +556,3 @@ def run_s4d(z, log_modulus, phase, gain, readout, state, document_BT, *, chunk_s
                   doc_col, doc_row)
     out = out[:, :t].reshape(b, h, t, c).transpose(0, 2, 1, 3).astype(z.dtype)
     return out, final.astype(F32)
-
-
-def interdomain_interpret(q, k, v, *, log_modulus, phase, input_gain, readout, initial_state=None,
-                          segment_ids=None, chunk_size=64, interpret=True):
-    """``api.interdomain`` semantics on the Pallas TPU kernels in interpret mode (runs on CPU). Unlike the op,
-    bfloat16 q/k/v stay bfloat16 (the kernels' bf16 MXU path); everything else goes to float32."""
-    b, t, h, r_dim = q.shape
-    m = phase.shape[-1]
-    lm = jnp.broadcast_to(log_modulus.astype(F32), (b, t, h, m))
-    if initial_state is None:
-        key0, value0 = jnp.zeros((b, h, 2 * m, r_dim), F32), jnp.zeros((b, h, 2 * m, v.shape[-1]), F32)
-    else:
-        key0, value0 = initial_state[0].astype(F32), initial_state[1].astype(F32)
-    return run(q, k, v, lm, phase.astype(F32), input_gain.astype(F32), readout.astype(F32), key0, value0,
-               common.document_index(segment_ids, b, t), chunk_size=chunk_size, interpret=interpret)
