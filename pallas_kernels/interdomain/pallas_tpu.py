@@ -159,7 +159,7 @@ def polar(log_amp, offset, theta):
 
 @dataclasses.dataclass(frozen=True)
 class Level:
-    """One pivot-tree level of a chunk of K tokens, half size h (static)."""
+    """One pivot-tree level of a chunk of K tokens (half size h = 2ⁿ)."""
 
     pairs: Any  # [K, K] bool: s in the right half, j in the left half of the same node of size 2h
     sums: Any  # [K, K] 0/1 f32: row s selects r(p, s] (right half) or r(s, p] (left half)
