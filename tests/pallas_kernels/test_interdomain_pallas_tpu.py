@@ -327,3 +327,37 @@ def test_compiles_default_config(gen):
 def test_compiles_other_configs(gen, chunk, r, dv, m, dtype):
     """The largest tiles (C = M = 128, f32 operands) and the smallest (C = 32, 16-wide dims): fwd + bwd."""
     _compile(gen, chunk, r, dv, m, dtype, backward=True)
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.extended  # one whole-op program; the kernels' own compiles stay in make test
+def test_ops_take_the_kernels_under_a_tpu_mesh_and_compile():
+    """``interdomain`` and ``s4d`` with implementation "auto", traced under a v5e (data 2 × tensor 2) mesh as the
+    trainer traces its step: both ops pick pallas_tpu (per shard through shard_map), and their gradient compiles;
+    the program holds the interdomain op's four kernels and the S4D op's two output kernels."""
+    topologies = pytest.importorskip("jax.experimental.topologies")
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    try:
+        topo = topologies.get_topology_desc(TOPOLOGIES["v5e"], "tpu")
+    except Exception as err:  # noqa: BLE001 - no libtpu on this machine
+        pytest.skip(f"libtpu topology v5e unavailable: {err}")
+    mesh = Mesh(np.array(topo.devices[:4]).reshape(2, 2), ("data", "tensor"))
+    b, t, h, d, m = 4, 128, 4, 64, 64
+    tokens, rows, rep = (NamedSharding(mesh, P("data", None, "tensor", None)), NamedSharding(mesh, P("data", None)),
+                         NamedSharding(mesh, P()))
+    sd = lambda s, dt=jnp.float32, sh=rep: jax.ShapeDtypeStruct(s, dt, sharding=sh)  # noqa: E731
+    specs = [sd((b, t, h, d), jnp.bfloat16, tokens)] * 3 + [sd((h, m)), sd((h, m)), sd((h, 2 * m)),
+                                                             sd((h, 2 * m, 2 * m)), sd((b, t), jnp.int32, rows)]
+
+    def loss(q, k, v, lm, phase, gain, readout, seg):
+        o, state = ia.interdomain(q, k, v, log_modulus=lm, phase=phase, input_gain=gain, readout=readout,
+                                  segment_ids=seg)
+        z, x = ia.s4d(v, log_modulus=lm, phase=phase, input_gain=gain, readout=readout[:, 0], segment_ids=seg)
+        return (jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(state.key) + jnp.sum(state.value)
+                + jnp.sum(z.astype(jnp.float32)) + jnp.sum(x))
+
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4, 5, 6))).trace(*specs).lower()
+    assert lowered.as_text().count("tpu_custom_call") == 6
+    lowered.compile()
