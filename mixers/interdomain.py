@@ -66,7 +66,8 @@ class InterdomainOptions:
     selective_write: bool = False  g = exp(α tanh(w RMS₀(k̄) + b)), init w = b = 0, α = 1 (g = 1) [S form; init R].
     selective_decay: bool = False  δ_t = 2^{tanh(w_δ·RMS₀(k̄) + b_δ)} ∈ [½, 2] scales Re log Λ only, scalar per
                                    head and token, init w_δ = b_δ = 0 [S range; form R].
-    implementation: str = "auto"   op implementation ("auto" | "reference" | "xla" | "pallas_triton": GPU, opt-in).
+    implementation: str = "auto"   op implementation ("auto" | "reference" | "xla" | "pallas_tpu": TPU, taken by
+                                   auto | "pallas_triton": GPU, opt-in).
     chunk_size: int = 0            chunk length of the xla op; 0 = the op's default (64).
     """
 

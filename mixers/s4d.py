@@ -47,7 +47,8 @@ class S4DOptions:
     c_lr_group: "main"           C_h and c_out: main LR, no weight decay | "ssm" (LR-capped group) [S/R, B9].
     c_out_std: float = 0.125     c_out ~ N(0, c_out_std²) per head (0.125 = 1/√64) [R].
     norm_eps: float = 1e-6       eps of the input RMSNorms [R].
-    implementation: str = "auto" op implementation ("auto" | "reference" | "xla" | "pallas_triton": GPU, opt-in).
+    implementation: str = "auto" op implementation ("auto" | "reference" | "xla" | "pallas_tpu": TPU, taken by
+                                 auto | "pallas_triton": GPU, opt-in).
     chunk_size: int = 0          chunk length of the xla op; 0 = the op's default (64).
     """
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mixerlab.pallas_kernels import common, dispatch
-from mixerlab.pallas_kernels.interdomain import decode, pallas_triton, reference, xla
+from mixerlab.pallas_kernels.interdomain import decode, pallas_tpu, pallas_triton, reference, xla
 
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_SUB_CHUNK_SIZE = 8
@@ -148,9 +148,11 @@ _s4d_xla = jax.jit(xla.s4d_chunked, static_argnames=("chunk_size", "sub_chunk_si
 _ia_step = jax.jit(decode.interdomain_step)
 _s4d_step = jax.jit(decode.s4d_step)
 
-TABLE = dispatch.OpTable("interdomain", fallback="xla", planned=("pallas_tpu", "pallas_triton"))
+TABLE = dispatch.OpTable("interdomain", fallback="xla")
 TABLE.register(dispatch.Implementation("reference", _ref_ia))
 TABLE.register(dispatch.Implementation("xla", _ia_xla))
+# The TPU kernels: "auto" takes them on a TPU backend when ``supports`` accepts the call (docs/kernels.md).
+TABLE.register(dispatch.Implementation("pallas_tpu", pallas_tpu.run, pallas_tpu.supports, fast=True))
 # The GPU kernel is opt-in (implementation="pallas_triton"), not "auto": correct on the H200 but slower than
 # "xla" there (8x4096, H12, M64, bf16: 21.7 / 51.5 ms fwd / fwd+bwd vs 9.6 / 29.6 ms; docs/kernels_gpu.md).
 # It takes q, k, v in the caller's dtype (bf16 GEMM operands).
@@ -159,6 +161,7 @@ TABLE.register(dispatch.Implementation("pallas_triton", pallas_triton.run, palla
 S4D_TABLE = dispatch.OpTable("s4d", fallback="xla")
 S4D_TABLE.register(dispatch.Implementation("reference", _ref_s4d))
 S4D_TABLE.register(dispatch.Implementation("xla", _s4d_xla))
+S4D_TABLE.register(dispatch.Implementation("pallas_tpu", pallas_tpu.run_s4d, pallas_tpu.supports, fast=True))
 S4D_TABLE.register(dispatch.Implementation("pallas_triton", pallas_triton.run_s4d, pallas_triton.supports))
 
 
@@ -181,8 +184,9 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
       sub_chunk_size: sub-chunk length of "xla" inside a chunk (docs/math/interdomain.md 'Chunked form': exact
         pairwise decays within a sub-chunk, relative factors across). Default min(8, chunk_size); any int in
         [1, chunk_size], it need not divide chunk_size. Accuracy does not depend on it.
-      implementation: "auto" | "reference" | "xla" | "pallas_triton" (GPU; bf16 inputs run bf16 GEMM
-        operands with float32 accumulation and state). "auto" takes the kernel where it accepts the call.
+      implementation: "auto" | "reference" | "xla" | "pallas_tpu" (TPU) | "pallas_triton" (GPU, opt-in); the
+        kernels run bf16 inputs as bf16 GEMM operands with float32 accumulation and state. "auto" takes
+        "pallas_tpu" on a TPU where it accepts the call, else "xla".
 
     Returns:
       (o [B, T, H, Dv] in v's dtype, ``InterdomainState`` float32 / float64).
@@ -279,7 +283,8 @@ def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segme
         chunk_size: Optional[int] = None, implementation: str = "auto", sub_chunk_size: Optional[int] = None):
     """S4D-only core: z [B, T, H, C]; log_modulus [H, M] or [B, T, H, M]; phase [H, M]; input_gain [H, 2M];
     readout ω [H, 2M] (``readout_vector``); initial_state [B, H, 2M, C] or None; segment_ids, chunk_size,
-    sub_chunk_size and implementation ("auto" | "reference" | "xla" | "pallas_triton") as ``interdomain``.
+    sub_chunk_size and implementation ("auto" | "reference" | "xla" | "pallas_tpu" | "pallas_triton") as
+    ``interdomain``.
     Returns (o [B, T, H, C] in z's dtype, state [B, H, 2M, C] float32 /
     float64)."""
     op = "s4d"

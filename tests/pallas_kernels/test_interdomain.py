@@ -345,7 +345,7 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="s4d: sub_chunk_size=0"):
         ia.s4d(v, **{n: kw[n] for n in ("log_modulus", "phase", "input_gain")}, readout=kw["readout"][:, 0],
                sub_chunk_size=0)
-    with pytest.raises(ValueError, match="pallas_tpu.*planned"):
+    with pytest.raises(ValueError, match="pallas_tpu.*needs a TPU backend"):
         ia.interdomain(q, k, v, **kw, implementation="pallas_tpu")
     with pytest.raises(ValueError, match="unknown implementation"):
         ia.interdomain(q, k, v, **kw, implementation="fast")

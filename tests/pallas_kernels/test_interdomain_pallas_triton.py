@@ -14,64 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from interdomain_cases import NAMES, _executed, _inputs, _loss, _pallas_calls, _reference, _weights
 from mixerlab.pallas_kernels.interdomain import api as ia
 from mixerlab.pallas_kernels.interdomain import pallas_triton, reference
-
-NAMES = ("q", "k", "v", "log_modulus", "phase", "input_gain", "readout", "key_state", "value_state")
-
-
-def _inputs(seed, b, t, h, r, dv, m, *, boundaries=(), selective=True, log_modulus=None):
-    """Op inputs as float64 numpy arrays (IA-style parameters: S4D-Inv phases, ZOH gain, Hermitian readout)
-    and the document index [B, T]. ``log_modulus``: r ~ −U[low, high] per token and mode instead of the S4D one."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((b, t, h, r))
-    q /= np.linalg.norm(q, axis=-1, keepdims=True)
-    k = rng.standard_normal((b, t, h, r))
-    v = rng.standard_normal((b, t, h, dv))
-    delta = np.exp(rng.uniform(np.log(1e-2), np.log(0.5), h))
-    a_re = -np.exp(rng.uniform(np.log(0.3), np.log(1.0), (h, m)))
-    a_im = np.broadcast_to(np.asarray(ia.s4d_inv_imag(m)), (h, m)).astype(np.float64)
-    if log_modulus is not None:
-        lm = -rng.uniform(*log_modulus, (b, t, h, m) if selective else (h, m))
-    elif selective:
-        lm = rng.uniform(0.5, 2.0, (b, t, h, 1)) * (delta[:, None] * a_re)
-    else:
-        lm = delta[:, None] * a_re
-    c = rng.standard_normal((2, h, m, m)) / np.sqrt(2 * m)
-    gain = np.asarray(ia.zoh_input_gain(jnp.asarray(a_re), jnp.asarray(a_im), jnp.asarray(delta)), np.float64)
-    readout = np.asarray(ia.readout_matrix(jnp.asarray(c[0]), jnp.asarray(c[1])), np.float64)
-    states = rng.standard_normal((b, h, 2 * m, r)), rng.standard_normal((b, h, 2 * m, dv))
-    document = np.tile(np.cumsum(np.isin(np.arange(t), boundaries)), (b, 1)).astype(np.int32)
-    return [q, k, v, lm, delta[:, None] * a_im, gain, readout, *states], jnp.asarray(document)
-
-
-def _weights(seed, b, t, h, r, dv, m):
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((b, t, h, dv)), rng.standard_normal((b, h, 2 * m, r)),
-            rng.standard_normal((b, h, 2 * m, dv)))
-
-
-def _loss(fn, weights, shape):
-    """Σ o⊙w + Σ key⊙w_k + Σ value⊙w_v of ``fn`` (log_modulus broadcast to [B, T, H, M] as the op does)."""
-    def loss(*xs):
-        xs = list(xs)
-        xs[3] = jnp.broadcast_to(xs[3], shape)
-        o, key, value = fn(*xs)
-        wide = key.dtype
-        total = sum(jnp.sum(x.astype(wide) * w.astype(wide)) for x, w in zip((o, key, value), weights))
-        return total, (o, key, value)
-
-    return loss
-
-
-def _reference(args, document, weights):
-    with jax.enable_x64(True):
-        wide = [jnp.asarray(a, jnp.float64) for a in args]
-        shape = (*args[0].shape[:3], args[4].shape[-1])
-        loss = _loss(lambda *x: reference.interdomain_reference(*x, document), [jnp.asarray(w) for w in weights],
-                     shape)
-        grads, outs = jax.jit(jax.grad(loss, argnums=tuple(range(9)), has_aux=True))(*wide)
-        return [np.asarray(x) for x in outs], [np.asarray(g) for g in grads]
 
 
 def _kernel(args, document, weights, dtype, *, chunk_size, interpret=True, **options):
@@ -248,38 +193,6 @@ def test_lowers_for_cuda_on_cpu():
 
     text = jax.jit(jax.grad(loss, argnums=tuple(range(9)))).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 4, text.count("__gpu$xla.gpu.triton")  # query, output, both bwd
-
-
-def _executed(jaxpr, scale=1):
-    """(matmul FLOPs, exp/cos/sin elements) of one program of a kernel jaxpr; scan bodies count ``length``
-    times."""
-    flops = transcendentals = 0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "dot_general":
-            (contract, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
-            flops += scale * 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
-        elif name in ("exp", "cos", "sin"):
-            transcendentals += scale * math.prod(eqn.outvars[0].aval.shape)
-        assert name not in ("while", "cond"), f"{name}: trip count unknown to this counter"
-        inner = scale * (eqn.params["length"] if name == "scan" else 1)
-        for value in eqn.params.values():
-            sub = getattr(value, "jaxpr", value)
-            if hasattr(sub, "eqns"):
-                f, t = _executed(sub, inner)
-                flops, transcendentals = flops + f, transcendentals + t
-    return flops, transcendentals
-
-
-def _pallas_calls(jaxpr):
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            yield eqn
-        for value in eqn.params.values():
-            sub = getattr(value, "jaxpr", value)
-            if hasattr(sub, "eqns"):
-                yield from _pallas_calls(sub)
 
 
 def test_cost_estimates_match_the_kernel_jaxprs():
