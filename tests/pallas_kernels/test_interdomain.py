@@ -149,7 +149,7 @@ def test_segments_equal_separate_documents():
         assert _rel(s.key, s_i.key) <= 1e-12 and _rel(s.value, s_i.value) <= 1e-12
 
 
-@pytest.mark.parametrize("chunk,sub", [(8, 3), (12, 5)])
+@pytest.mark.parametrize("chunk,sub", [(8, 3), pytest.param(12, 5, marks=pytest.mark.extended)])
 def test_gradients_match_reference_float64(chunk, sub):
     with x64():
         args, kw, _ = _case(5, selective=True, t=21)

@@ -179,6 +179,7 @@ _PER_SHARD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.extended  # the sharded reduction; the kernel-vs-reference tests stay in make test
 def test_per_shard_run_sums_dw_over_the_batch_shards():
     """Under a 2 × 2 (data, tensor) mesh of CPU devices the per-shard wrapper the kernels run in gives the
     unsharded dx and dW (shard_map's transpose sums dW over the batch shards), with channels split over

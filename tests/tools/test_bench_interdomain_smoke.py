@@ -13,6 +13,7 @@ import pytest
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.extended  # a benchmark tool's smoke run; the op's own tests stay in make test
 @pytest.mark.slow
 def test_smoke_run_writes_every_row(tmp_path):
     out = tmp_path / "bench.json"

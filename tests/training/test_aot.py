@@ -56,6 +56,7 @@ print(json.dumps(sorted({(int(rows), int(width)) for rows, width in shapes})))
 """
 
 
+@pytest.mark.extended  # test_sharding's FSDP step equality stays in make test; this adds the compiled layout check
 def test_activations_stay_batch_sharded_under_fsdp():
     # 8 sequences on a 4-chip FSDP mesh: every chip holds 2 rows of every [B, T, ·] activation. Without the
     # activation constraints (models/sharding.py) XLA kept e.g. the logits of the whole batch on every chip,

@@ -90,6 +90,7 @@ def test_unreadable_newest_checkpoint_is_reported_and_an_older_one_used(tmp_path
     assert sorted(resumed.train_losses) == [5, 6, 7, 8]
 
 
+@pytest.mark.extended  # test_train's bitwise resume and test_reliability's SIGTERM tests cover this path
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_resume_continues_identically(tmp_path):
     args = ["configs/tiny.yaml", "train.steps=40", "train.log_every=1", "checkpoint.every=1000",
