@@ -39,7 +39,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mixerlab.pallas_kernels import common
-from mixerlab.pallas_kernels.vla.pallas_triton import REFRESH, RESET, token_flags
+from mixerlab.pallas_kernels.vla import penalty_vjp
+from mixerlab.pallas_kernels.vla.penalty_vjp import REFRESH, RESET, token_flags
 from mixerlab.pallas_kernels.vla.reference import floored_norm
 
 F32 = jnp.float32
@@ -271,31 +272,17 @@ def forward_call(cfg: Config, k_hat, u, flags, a0):
 # custom VJP (over k̂, u, A₀; the flags are integers)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _penalty_pass(cfg, k_hat, u, a0, flags):
-    g, _, _, a_final = forward_call(cfg, k_hat, u, flags, a0)
-    return g, a_final
+def _backward(cfg, *args):
+    from mixerlab.pallas_kernels.vla import pallas_tpu_bwd  # it imports this module's in-kernel helpers
+
+    return pallas_tpu_bwd.backward_call(cfg, *args)
 
 
-def _penalty_pass_fwd(cfg, k_hat, u, a0, flags):
-    g, factors, anchors, a_final = forward_call(cfg, k_hat, u, flags, a0)
-    g, a_final, factors, anchors = common.keep_for_backward((g, a_final, factors, anchors))
-    return (g, a_final), (k_hat, u, flags, factors, anchors)
+def _forward(cfg, k_hat, u, a0, flags):
+    return forward_call(cfg, k_hat, u, flags, a0)
 
 
-def _penalty_pass_bwd(cfg, residuals, cotangents):
-    from mixerlab.pallas_kernels.vla import pallas_tpu_bwd
-
-    k_hat, u, flags, factors, anchors = residuals
-    d_g, d_final = cotangents
-    d_final = d_final.astype(F32)
-    d_final = 0.5 * (d_final + jnp.swapaxes(d_final, -1, -2))  # the kernel carries a symmetric Ā
-    dk, du, d_a0 = pallas_tpu_bwd.backward_call(cfg, k_hat, u, factors, flags, d_g.astype(F32), anchors, d_final)
-    # only the symmetric part of dA₀ is defined (the op symmetrises A₀)
-    return dk, du, 0.5 * (d_a0 + jnp.swapaxes(d_a0, -1, -2)), None
-
-
-_penalty_pass.defvjp(_penalty_pass_fwd, _penalty_pass_bwd)
+_penalty_pass = penalty_vjp.penalty_pass_with_vjp(_forward, _backward)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from mixerlab.pallas_kernels import common
+from mixerlab.pallas_kernels.vla import penalty_vjp
+from mixerlab.pallas_kernels.vla.penalty_vjp import REFRESH, RESET, token_flags  # noqa: F401 (token_flags: public)
 from mixerlab.pallas_kernels.vla.reference import floored_norm
 from mixerlab.pallas_kernels.triton_common import compiler_params, iota, pow2, unavailable
 
@@ -49,7 +51,6 @@ from mixerlab.pallas_kernels.triton_common import compiler_params, iota, pow2, u
 F32 = jnp.float32
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128  # a d×d f32 tile per program: 64 KB at d = 128 already spills
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-RESET, REFRESH = 1, 2  # bits of the per-token flags: document starts at t (t > 0); refresh after t
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -85,14 +86,6 @@ def supports(call) -> Optional[str]:
     if jnp.dtype(call.dtype) not in DTYPES:
         return f"dtype {jnp.dtype(call.dtype).name} not supported (float32, bfloat16, float16)"
     return None
-
-
-def token_flags(document_BT, refresh_BT):
-    """[B, T] int32: RESET where a document starts at t > 0 (A ← I/λ₀ before the token), REFRESH where
-    A ← A + ρI after it."""
-    starts = jnp.concatenate([jnp.zeros_like(document_BT[:, :1], dtype=bool),
-                              document_BT[:, 1:] != document_BT[:, :-1]], axis=1)
-    return starts.astype(jnp.int32) * RESET + refresh_BT.astype(jnp.int32) * REFRESH
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -299,29 +292,7 @@ def _backward(cfg, k_hat, u, factors, flags, d_g, anchors, d_final):
         k_hat, u, factors, flags, d_g, anchors, d_final)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _penalty_pass(cfg, k_hat, u, a0, flags):
-    g, _, _, a_final = _forward(cfg, k_hat, u, a0, flags)
-    return g, a_final
-
-
-def _penalty_pass_fwd(cfg, k_hat, u, a0, flags):
-    g, factors, anchors, a_final = _forward(cfg, k_hat, u, a0, flags)
-    g, a_final, factors, anchors = common.keep_for_backward((g, a_final, factors, anchors))
-    return (g, a_final), (k_hat, u, flags, factors, anchors)
-
-
-def _penalty_pass_bwd(cfg, residuals, cotangents):
-    k_hat, u, flags, factors, anchors = residuals
-    d_g, d_final = cotangents
-    d_final = d_final.astype(F32)
-    d_final = 0.5 * (d_final + jnp.swapaxes(d_final, -1, -2))  # the kernel carries a symmetric Ā
-    dk, du, d_a0 = _backward(cfg, k_hat, u, factors, flags, d_g.astype(F32), anchors, d_final)
-    # Ā is symmetric up to the rounding of fused multiply-adds; only its symmetric part is defined (A₀ is)
-    return dk, du, 0.5 * (d_a0 + jnp.swapaxes(d_a0, -1, -2)), None
-
-
-_penalty_pass.defvjp(_penalty_pass_fwd, _penalty_pass_bwd)
+_penalty_pass = penalty_vjp.penalty_pass_with_vjp(_forward, _backward)
 
 
 # ---------------------------------------------------------------------------------------------------------
