@@ -22,6 +22,7 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from delta_rule_cases import gdn2_inputs, rel_rms_err, segment_ids_from_lengths, x64  # noqa: E402
 from mixerlab.pallas_kernels.delta_rule import api, flops, pallas_tpu  # noqa: E402
+from tpu_topologies import TOPOLOGIES, replicated  # noqa: E402
 from mixerlab.pallas_kernels.delta_rule import pallas_tpu_bwd  # noqa: E402,F401  (import check)
 
 NAMES = ("q", "k", "erase_key", "v", "log_decay", "initial_state")
@@ -279,18 +280,8 @@ def test_run_rejects_unsupported_tiling():
 # ---------------------------------------------------------------------------------------------------------
 # real compiles through libtpu (no TPU needed)
 
-TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1"}
-
-
 def _compile(gen, chunk, leaf, dk, dv, dtype, backward, *, batch=1, length=512, heads=2):
-    topologies = pytest.importorskip("jax.experimental.topologies")
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    try:
-        topo = topologies.get_topology_desc(TOPOLOGIES[gen], "tpu")
-    except Exception as err:  # noqa: BLE001 - no libtpu on this machine
-        pytest.skip(f"libtpu topology {gen} unavailable: {err}")
-    rep = NamedSharding(Mesh(np.array(topo.devices[:1]), ("x",)), P())
+    rep = replicated(gen)
     sd = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=rep)  # noqa: E731
     x = (batch, length, heads)
     specs = [sd(x + (dk,), dtype), sd(x + (dk,), dtype), sd(x + (dk,), dtype), sd(x + (dv,), dtype),

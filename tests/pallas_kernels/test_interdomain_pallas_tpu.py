@@ -26,6 +26,7 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from interdomain_cases import NAMES, _executed, _inputs, _loss, _pallas_calls, _reference, _weights  # noqa: E402
 from mixerlab.pallas_kernels.interdomain import api as ia  # noqa: E402
 from mixerlab.pallas_kernels.interdomain import pallas_tpu, reference  # noqa: E402
+from tpu_topologies import TOPOLOGIES, replicated, tpu_devices  # noqa: E402
 
 F32_TOL = 1e-4
 BF16_TOL = 2e-2
@@ -274,18 +275,8 @@ def test_run_rejects_unsupported_shapes_by_name():
 # ---------------------------------------------------------------------------------------------------------
 # real compiles through libtpu (no TPU needed)
 
-TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1"}
-
-
 def _compile(gen, chunk, r, dv, m, dtype, backward, *, batch=1, length=64, heads=2):
-    topologies = pytest.importorskip("jax.experimental.topologies")
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    try:
-        topo = topologies.get_topology_desc(TOPOLOGIES[gen], "tpu")
-    except Exception as err:  # noqa: BLE001 - no libtpu on this machine
-        pytest.skip(f"libtpu topology {gen} unavailable: {err}")
-    rep = NamedSharding(Mesh(np.array(topo.devices[:1]), ("x",)), P())
+    rep = replicated(gen)
     sd = lambda s, d=jnp.float32: jax.ShapeDtypeStruct(s, d, sharding=rep)  # noqa: E731
     x = (batch, length, heads)
     specs = [sd(x + (r,), dtype), sd(x + (r,), dtype), sd(x + (dv,), dtype), sd(x + (m,)), sd((heads, m)),
@@ -335,14 +326,9 @@ def test_ops_take_the_kernels_under_a_tpu_mesh_and_compile():
     """``interdomain`` and ``s4d`` with implementation "auto", traced under a v5e (data 2 × tensor 2) mesh as the
     trainer traces its step: both ops pick pallas_tpu (per shard through shard_map), and their gradient compiles;
     the program holds the interdomain op's four kernels and the S4D op's two output kernels."""
-    topologies = pytest.importorskip("jax.experimental.topologies")
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    try:
-        topo = topologies.get_topology_desc(TOPOLOGIES["v5e"], "tpu")
-    except Exception as err:  # noqa: BLE001 - no libtpu on this machine
-        pytest.skip(f"libtpu topology v5e unavailable: {err}")
-    mesh = Mesh(np.array(topo.devices[:4]).reshape(2, 2), ("data", "tensor"))
+    mesh = Mesh(np.array(tpu_devices("v5e")[:4]).reshape(2, 2), ("data", "tensor"))
     b, t, h, d, m = 4, 128, 4, 64, 64
     tokens, rows, rep = (NamedSharding(mesh, P("data", None, "tensor", None)), NamedSharding(mesh, P("data", None)),
                          NamedSharding(mesh, P()))

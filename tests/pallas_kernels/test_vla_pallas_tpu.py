@@ -30,6 +30,7 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from mixerlab.pallas_kernels.vla import api, pallas_tpu, reference  # noqa: E402
 from mixerlab.pallas_kernels.vla import pallas_tpu_bwd  # noqa: E402,F401  (import check)
+from tpu_topologies import TOPOLOGIES, one_device_mesh  # noqa: E402
 from test_vla_pallas_triton import (  # noqa: E402
     A_PASS_CASES, EPS, LAMBDA0, OP_NAMES, RHO, _a_pass_inputs, _op_loss, _reference_a_pass, _rel_rms, _spd, _sym)
 
@@ -368,20 +369,6 @@ def test_config_checks():
 # ---------------------------------------------------------------------------------------------------------
 # real compiles through libtpu (no TPU needed)
 
-TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1"}
-
-
-def _tpu_mesh(gen):
-    topologies = pytest.importorskip("jax.experimental.topologies")
-    from jax.sharding import Mesh
-
-    try:
-        topo = topologies.get_topology_desc(TOPOLOGIES[gen], "tpu")
-    except Exception as err:  # noqa: BLE001 - no libtpu on this machine
-        pytest.skip(f"libtpu topology {gen} unavailable: {err}")
-    return Mesh(np.array(topo.devices[:1]), ("x",))
-
-
 @pytest.mark.tpu_compile
 @pytest.mark.parametrize("gen", list(TOPOLOGIES))
 def test_compiles_a_pass_default_config(gen):
@@ -389,7 +376,7 @@ def test_compiles_a_pass_default_config(gen):
     cost_analysis is the declared CostEstimate plus the XLA normalisation of g, and forward + backward."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    rep = NamedSharding(_tpu_mesh(gen), P())
+    rep = NamedSharding(one_device_mesh(gen), P())
     for d in (128, 256):
         b, t, h = 1, 256, 2
         sd = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=rep)  # noqa: E731
@@ -424,7 +411,7 @@ def test_compiles_default_config(gen):
     A-pass CostEstimate, and forward + backward."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    mesh = _tpu_mesh(gen)
+    mesh = one_device_mesh(gen)
     rep = NamedSharding(mesh, P())
     b, t, h, d = 1, 256, 2, 128
     specs = [jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16, sharding=rep)] * 4 + [
