@@ -200,10 +200,10 @@ def _run_xla(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk_size, lam
     return o, (S, A)
 
 
-def triton_a_pass(heads):
-    """``pallas_triton.penalty_pass``, per shard under a device mesh (batch over data/fsdp, heads over tensor)."""
-    return common.per_shard(pallas_triton.penalty_pass, heads, ("tokens", "tokens", "state", "rows", "rows"),
-                            ("tokens", "state"))
+def per_shard_a_pass(penalty_pass, heads):
+    """A kernel backend's ``penalty_pass`` (``pallas_triton`` or ``pallas_tpu``), per shard under a device mesh
+    (batch over data/fsdp, heads over tensor)."""
+    return common.per_shard(penalty_pass, heads, ("tokens", "tokens", "state", "rows", "rows"), ("tokens", "state"))
 
 
 def _run_pallas_triton(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk_size, lambda0, refresh_magnitude,
@@ -212,20 +212,13 @@ def _run_pallas_triton(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk
     delta rule with operands in the caller's dtype, so that "auto" picks its Pallas-Triton kernel on GPU
     (bf16 tensor-core matmuls for bf16 inputs; α̂ and k̂ rounded to that dtype there, state f32)."""
     del chunk_size  # the kernel is serial over tokens; anchor_every sets its backward checkpoints
-    alpha, A = triton_a_pass(k_hat.shape[2])(k_hat, u, A0, document_BT, refresh_BT, lambda0=lambda0,
-                                             refresh_magnitude=refresh_magnitude, eps=eps,
-                                             normalize_write_direction=normalize_write_direction,
-                                             interpret=interpret)
+    alpha, A = per_shard_a_pass(pallas_triton.penalty_pass, k_hat.shape[2])(
+        k_hat, u, A0, document_BT, refresh_BT, lambda0=lambda0, refresh_magnitude=refresh_magnitude, eps=eps,
+        normalize_write_direction=normalize_write_direction, interpret=interpret)
     od = operand_dtype
     o, S = delta_rule(q.astype(od), alpha.astype(od), v.astype(od), erase_key=k_hat.astype(od), initial_state=S0,
                       segment_ids=document_BT, implementation="auto")
     return o, (S, A)
-
-
-def tpu_a_pass(heads):
-    """``pallas_tpu.penalty_pass``, per shard under a device mesh (batch over data/fsdp, heads over tensor)."""
-    return common.per_shard(pallas_tpu.penalty_pass, heads, ("tokens", "tokens", "state", "rows", "rows"),
-                            ("tokens", "state"))
 
 
 def _tpu_s_pass(q, alpha, v, k_hat, S0, document_BT, interpret):
@@ -247,9 +240,9 @@ def _run_pallas_tpu(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk_si
     own custom VJP); S-pass: the delta rule with operands in the caller's dtype (bf16 MXU operands for bf16
     inputs: α̂ and k̂ rounded to bf16 there; state f32)."""
     del chunk_size  # the xla form's A-pass chunk; the kernel is serial over tokens (its own grid chunk)
-    alpha, A = tpu_a_pass(k_hat.shape[2])(k_hat, u, A0, document_BT, refresh_BT, lambda0=lambda0,
-                                          refresh_magnitude=refresh_magnitude, eps=eps,
-                                          normalize_write_direction=normalize_write_direction, interpret=interpret)
+    alpha, A = per_shard_a_pass(pallas_tpu.penalty_pass, k_hat.shape[2])(
+        k_hat, u, A0, document_BT, refresh_BT, lambda0=lambda0, refresh_magnitude=refresh_magnitude, eps=eps,
+        normalize_write_direction=normalize_write_direction, interpret=interpret)
     od = operand_dtype
     o, S = _tpu_s_pass(q.astype(od), alpha.astype(od), v.astype(od), k_hat.astype(od), S0, document_BT, interpret)
     return o, (S, A)

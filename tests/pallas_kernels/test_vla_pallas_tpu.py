@@ -16,9 +16,6 @@ implementation, without a TPU:
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # pytest-xdist: two workers may load libtpu
 
@@ -32,7 +29,8 @@ from mixerlab.pallas_kernels.vla import api, pallas_tpu, reference  # noqa: E402
 from mixerlab.pallas_kernels.vla import pallas_tpu_bwd  # noqa: E402,F401  (import check)
 from tpu_topologies import TOPOLOGIES, one_device_mesh  # noqa: E402
 from test_vla_pallas_triton import (  # noqa: E402
-    A_PASS_CASES, EPS, LAMBDA0, OP_NAMES, RHO, _a_pass_inputs, _op_loss, _reference_a_pass, _rel_rms, _spd, _sym)
+    A_PASS_CASES, EPS, LAMBDA0, OP_NAMES, RHO, _a_pass_inputs, _op_loss, _reference_a_pass, _rel_rms, _spd, _sym,
+    run_per_shard_script)
 
 CHUNK = 8  # tokens per grid step in the A-pass cases: T = 45 spans 6 grid steps
 F32_TOL = 1e-4
@@ -175,45 +173,14 @@ def test_interpret_op_matches_reference(dtype, tol):
     assert not bad, f"relative RMS above {tol}: {bad} (all: {errors})"
 
 
-_PER_SHARD = textwrap.dedent("""
-    import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    import jax, jax.numpy as jnp, numpy as np
-    from mixerlab.pallas_kernels.vla import api, pallas_tpu
-    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "tensor"))
-    rng = np.random.default_rng(0)
-    b, t, h, d = 4, 21, 2, 16
-    k_hat, u = (api.normalize(jnp.asarray(rng.normal(size=(b, t, h, d)) + 0.5, jnp.float32), 1e-4) for _ in range(2))
-    a0 = jnp.broadcast_to(jnp.eye(d, dtype=jnp.float32) * 10.0, (b, h, d, d))
-    document = jnp.asarray(np.cumsum(rng.random((b, t)) < 0.15, axis=1), jnp.int32)
-    refresh = jnp.asarray(rng.random((b, t)) < 0.2)
-    w_alpha, w_a = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((b, t, h, d), (b, h, d, d)))
-    hyper = dict(lambda0=0.1, refresh_magnitude=0.05, eps=1e-4, interpret=True)
-
-    def loss(run, k_hat, u, a0):
-        alpha, a = run(k_hat, u, a0, document, refresh, **hyper)
-        return jnp.sum(alpha * w_alpha) + jnp.sum(a * w_a)
-
-    grad = lambda run: jax.jit(jax.grad(lambda *x: loss(run, *x), (0, 1, 2)))(k_hat, u, a0)
-    want = grad(pallas_tpu.penalty_pass)
-    with jax.set_mesh(mesh):
-        got = grad(api.tpu_a_pass(h))
-    for g, e in zip(got, want):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-6)
-    print("ok")
-""")
 
 
 @pytest.mark.extended  # ~30 s: a subprocess with 4 CPU devices; the kernels themselves are covered above
 def test_per_shard_a_pass_under_a_mesh_matches_unsharded():
     """Under a 2 × 2 (data, tensor) mesh of CPU devices the A-pass kernels run per shard as the op runs them
-    (``api.tpu_a_pass``: batch over "data", heads over "tensor") and give the unsharded gradients of k̂, u
-    and A₀ (interpret mode)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, "-c", _PER_SHARD], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
+    (``api.per_shard_a_pass``: batch over "data", heads over "tensor") and give the unsharded gradients of k̂,
+    u and A₀ (interpret mode)."""
+    run_per_shard_script("pallas_tpu", "")
 
 
 # ---------------------------------------------------------------------------------------------------------

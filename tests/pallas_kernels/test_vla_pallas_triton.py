@@ -252,11 +252,12 @@ def test_lowers_for_cuda_on_cpu():
     assert text.count("__gpu$xla.gpu.triton") == 2  # vla_penalty_forward, vla_penalty_backward
 
 
-_PER_SHARD = textwrap.dedent("""
+# {backend}: pallas_triton | pallas_tpu; {hyper}: that backend's extra options (filled by run_per_shard_script)
+PER_SHARD_SCRIPT = textwrap.dedent("""
     import os
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     import jax, jax.numpy as jnp, numpy as np
-    from mixerlab.pallas_kernels.vla import api, pallas_triton
+    from mixerlab.pallas_kernels.vla import api, {backend}
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "tensor"))
     rng = np.random.default_rng(0)
     b, t, h, d = 4, 21, 2, 16
@@ -265,16 +266,16 @@ _PER_SHARD = textwrap.dedent("""
     document = jnp.asarray(np.cumsum(rng.random((b, t)) < 0.15, axis=1), jnp.int32)
     refresh = jnp.asarray(rng.random((b, t)) < 0.2)
     w_alpha, w_a = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((b, t, h, d), (b, h, d, d)))
-    hyper = dict(lambda0=0.1, refresh_magnitude=0.05, eps=1e-4, interpret=True, anchor_every=8)
+    hyper = dict(lambda0=0.1, refresh_magnitude=0.05, eps=1e-4, interpret=True{hyper})
 
     def loss(run, k_hat, u, a0):
         alpha, a = run(k_hat, u, a0, document, refresh, **hyper)
         return jnp.sum(alpha * w_alpha) + jnp.sum(a * w_a)
 
     grad = lambda run: jax.jit(jax.grad(lambda *x: loss(run, *x), (0, 1, 2)))(k_hat, u, a0)
-    want = grad(pallas_triton.penalty_pass)
+    want = grad({backend}.penalty_pass)
     with jax.set_mesh(mesh):
-        got = grad(api.triton_a_pass(h))
+        got = grad(api.per_shard_a_pass({backend}.penalty_pass, h))
     for g, e in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-6)
     print("ok")
@@ -283,11 +284,17 @@ _PER_SHARD = textwrap.dedent("""
 
 def test_per_shard_a_pass_under_a_mesh_matches_unsharded():
     """Under a 2 × 2 (data, tensor) mesh of CPU devices the A-pass kernels run per shard as the op runs them
-    (``api.triton_a_pass``: batch over "data", heads over "tensor") and give the unsharded gradients of k̂, u
-    and A₀ (interpret mode)."""
+    (``api.per_shard_a_pass``: batch over "data", heads over "tensor") and give the unsharded gradients of k̂,
+    u and A₀ (interpret mode)."""
+    run_per_shard_script("pallas_triton", ", anchor_every=8")
+
+
+def run_per_shard_script(backend, hyper):
+    """Runs PER_SHARD_SCRIPT for one A-pass backend in a fresh process with 4 CPU devices."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, "-c", _PER_SHARD], cwd=root, env=env, capture_output=True, text=True,
+    script = PER_SHARD_SCRIPT.replace("{backend}", backend).replace("{hyper}", hyper)
+    run = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
 
