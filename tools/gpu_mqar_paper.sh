@@ -12,7 +12,12 @@
 #           (A = I/λ₀ = 10 I), the unnormalised write direction, the unnormalised key: 4 processes   (~250 s)
 #   ood     n = 8,16,24, seed 42, 1000 steps, held-out accuracy on training keys and on keys from [64, 127)
 #           (Table 13): 1 process per mixer                                                        (~250 s)
+#   n24     n = 24 with seeds 42, 123 and 999, 2000 steps: one process per mixer and seed          (~400 s)
+#   vla_gaps  vla at n = 16 with seeds 42 and 999 (2000 steps) and at n = 48 with seed 42 (1000 steps): the
+#           runs a time-limited `seed42`/`seeds` call cut, one process each                        (~400 s)
 #   merge   nothing new: merge what OUT_DIR holds and pack it
+# MERGE_WITH="a/results.json ..." adds earlier results (e.g. a merged results.json kept in docs/benchmarks) to
+# the main table, so a call that fills gaps prints the whole table.
 # The whole protocol does not fit one ~540 s call: run `seed42` and `seeds` as two calls (then `ablation,ood`
 # as a third). Every call merges everything OUT_DIR holds so far, so the second call's tables cover both; if
 # the machine was released in between, carry OUT_DIR back (`carry: [".whl", "runs/mqar_vla_paper"]`).
@@ -29,7 +34,7 @@ mixers=${3:-softmax,linear_attention,paper_deltanet,vla}
 seconds=${4:-520}
 config=configs/eval/mqar_vla_paper.yaml
 for part in ${parts//,/ }; do
-  case $part in seed42|seeds|ablation|ood|merge) ;; *) echo "unknown part '$part' (seed42, seeds, ablation, ood, merge)" >&2; exit 2;; esac
+  case $part in seed42|seeds|n24|vla_gaps|ablation|ood|merge) ;; *) echo "unknown part '$part' (seed42, seeds, n24, vla_gaps, ablation, ood, merge)" >&2; exit 2;; esac
 done
 dry=${DRY_RUN:-}
 if [ -z "$dry" ]; then
@@ -68,10 +73,17 @@ for part in ${parts//,/ }; do
       seeds)
         job "main_${mixer}_s123" --mixers "$mixer" --n 4,8,16,24 --seeds 123
         job "main_${mixer}_s999" --mixers "$mixer" --n 4,8,16,24 --seeds 999 ;;
+      n24)
+        for seed in 42 123 999; do job "main_${mixer}_n24_s${seed}" --mixers "$mixer" --n 24 --seeds "$seed"; done ;;
       ood)
         job "ood_${mixer}" --mixers "$mixer" --n 8,16,24 --seeds 42 train.steps=1000 "task.ood_key_range=[64,127]" ;;
     esac
   done
+  if [ "$part" = vla_gaps ]; then
+    job main_vla_n16_s42 --mixers vla --n 16 --seeds 42
+    job main_vla_n16_s999 --mixers vla --n 16 --seeds 999
+    job main_vla_n48_s42 --mixers vla --n 48 --seeds 42 train.steps=1000
+  fi
   if [ "$part" = ablation ]; then
     abl=(--mixers vla --n 8,16,32 --seeds 42 train.steps=1000)  # options before the trailing overrides
     job ablation_full --label "vla (full)" "${abl[@]}"
@@ -89,6 +101,8 @@ compgen -G "$out/*.log" >/dev/null && tail -n 8 "$out"/*.log
 
 merge() {  # merge GROUP TITLE: every OUT_DIR/GROUP_*/results.json into OUT_DIR/GROUP
   local files=()
+  # shellcheck disable=SC2206  # MERGE_WITH is a list of paths
+  [ "$1" = main ] && files+=(${MERGE_WITH:-})
   for f in "$out/$1"_*/results.json; do [ -f "$f" ] && files+=("$f"); done
   if [ ${#files[@]} -gt 0 ]; then
     python3 -m mixerlab.eval.mqar --merge "${files[@]}" --out "$out/$1" --title "$2" || status=$?
