@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The small language-model comparison (configs/lm_compare/) on the GPU machine: every model as its own train.py
+# process, all at once on the one GPU (42M-parameter models leave most of an H200 idle; the CPU cores compile
+# them in parallel), each killed after SECONDS (SIGKILL: a SIGTERM would make the trainer checkpoint). Every run writes its metrics.jsonl as it goes, so a run cut by
+# the time limit keeps its curve; the report (tools/lm_compare_report.py) marks how far each got.
+#
+#   usage: bash tools/gpu_lm_compare.sh OUT_DIR [MODELS] [SECONDS] [section.key=value ...]
+#   MODELS   comma-separated config names in configs/lm_compare/ (default: all seven)
+#   e.g. (device call, carry [".whl", "data/lm_corpus/device"]):
+#        bash tools/gpu_lm_compare.sh $OUT/lm_compare transformer,gdn2,muir 500
+# The data (data/lm_corpus/device: Parquet text + tokenizer) comes from
+#   python tools/build_lm_corpus.py ... --device_subset TOKENS   (docs/lm_corpus.md)
+set -euo pipefail
+out=${1:?output directory}
+models=${2:-transformer,gdn2,muir,muir_static_gamma,muir_no_gamma,interdomain,s4d}
+seconds=${3:-500}
+shift $(( $# < 3 ? $# : 3 ))
+for m in ${models//,/ }; do
+  [ -f "configs/lm_compare/$m.yaml" ] || { echo "unknown model '$m': no configs/lm_compare/$m.yaml" >&2; exit 2; }
+done
+[ -f data/lm_corpus/device/tokenizer.json ] || {
+  echo "data/lm_corpus/device/tokenizer.json missing: build it with tools/build_lm_corpus.py (docs/lm_corpus.md)" >&2
+  exit 2; }
+if ! python3 -c "import grain" 2>/dev/null; then  # the GPU machine lacks these; wheels carried in .whl/
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+mkdir -p "$out"
+pids=()
+for m in ${models//,/ }; do
+  timeout -s KILL "$seconds" python3 train.py --config "configs/lm_compare/$m.yaml" train.output_dir="$out/$m" \
+      train.resume=false "$@" >"$out/$m.log" 2>&1 &
+  pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+tail -n 3 "$out"/*.log
+python3 tools/lm_compare_report.py "$out" || status=$?
+exit $status

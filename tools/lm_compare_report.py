@@ -1,0 +1,136 @@
+"""Table and figure of the small language-model comparison (configs/lm_compare/, tools/gpu_lm_compare.sh).
+
+    python tools/lm_compare_report.py RUNS_DIR [--out DIR] [--title TITLE]
+
+RUNS_DIR holds one run directory per model (each with metrics.jsonl and config.yaml, as train.py writes them).
+Writes DIR/table.md (default RUNS_DIR) and DIR/val_loss.png: validation loss against training tokens for every
+model on one axis, and the training loss (mean over each logging window) beside it. A run stopped early (time
+limit) is kept: its row says how many steps it finished.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+
+def load_run(run_dir: str) -> dict | None:
+    """The rows of run_dir/metrics.jsonl split by kind, and the run's config; None without metrics."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return None
+    rows = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
+                    pass
+    train = [r for r in rows if r.get("split") == "train" and "loss" in r]
+    val = [r for r in rows if r.get("split") == "val" and "loss" in r]
+    cfg = {}
+    cfg_path = os.path.join(run_dir, "config.yaml")
+    if os.path.exists(cfg_path):
+        import yaml
+
+        with open(cfg_path) as f:
+            cfg = yaml.safe_load(f) or {}
+    return {"name": os.path.basename(run_dir.rstrip("/")), "train": train, "val": val, "config": cfg}
+
+
+def tokens_per_step(cfg: dict) -> int:
+    # train.batch_size is the global batch in sequences (micro-batches split it, they do not multiply it)
+    return int(cfg.get("train", {}).get("batch_size", 0)) * int(cfg.get("data", {}).get("seq_len", 0))
+
+
+def summarize(run: dict) -> dict:
+    cfg, train, val = run["config"], run["train"], run["val"]
+    tps = tokens_per_step(cfg)
+    steps_done = max((r["step"] for r in train), default=0)
+    speeds = [r["tokens_per_s"] for r in train if r.get("tokens_per_s") and r["step"] > 20]
+    last_val = val[-1] if val else None
+    return {
+        "name": run["name"],
+        "mixer": cfg.get("model", {}).get("mixer", "?"),
+        "steps": steps_done,
+        "planned": cfg.get("train", {}).get("steps"),
+        "tokens_M": steps_done * tps / 1e6,
+        "val_loss": last_val["loss"] if last_val else None,
+        "val_step": last_val["step"] if last_val else None,
+        "val_ppl": last_val.get("perplexity") if last_val else None,
+        "tokens_per_s": statistics.median(speeds) if speeds else None,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| run | mixer | steps done / planned | training tokens | final val loss (at step) | val perplexity | "
+            "tokens/s (median, shared GPU) |\n|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in sorted(rows, key=lambda r: (r["val_loss"] is None, r["val_loss"] or 0.0)):
+        vl = f"{r['val_loss']:.4f} ({r['val_step']})" if r["val_loss"] is not None else "–"
+        ppl = f"{r['val_ppl']:.2f}" if r["val_ppl"] is not None else "–"
+        tps = f"{r['tokens_per_s'] / 1e3:.0f}K" if r["tokens_per_s"] else "–"
+        lines.append(f"| {r['name']} | {r['mixer']} | {r['steps']} / {r['planned']} | {r['tokens_M']:.1f}M | {vl} | "
+                     f"{ppl} | {tps} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_val, ax_train) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for run in sorted(runs, key=lambda r: r["name"]):
+        tps = tokens_per_step(run["config"]) / 1e6
+        if run["val"]:
+            ax_val.plot([r["step"] * tps for r in run["val"]], [r["loss"] for r in run["val"]], marker="o",
+                        markersize=3, label=run["name"])
+        if run["train"]:
+            ax_train.plot([r["step"] * tps for r in run["train"]], [r["loss"] for r in run["train"]], lw=1,
+                          label=run["name"])
+    for ax, what in ((ax_val, "validation loss (held-out split)"), (ax_train, "training loss")):
+        ax.set_xlabel("training tokens (M)")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+    ax_train.set_ylim(top=min(8.0, ax_train.get_ylim()[1]))
+    ax_val.set_ylim(top=min(8.0, ax_val.get_ylim()[1]))
+    ax_val.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs_dir")
+    p.add_argument("--out", help="where table.md and val_loss.png go (default: RUNS_DIR)")
+    p.add_argument("--title", default="Small language-model comparison")
+    args = p.parse_args(argv)
+    if not os.path.isdir(args.runs_dir):
+        print(f"error: {args.runs_dir} is not a directory of runs", file=sys.stderr)
+        return 2
+    runs = [r for d in sorted(os.listdir(args.runs_dir))
+            if os.path.isdir(os.path.join(args.runs_dir, d)) and (r := load_run(os.path.join(args.runs_dir, d)))]
+    if not runs:
+        print(f"error: no run directory with a metrics.jsonl under {args.runs_dir}", file=sys.stderr)
+        return 2
+    out = args.out or args.runs_dir
+    os.makedirs(out, exist_ok=True)
+    text = table([summarize(r) for r in runs])
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(text)
+    plot(runs, os.path.join(out, "val_loss.png"), args.title)
+    print(text)
+    print(f"wrote {os.path.join(out, 'table.md')}, {os.path.join(out, 'val_loss.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
