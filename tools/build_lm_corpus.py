@@ -430,7 +430,7 @@ def extract_documents(source: Source, tree: Path, workers: int = 1) -> Iterator[
         for index in sorted(tree.glob("usr/share/dictd/*.index")):
             data_path = index.with_suffix(".dict.dz")
             data = gzip.decompress(data_path.read_bytes())  # dictzip is gzip with a seek table
-            docs = group_entries(dictd_entries(index.read_text("utf-8", "replace"), data))
+            docs = group_entries(dictd_entries(index.read_text("utf-8", "replace"), data), MAX_DOCUMENT_CHARS)
             for i, text in enumerate(docs):
                 yield f"{source.package}:{index.stem}#{i}", text
     else:
