@@ -239,3 +239,11 @@ def test_device_subset_stays_within_its_token_budget(tmp_path):
     val = pq.read_table(tmp_path / "device" / "val" / "part-00000.parquet").column("text").to_pylist()
     assert val == texts[50:]
     assert json.loads((tmp_path / "device" / "manifest.json").read_text())["train_docs"] == len(subset)
+
+
+def test_select_subset_passes_over_a_document_too_large_for_the_rest_of_the_budget():
+    small = [(f"s:{i}", "t", 10) for i in range(20)]
+    big = ("big:0", "t", 1000)
+    assert sorted(small + [big], key=lambda r: blc.hash_order(r[0]))[-1] != big  # big is not last in hash order
+    chosen = blc.select_subset(small + [big], budget=200)
+    assert sorted(i for i, _ in chosen) == sorted(i for i, _, _ in small)
