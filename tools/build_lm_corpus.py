@@ -52,7 +52,7 @@ SHARD_DOCS = 20_000              # documents per JSONL.gz shard
 VOCAB_SIZE = 16384
 VAL_FRACTION = 0.005
 REFUSED_SECTIONS = ("non-free", "contrib")
-EXTRACT_VERSION = 2              # bump when an extractor changes: cached extractions are then redone
+EXTRACT_VERSION = 3              # bump when an extractor changes: cached extractions are then redone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +64,17 @@ class Source:
     exclude: str | None = None   # regex on the path inside the package: matching files skipped
 
 
+# Sphinx builds: reST sources, indexes, search page and the highlighted module sources (code, not docs).
+SPHINX_EXCLUDE = r"/_sources/|/_modules/|/genindex|/py-modindex|/search\.html"
+# mdBook's print.html repeats a whole book, rustdoc's all.html lists every item, LilyPond's *-big-page.html
+# repeats a manual: excluded below so that the same text is not taken twice under another name.
+
 # Prose first; the API references (code-heavy) come last so that dedup keeps the prose copy of a page.
 SOURCES = (
     Source("linux-doc-6.1", "html", "the Linux kernel's documentation: long technical prose (GPL-2)",
-           exclude=r"/_sources/|/genindex|/search\.html"),
+           exclude=SPHINX_EXCLUDE),
     Source("python3.11-doc", "html", "the Python tutorial, language reference, library reference, HOWTOs (PSF)",
-           exclude=r"/_sources/|/genindex|/py-modindex|/search\.html"),
+           exclude=SPHINX_EXCLUDE),
     Source("postgresql-doc-15", "html", "the PostgreSQL manual: SQL, administration, internals (PostgreSQL)"),
     Source("perl-doc", "man", "the Perl manual pages (perlfunc, perlop, tutorials) and core modules (Artistic/GPL)",
            include=r"/usr/share/man/"),
@@ -86,39 +91,39 @@ SOURCES = (
     Source("maxima-doc", "html", "the Maxima computer-algebra manual (GPL-2)"),
     Source("vim-doc", "html", "Vim's user manual and reference (Vim licence)"),
     Source("zsh-doc", "html", "the Z shell manual (zsh licence, MIT-like)"),
-    Source("ruby3.1-doc", "html", "Ruby's core and standard library documentation (Ruby / BSD-2)"),
-    Source("sphinx-doc", "html", "Sphinx's documentation (BSD-2)", exclude=r"/_sources/|/genindex|/search\.html"),
+    Source("sphinx-doc", "html", "Sphinx's documentation (BSD-2)", exclude=SPHINX_EXCLUDE),
     Source("bind9-doc", "html", "the BIND 9 administrator reference manual (MPL-2.0)",
-           exclude=r"/_sources/|/genindex|/search\.html"),
+           exclude=SPHINX_EXCLUDE),
     Source("rust-doc", "html", "the Rust books (the book, reference, nomicon, by example) and std API docs",
-           exclude=r"/search-index|/src/|/implementors/|/sidebar-items"),
+           exclude=r"/search-index|/src/|/implementors/|/sidebar-items|/print\.html$|/all\.html$"),
     Source("python-sklearn-doc", "html", "scikit-learn's user guide, examples and API reference (BSD-3)",
-           exclude=r"/_sources/|/genindex|/search\.html|/_downloads/"),
+           exclude=SPHINX_EXCLUDE + r"|/_downloads/"),
     Source("python-scipy-doc", "html", "SciPy's tutorials and API reference (BSD-3)",
-           exclude=r"/_sources/|/genindex|/search\.html"),
+           exclude=SPHINX_EXCLUDE),
     Source("python-pandas-doc", "html", "pandas' user guide and API reference (BSD-3)",
-           exclude=r"/_sources/|/genindex|/search\.html"),
+           exclude=SPHINX_EXCLUDE),
     Source("python-statsmodels-doc", "html", "statsmodels' user guide, examples and API reference (BSD-3)",
-           exclude=r"/_sources/|/genindex|/search\.html"),
+           exclude=SPHINX_EXCLUDE),
     Source("python-astropy-doc", "html", "Astropy's documentation (BSD-3)",
-           exclude=r"/_sources/|/genindex|/search\.html"),
+           exclude=SPHINX_EXCLUDE),
     Source("python-sympy-doc", "html", "SymPy's tutorial and reference (BSD-3)",
-           exclude=r"/_sources/|/genindex|/search\.html"),
+           exclude=SPHINX_EXCLUDE),
     Source("python-django-doc", "html", "Django's topic guides, howtos and reference (BSD-3)",
-           exclude=r"/_sources/|/genindex|/search\.html"),
+           exclude=SPHINX_EXCLUDE),
     Source("twisted-doc", "html", "Twisted's guides and API docs (Expat)",
-           exclude=r"/_sources/|/genindex|/search\.html"),
+           exclude=SPHINX_EXCLUDE),
     Source("nodejs-doc", "html", "the Node.js API documentation (Expat)", exclude=r"/all\.html$"),
     Source("erlang-doc", "html", "Erlang/OTP's guides and reference manuals (Apache-2.0)"),
     Source("racket-doc", "html", "Racket's guide and reference (Apache-2.0 / MIT)"),
     Source("lilypond-doc-html", "html", "LilyPond's manuals, English pages only (GFDL-1.3+, no invariant sections)",
-           exclude=r"\.(ca|cs|de|es|fr|hu|it|ja|nl|pt|zh|bg|el|ko|pl|ru|tr)\.html$|/input/regression/"),
+           exclude=r"\.(ca|cs|de|es|fr|hu|it|ja|nl|pt|zh|bg|el|ko|pl|ru|tr)\.html$|/input/regression/|-big-page\.html$"),
     Source("cppreference-doc-en-html", "html", "cppreference.com's C and C++ reference (CC-BY-SA-3.0 / GFDL)"),
     Source("sagemath-doc", "html", "SageMath's tutorials and reference manual: mathematics prose and API (GPL)",
-           exclude=r"/_sources/|/genindex|/search\.html|/(de|es|fr|hu|it|ja|pt|ru|tr|ca)/"),
+           exclude=SPHINX_EXCLUDE + r"|/(de|es|fr|hu|it|ja|pt|ru|tr|ca)/"),
     Source("ghc-doc", "html", "GHC's user's guide and the Haddock API docs of its libraries (BSD-3)",
-           exclude=r"/src/|/doc-index|/_sources/|/genindex|/search\.html"),
-    Source("dict-wn", "dict", "WordNet 3.0 glosses: short definitions and examples (WordNet licence)"),
+           exclude=SPHINX_EXCLUDE + r"|/src/|/doc-index"),
+    Source("libboost1.81-doc", "html", "the Boost C++ libraries' documentation: design prose and reference (BSL-1.0)"),
+    Source("qtbase5-doc-html", "html", "Qt 5's base documentation: overviews and class reference (GFDL-1.3 / BSD)"),
     Source("openjdk-17-doc", "html", "the Java 17 API documentation: low prose quality, a last resort (GPL+CE)",
            exclude=r"/index-files/|/class-use/|-tree\.html$|/allclasses|/package-use"),
 )
@@ -172,13 +177,15 @@ _VOID_TAGS = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link"
 _BLOCK_TAGS = {"p", "div", "section", "article", "main", "aside", "li", "ul", "ol", "dl", "dt", "dd", "table",
                "tr", "thead", "tbody", "blockquote", "pre", "h1", "h2", "h3", "h4", "h5", "h6", "figure",
                "figcaption", "caption", "details", "summary", "hr", "br", "center", "address"}
-# Navigation boilerplate, matched against whole class/id/role tokens: Sphinx sidebars and "related" bars, the
+# Navigation boilerplate, matched against whole class/id/role tokens (not "header": Qt's pages open a
+# <div class="header"> that is never closed before the content): Sphinx sidebars and "related" bars, the
 # Read-the-Docs theme's side menu, DocBook's navheader/navfooter/docnav, javadoc's bars, permalink anchors,
 # rustdoc's sidebar and its trait-implementation lists (the trait's docs repeated on every type's page).
 _BOILERPLATE_TOKENS = frozenset("""
     sidebar sphinxsidebar sphinxsidebarwrapper related breadcrumbs wy-breadcrumbs wy-nav-side wy-side-scroll
-    wy-side-nav-search wy-menu rst-footer-buttons rst-versions navbar navheader navfooter docnav nav navigation
-    search searchbox footer header headerlink skip-nav top-nav sub-nav bottom-nav fixed-nav legalnotice
+    wy-side-nav-search wy-menu rst-footer-buttons rst-versions navbar navigationbar navheader
+    navfooter docnav nav navigation
+    search searchbox footer headerlink skip-nav top-nav sub-nav bottom-nav fixed-nav legalnotice
     sidebar-elems srclink anchor since notable-traits trait-impl trait-implementations-list
     synthetic-implementations-list blanket-implementations-list implementors-list toc-backref menu
     """.split())
@@ -452,9 +459,11 @@ def keep_documents(docs: Iterable[tuple[str, str]], seen: set[str], stats: dict)
         yield doc_id, text
 
 
-def extracted_path(cache: Path, package: str, version: str) -> Path:
+def extracted_path(cache: Path, source: Source, version: str) -> Path:
+    """The cache file of one package's extraction: named by version, extractor version and file filters."""
     safe = re.sub(r"[^A-Za-z0-9.+-]", "_", version)
-    return cache / "extracted" / f"{package}_{safe}_x{EXTRACT_VERSION}.jsonl.gz"
+    filters = hashlib.sha256(f"{source.kind}|{source.include}|{source.exclude}".encode()).hexdigest()[:8]
+    return cache / "extracted" / f"{source.package}_{safe}_x{EXTRACT_VERSION}_{filters}.jsonl.gz"
 
 
 def extract_cached(source: Source, tree: Path, dest: Path, workers: int = 1) -> Path:
@@ -600,7 +609,7 @@ def build(packages: list[str], cache: Path, out: Path, *, vocab_size: int, val_f
             log(f"REFUSED {e}")
             manifest_packages.append({"package": name, "refused": str(e)})
             continue
-        raw = extract_cached(source, tree, extracted_path(cache, name, version), workers)
+        raw = extract_cached(source, tree, extracted_path(cache, source, version), workers)
         stats: dict = {}
         kept = list(keep_documents(read_jsonl(raw), seen, stats))
         docs += [(doc_id, text, name) for doc_id, text in kept]

@@ -247,3 +247,10 @@ def test_select_subset_passes_over_a_document_too_large_for_the_rest_of_the_budg
     assert sorted(small + [big], key=lambda r: blc.hash_order(r[0]))[-1] != big  # big is not last in hash order
     chosen = blc.select_subset(small + [big], budget=200)
     assert sorted(i for i, _ in chosen) == sorted(i for i, _, _ in small)
+
+
+def test_html_to_text_keeps_content_inside_an_unclosed_header_div():
+    # Qt's reference pages open <div class="header"> and never close it before the content.
+    text = blc.html_to_text('<body><div class="header"><div class="navigationbar"><ul><li>Qt 5</li></ul></div>'
+                            '<div class="content"><p>QString holds Unicode text.</p></div></body>')
+    assert text == "QString holds Unicode text."
