@@ -522,8 +522,9 @@ def source_of(doc_id: str) -> str:
     return doc_id.split(":", 1)[0]
 
 
-def count_tokens(parquet_dir: Path, tokenizer_path: Path) -> dict[str, dict]:
-    """{source: {"docs", "bytes", "tokens"}} of one split (tokens without EOS), from its Parquet shards."""
+def count_tokens(parquet_dir: Path, tokenizer_path: Path, lengths: dict | None = None) -> dict[str, dict]:
+    """{source: {"docs", "bytes", "tokens"}} of one split (tokens without EOS), from its Parquet shards; with
+    ``lengths``, also each document's token count by id (the device subset reuses them)."""
     import pyarrow.parquet as pq
     from tokenizers import Tokenizer
 
@@ -539,6 +540,8 @@ def count_tokens(parquet_dir: Path, tokenizer_path: Path) -> dict[str, dict]:
                 c["docs"] += 1
                 c["bytes"] += len(text.encode("utf-8"))
                 c["tokens"] += len(enc.ids)
+                if lengths is not None:
+                    lengths[doc_id] = len(enc.ids)
         log(f"  counted {path.parent.name}/{path.name}")
     return counts
 
@@ -564,21 +567,25 @@ def write_parquet(docs: list[tuple[str, str]], path: Path, row_group_docs: int =
     pq.write_table(table, path, row_group_size=row_group_docs, compression="zstd")
 
 
-def write_device_subset(out: Path, tokenizer_path: Path, budget: int) -> dict:
+def write_device_subset(out: Path, tokenizer_path: Path, budget: int, known: dict | None = None) -> dict:
     """OUT/device/{train,val}: the whole val split plus a hash-ordered sample of train of at most ``budget``
-    tokens (EOS counted, as the trainer packs them)."""
+    tokens (EOS counted, as the trainer packs them). ``known``: token counts by id (no EOS) already measured
+    with this tokenizer; documents not in it are encoded here."""
     import pyarrow.parquet as pq
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_path))
+    known = known or {}
     rows = []
     for path in sorted((out / "train").glob("*.parquet")):
         table = pq.read_table(path, columns=["text", "id"])
         texts, ids = table.column(0).to_pylist(), table.column(1).to_pylist()
-        for lo in range(0, len(texts), 4096):
-            for doc_id, text, enc in zip(ids[lo:lo + 4096], texts[lo:lo + 4096],
-                                         tok.encode_batch(texts[lo:lo + 4096])):
-                rows.append((doc_id, text, len(enc.ids) + 1))
+        missing = [i for i, doc_id in enumerate(ids) if doc_id not in known]
+        for lo in range(0, len(missing), 4096):
+            batch = missing[lo:lo + 4096]
+            for i, enc in zip(batch, tok.encode_batch([texts[i] for i in batch])):
+                known[ids[i]] = len(enc.ids)
+        rows += [(doc_id, text, known[doc_id] + 1) for doc_id, text in zip(ids, texts)]
     lengths = {doc_id: n for doc_id, _, n in rows}
     chosen = select_subset(rows, budget)
     device = out / "device"
@@ -640,7 +647,9 @@ def build(packages: list[str], cache: Path, out: Path, *, vocab_size: int, val_f
     info = train_tokenizer.train(str(out / "train"), vocab_size, str(tok_path), max_docs=tokenizer_docs,
                                  show_progress=False)
     log("counting tokens per source")
-    per_split = {split: count_tokens(out / split, tok_path) for split in ("train", "val")}
+    train_lengths: dict[str, int] = {}
+    per_split = {"train": count_tokens(out / "train", tok_path, train_lengths),
+                 "val": count_tokens(out / "val", tok_path)}
     manifest = {
         "command": command, "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "wall_seconds": None, "tokenizer": {"path": "tokenizer.json", **info, "trained_on_docs": info["docs"]},
@@ -652,7 +661,7 @@ def build(packages: list[str], cache: Path, out: Path, *, vocab_size: int, val_f
     }
     if device_subset:
         log(f"device subset: {device_subset:,} train tokens")
-        manifest["device_subset"] = write_device_subset(out, tok_path, device_subset)
+        manifest["device_subset"] = write_device_subset(out, tok_path, device_subset, train_lengths)
     manifest["wall_seconds"] = round(time.time() - start)
     # One manifest: training.prepare_data's (shards, split rule, checksums) gains this build's "corpus" record.
     split_manifest = json.loads((out / prepare_data.MANIFEST).read_text())

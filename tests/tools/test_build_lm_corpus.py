@@ -239,6 +239,11 @@ def test_device_subset_stays_within_its_token_budget(tmp_path):
     val = pq.read_table(tmp_path / "device" / "val" / "part-00000.parquet").column("text").to_pylist()
     assert val == texts[50:]
     assert json.loads((tmp_path / "device" / "manifest.json").read_text())["train_docs"] == len(subset)
+    known: dict = {}
+    blc.count_tokens(tmp_path / "train", tmp_path / "tokenizer.json", known)
+    assert blc.write_device_subset(tmp_path, tmp_path / "tokenizer.json", budget, known) == info
+    known = {doc_id: 10 ** 6 for doc_id in known}  # counts are taken as given: nothing fits
+    assert blc.write_device_subset(tmp_path, tmp_path / "tokenizer.json", budget, known)["train_docs"] == 0
 
 
 def test_select_subset_passes_over_a_document_too_large_for_the_rest_of_the_budget():
