@@ -53,9 +53,12 @@ FAMILY_MIXERS = ("softmax", "muir", "interdomain")
 @pytest.mark.parametrize("mixer", [m if m in FAMILY_MIXERS else pytest.param(m, marks=pytest.mark.extended)
                                    for m in mixers.registry.names()])
 def test_every_mixer_trains_with_decreasing_loss(tmp_path, mixer):
-    """`model.mixer=<name>` is the only change needed to train any registered mixer."""
-    cfg = _cfg(tmp_path, mixer, f"model.mixer={mixer}", "train.steps=30", "train.eval_every=0",
-               "checkpoint.every=0")
+    """`model.mixer=<name>` is the only change needed to train any registered mixer.
+
+    One block: the mixer sits between the embedding and the loss either way, and the compile (most of the
+    time) grows with the number of blocks; the loss still falls by about 2 in 30 steps (Muir: 9.01 -> 7.03)."""
+    cfg = _cfg(tmp_path, mixer, f"model.mixer={mixer}", "model.num_layers=1", "train.steps=30",
+               "train.eval_every=0", "checkpoint.every=0")
     result = train(cfg, progress=False)
     losses = [result.train_losses[s] for s in sorted(result.train_losses)]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
