@@ -1,5 +1,8 @@
-"""Test-wide settings: CPU JAX, quiet libtpu, and the repo root as the working directory."""
+"""Test-wide settings: CPU JAX, quiet libtpu, the repo root as the working directory, and one persistent XLA
+compile cache per test session."""
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
@@ -10,8 +13,65 @@ import pytest  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The session's compile cache: made by the first process that loads this file (the xdist controller, or the
+# only process) and inherited by the workers and the subprocesses the tests start, so a program that several
+# tests compile (the tiny trainer's step, the eval step) is compiled once per session instead of once per test.
+# A fresh folder every session: nothing carries over between runs, so every run still compiles everything once.
+_CACHE_ENV = "MIXERLAB_TEST_XLA_CACHE"
+_OWN_CACHE = None
+if _CACHE_ENV not in os.environ:
+    _OWN_CACHE = os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="mixerlab-xla-cache-")
+XLA_CACHE_SETTINGS = {  # the JAX option -> its value; the environment variable is the option's name in capitals
+    "jax_compilation_cache_dir": os.environ[_CACHE_ENV],
+    "jax_persistent_cache_min_compile_time_secs": 0.1,  # not the many tiny eager-mode programs
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+}
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+def _uses_xla_cache(node) -> bool:
+    """Kernel tests and TPU-topology compiles stay off the cache: they read cost and HLO text off compiled
+    executables and compile each program once anyway; the model, trainer and evaluation tests share programs."""
+    in_kernels = os.sep + os.path.join("tests", "pallas_kernels") + os.sep in str(node.path)
+    return not in_kernels and node.get_closest_marker("tpu_compile") is None
+
+
+_cache_on = False  # what this process's JAX is set to now
+_jax_defaults: dict = {}  # the options as they were before the first test turned the cache on
+
+
+def _set_xla_cache(on: bool) -> None:
+    global _cache_on
+    if on == _cache_on:
+        return
+    import jax
+    from jax._src import compilation_cache
+
+    if not _jax_defaults:
+        _jax_defaults.update({key: getattr(jax.config, key) for key in XLA_CACHE_SETTINGS})
+    compilation_cache.reset_cache()  # the cache reads its settings once; make it read them again
+    for key, value in XLA_CACHE_SETTINGS.items():
+        jax.config.update(key, value if on else _jax_defaults[key])
+    _cache_on = on
+
 
 @pytest.fixture(autouse=True)
 def _repo_root_cwd(monkeypatch):
     """Configs use repo-relative paths (data/embedded/...): run every test from the repo root."""
     monkeypatch.chdir(REPO_ROOT)
+
+
+@pytest.fixture(autouse=True)
+def _shared_xla_cache(request, monkeypatch):
+    """The session's compile cache for this test and the processes it starts (see ``_uses_xla_cache``)."""
+    on = _uses_xla_cache(request.node)
+    _set_xla_cache(on)
+    for key, value in XLA_CACHE_SETTINGS.items():
+        if on:
+            monkeypatch.setenv(key.upper(), str(value))
+        else:
+            monkeypatch.delenv(key.upper(), raising=False)

@@ -20,7 +20,8 @@ def _launch(run_dir, steps):
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     common = ["--config", "configs/tiny.yaml", f"train.output_dir={run_dir}", f"train.steps={steps}",
-              "train.log_every=1", "checkpoint.every=3", "train.eval_every=3", "optim.warmup_steps=2"]
+              "train.log_every=1", "checkpoint.every=3", "train.eval_every=3", "optim.warmup_steps=2",
+              "model.num_layers=1"]  # one block: the processes, not the depth, are under test (compiles: the time)
     procs = [subprocess.Popen([sys.executable, "train.py", "--coordinator_address", f"127.0.0.1:{port}",
                                "--num_processes", "2", "--process_id", str(i), *common],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -20,7 +20,9 @@ _SCRIPT = textwrap.dedent("""
     from mixerlab.training.tokenizer import load_tokenizer
 
     def run(mesh_args, devices):
-        cfg = load_config("configs/tiny.yaml", ["model.d_model=64", "train.batch_size=8", *mesh_args])
+        # one block: it holds every parameter kind the sharding rules place (the compiles are the time)
+        cfg = load_config("configs/tiny.yaml", ["model.d_model=64", "model.num_layers=1", "train.batch_size=8",
+                                                *mesh_args])
         tok = load_tokenizer(cfg.data.tokenizer.kind, cfg.data.tokenizer.path)
         trainer = Trainer(cfg, tok.vocab_size, mesh=mesh_lib.make_mesh(cfg, devices))
         trainer.initialize()

@@ -90,34 +90,13 @@ def _cfg(output_dir, data_root):
         "train.prefetch=0", "optim.warmup_steps=1"])
 
 
-@pytest.fixture
-def compile_cache(tmp_path):
-    """A persistent XLA cache for this test only: the three runs compile the same steps once (CI time)."""
-    import jax
-    from jax._src import compilation_cache
-
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-            "jax_persistent_cache_min_entry_size_bytes")
-    before = {k: getattr(jax.config, k) for k in keys}
-    compilation_cache.reset_cache()
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            jax.config.update(k, v)
-        compilation_cache.reset_cache()
-
-
 def _rows(fs, url):
     return [json.loads(line) for line in fs.cat_file(url).decode().splitlines() if line.strip()]
 
 
 @pytest.mark.slow
-def test_train_reads_and_writes_the_bucket_and_resumes_after_sigterm(s3, compile_cache, tmp_path, monkeypatch,
-                                                                         capsys):
+def test_train_reads_and_writes_the_bucket_and_resumes_after_sigterm(s3, tmp_path, monkeypatch, capsys):
+    """The three runs compile the same steps once (the session's compile cache, tests/conftest.py)."""
     run = f"s3://{BUCKET}/runs/tiny"
     cfg = _cfg(run, f"s3://{BUCKET}")
     real = loop.data_lib.train_iterator
