@@ -2,12 +2,14 @@
 # The small language-model comparison (configs/lm_compare/) on the GPU machine: every model as its own train.py
 # process, all at once on the one GPU (42M-parameter models leave most of an H200 idle; the CPU cores compile
 # them in parallel), each killed after SECONDS (SIGKILL: a SIGTERM would make the trainer checkpoint). Every run writes its metrics.jsonl as it goes, so a run cut by
-# the time limit keeps its curve; the report (tools/lm_compare_report.py) marks how far each got.
+# the time limit keeps its curve; the report (tools/lm_compare_report.py) marks how far each got. OUT_DIR.tgz packs
+# the metrics, logs, configs, table and plot (not checkpoints or TensorBoard files): the device tool returns only
+# a few files per call, so copy that one file out.
 #
 #   usage: bash tools/gpu_lm_compare.sh OUT_DIR [MODELS] [SECONDS] [section.key=value ...]
 #   MODELS   comma-separated config names in configs/lm_compare/ (default: all seven)
 #   e.g. (device call, carry [".whl", "data/lm_corpus/device"]):
-#        bash tools/gpu_lm_compare.sh $OUT/lm_compare transformer,gdn2,muir 500
+#        bash tools/gpu_lm_compare.sh runs/lm_compare transformer,gdn2,muir 530; cp runs/lm_compare.tgz $OUT/
 # The data (data/lm_corpus/device: Parquet text + tokenizer) comes from
 #   python tools/build_lm_corpus.py ... --device_subset TOKENS   (docs/lm_corpus.md)
 set -euo pipefail
@@ -36,4 +38,5 @@ status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
 tail -n 3 "$out"/*.log
 python3 tools/lm_compare_report.py "$out" || status=$?
+tar czf "$out.tgz" --exclude=checkpoints --exclude=tensorboard -C "$(dirname "$out")" "$(basename "$out")"
 exit $status

@@ -3,6 +3,9 @@
     python tools/lm_compare_report.py RUNS_DIR [--out DIR] [--title TITLE]
 
 RUNS_DIR holds one run directory per model (each with metrics.jsonl and config.yaml, as train.py writes them).
+A model whose run directory did not come back but whose terminal log RUNS_DIR/<name>.log did (the progress bar
+prints the training loss every train.log_every steps and a line per evaluation) is read from that log, with its
+config from configs/lm_compare/<name>.yaml.
 Writes DIR/table.md (default RUNS_DIR) and DIR/val_loss.png: validation loss against training tokens for every
 model on one axis, and the training loss (mean over each logging window) beside it. A run stopped early (time
 limit) is kept: its row says how many steps it finished.
@@ -12,8 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
+
+_BAR = re.compile(r"\| (\d+)/\d+ \[[^\]]*loss=([0-9.]+), mfu=[0-9.]+%, tok_s=([0-9,]+)\]")
+_VAL = re.compile(r"step (\d+): validation loss ([0-9.]+), perplexity ([0-9.]+)")
 
 
 def load_run(run_dir: str) -> dict | None:
@@ -40,6 +47,30 @@ def load_run(run_dir: str) -> dict | None:
         with open(cfg_path) as f:
             cfg = yaml.safe_load(f) or {}
     return {"name": os.path.basename(run_dir.rstrip("/")), "train": train, "val": val, "config": cfg}
+
+
+def load_log(log_path: str, config_path: str) -> dict | None:
+    """The same rows from a train.py terminal log (progress-bar postfix and evaluation lines)."""
+    with open(log_path, errors="replace") as f:
+        text = f.read()
+    train = {}
+    for step, loss, tok_s in _BAR.findall(text):  # the postfix repeats on every bar refresh: keep one per step
+        train[int(step)] = {"step": int(step), "split": "train", "loss": float(loss),
+                            "tokens_per_s": float(tok_s.replace(",", ""))}
+    val = [{"step": int(st), "split": "val", "loss": float(lo), "perplexity": float(pp)}
+           for st, lo, pp in _VAL.findall(text)]
+    if not train and not val:
+        return None
+    cfg = {}
+    if os.path.exists(config_path):
+        from mixerlab.training.config import load_config
+
+        cfg = load_config(config_path).to_dict()
+    # the bar shows the loss logged at the last multiple of train.log_every; its last refresh at such a step
+    # (the dict keeps the last) carries that step's own loss
+    every = int(cfg.get("train", {}).get("log_every", 1) or 1)
+    logged = [train[k] for k in sorted(train) if k % every == 0]
+    return {"name": os.path.basename(log_path)[:-4], "train": logged, "val": val, "config": cfg}
 
 
 def tokens_per_step(cfg: dict) -> int:
@@ -118,6 +149,13 @@ def main(argv=None) -> int:
         return 2
     runs = [r for d in sorted(os.listdir(args.runs_dir))
             if os.path.isdir(os.path.join(args.runs_dir, d)) and (r := load_run(os.path.join(args.runs_dir, d)))]
+    have = {r["name"] for r in runs}
+    for f in sorted(os.listdir(args.runs_dir)):
+        name = f[:-4]
+        if f.endswith(".log") and name not in have:
+            run = load_log(os.path.join(args.runs_dir, f), os.path.join("configs", "lm_compare", name + ".yaml"))
+            if run is not None:
+                runs.append(run)
     if not runs:
         print(f"error: no run directory with a metrics.jsonl under {args.runs_dir}", file=sys.stderr)
         return 2

@@ -40,3 +40,19 @@ def test_table_orders_by_final_val_loss_and_marks_a_cut_run(tmp_path):
 def test_no_runs_is_an_error_naming_the_directory(tmp_path, capsys):
     assert lm_compare_report.main([str(tmp_path)]) == 2
     assert str(tmp_path) in capsys.readouterr().err
+
+
+def test_a_run_known_only_from_its_terminal_log(tmp_path):
+    """The progress bar repeats a postfix on every refresh; the loss of step 20 is the one its last refresh at
+    position 20 shows, and positions between logging steps are not rows."""
+    bar = ("train:   4%|▍| 20/500 [01:47<04:05, loss=8.365, mfu=0.1%, tok_s=3,133]"
+           "train:   4%|▍| 20/500 [01:47<04:05, loss=6.249, mfu=2.7%, tok_s=96,862]"
+           "train:   4%|▍| 21/500 [01:47<04:29, loss=6.249, mfu=2.7%, tok_s=96,862]"
+           "train:   6%|▌| 30/500 [01:50<02:18, loss=6.632, mfu=3.1%, tok_s=110,007]"
+           "   step 30: validation loss 5.1202, perplexity 167.36\n")
+    (tmp_path / "gdn2.log").write_text(bar)
+    run = lm_compare_report.load_log(str(tmp_path / "gdn2.log"), "configs/lm_compare/gdn2.yaml")
+    assert [(r["step"], r["loss"]) for r in run["train"]] == [(20, 6.249), (30, 6.632)]
+    assert run["val"] == [{"step": 30, "split": "val", "loss": 5.1202, "perplexity": 167.36}]
+    assert lm_compare_report.main([str(tmp_path)]) == 0
+    assert "| gdn2 | gdn2 | 30 / 500 | 1.0M | 5.1202 (30) |" in (tmp_path / "table.md").read_text()
