@@ -18,6 +18,7 @@ docs/math/interdomain.md, 'What the paper leaves open'); ``conjugate=False`` giv
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -143,8 +144,8 @@ def _ref_s4d(*args, chunk_size, sub_chunk_size):
 
 _ia_ref = jax.jit(reference.interdomain_reference)
 _s4d_ref = jax.jit(reference.s4d_reference)
-_ia_xla = jax.jit(xla.interdomain_chunked, static_argnames=("chunk_size", "sub_chunk_size"))
-_s4d_xla = jax.jit(xla.s4d_chunked, static_argnames=("chunk_size", "sub_chunk_size"))
+_ia_xla = jax.jit(xla.interdomain_chunked, static_argnames=("chunk_size", "sub_chunk_size", "precision"))
+_s4d_xla = jax.jit(xla.s4d_chunked, static_argnames=("chunk_size", "sub_chunk_size", "precision"))
 _ia_step = jax.jit(decode.interdomain_step)
 _s4d_step = jax.jit(decode.s4d_step)
 
@@ -235,6 +236,8 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
         run = common.per_shard(run, h, ("tokens",) * 4 + ("heads",) * 3 + ("state", "state", "rows"),
                                ("tokens", "state", "state"))
     else:
+        if impl.name == "xla":  # 16-bit callers: data matmuls at DEFAULT precision (xla.data_precision)
+            run = functools.partial(run, precision=xla.data_precision(q.dtype))
         q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
     o, key, value = run(q, k, v, lm, phase.astype(dt), input_gain.astype(dt), readout.astype(dt), key0, value0,
                         common.document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
@@ -311,6 +314,8 @@ def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segme
         run = common.per_shard(run, h, ("tokens", "tokens", "heads", "heads", "heads", "state", "rows"),
                                ("tokens", "state"))
     else:
+        if impl.name == "xla":
+            run = functools.partial(run, precision=xla.data_precision(z.dtype))
         z = z.astype(dt)
     o, x = run(z, lm, phase.astype(dt), input_gain.astype(dt), readout.astype(dt), x0,
                common.document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)

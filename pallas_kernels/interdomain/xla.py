@@ -53,8 +53,17 @@ from mixerlab.pallas_kernels import common
 from mixerlab.pallas_kernels.interdomain.decode import HIGHEST, split
 
 
-def _ein(spec, *args):
-    return jnp.einsum(spec, *args, precision=HIGHEST)
+def data_precision(input_dtype):
+    """Matmul precision of the data contractions (scores, state reads and writes, decay-weighted sums) for a
+    caller whose q/k/v (or z) arrive in ``input_dtype``: DEFAULT for 16-bit inputs (on a GPU, float32
+    operands then take the tensor cores' TF32 path, 10 mantissa bits, finer than the inputs' own 8), HIGHEST
+    otherwise (float32 inputs keep the ≤ 1e-4 accuracy the float32 tests check). The range sums of r, which
+    become exponents, are always HIGHEST (``_range_sums``)."""
+    return jax.lax.Precision.DEFAULT if jnp.dtype(input_dtype).itemsize <= 2 else HIGHEST
+
+
+def _ein(spec, *args, precision=HIGHEST):
+    return jnp.einsum(spec, *args, precision=precision)
 
 
 def to_chunks(x_BTH, chunk):
@@ -210,36 +219,37 @@ def _with_diagonal_blocks(x_BHNKK, blocks_BHNSss):
     return jnp.where(eye, blocks_BHNSss[..., :, :, None, :], x).reshape(x_BHNKK.shape)
 
 
-def _keys_read(scores, e_q, bf, bd):
+def _keys_read(scores, e_q, bf, bd, precision):
     """b ⊙ Σ_j Sc[s,j] D[s,j] = E[s] ⊙ (Sc[I rows] · bF[I]) + Σ_{j∈I} Sc[s,j] bD[s,j]: complex [.., Kp, M]."""
     n_sub = bf.shape[3]
-    u = _ein("bhnisj,bhnijm->bhnism", _by_sub_chunk(scores, n_sub), bf)
+    u = _ein("bhnisj,bhnijm->bhnism", _by_sub_chunk(scores, n_sub), bf, precision=precision)
     u_re, u_im = split(u.reshape(*scores.shape[:4], -1), axis=-1)
     w_re, w_im = _cmul(e_q[0], e_q[1], u_re, u_im)
     inside = _diagonal_blocks(scores, n_sub)
-    in_re = _ein("bhnisj,bhnisjm->bhnism", inside, bd[0]).reshape(w_re.shape)
-    in_im = _ein("bhnisj,bhnisjm->bhnism", inside, bd[1]).reshape(w_im.shape)
+    in_re = _ein("bhnisj,bhnisjm->bhnism", inside, bd[0], precision=precision).reshape(w_re.shape)
+    in_im = _ein("bhnisj,bhnisjm->bhnism", inside, bd[1], precision=precision).reshape(w_im.shape)
     return w_re + in_re, w_im + in_im
 
 
-def _value_readout(omega, ein, e_q, bf, bd, mask, x0_re, x0_im, zv):
+def _value_readout(omega, ein, e_q, bf, bd, mask, x0_re, x0_im, zv, precision):
     """o_s = Re(conj(ω_s) ⊙ e^{ℓ_s})·X⁰ + Σ_j P[s,j] z_j, P[s,j] = Re Σ_m conj(ω_sm) b_m D[s,j,m]: across
     sub-chunks through E[s] F[I,j], inside a sub-chunk from the exact pairwise bD."""
     w_re, w_im = split(omega, axis=-1)
     g_re = w_re * ein[0] + w_im * ein[1]
     g_im = w_re * ein[1] - w_im * ein[0]
-    out = _ein("bhnkm,bhnmc->bhnkc", g_re, x0_re) - _ein("bhnkm,bhnmc->bhnkc", g_im, x0_im)
+    out = (_ein("bhnkm,bhnmc->bhnkc", g_re, x0_re, precision=precision)
+           - _ein("bhnkm,bhnmc->bhnkc", g_im, x0_im, precision=precision))
     # conj(ω) ⊙ E, stacked as [Re; −Im] so that Re(g · bF) is one real contraction over 2M
     h_re = w_re * e_q[0] + w_im * e_q[1]
     h_im = w_re * e_q[1] - w_im * e_q[0]
     n_sub = bf.shape[3]
     h = _by_sub_chunk(jnp.concatenate([h_re, -h_im], axis=-1), n_sub)
-    p = _ein("bhnism,bhnijm->bhnisj", h, bf).reshape(*h_re.shape[:4], -1)
+    p = _ein("bhnism,bhnijm->bhnisj", h, bf, precision=precision).reshape(*h_re.shape[:4], -1)
     # Re(conj(ω) · bD) = Re ω · Re bD + Im ω · Im bD
-    p_in = (_ein("bhnism,bhnisjm->bhnisj", _by_sub_chunk(w_re, n_sub), bd[0])
-            + _ein("bhnism,bhnisjm->bhnisj", _by_sub_chunk(w_im, n_sub), bd[1]))
+    p_in = (_ein("bhnism,bhnisjm->bhnisj", _by_sub_chunk(w_re, n_sub), bd[0], precision=precision)
+            + _ein("bhnism,bhnisjm->bhnisj", _by_sub_chunk(w_im, n_sub), bd[1], precision=precision))
     p = jnp.where(mask, _with_diagonal_blocks(p, p_in), 0.0)
-    return out + _ein("bhnsj,bhnjc->bhnsc", p, zv)
+    return out + _ein("bhnsj,bhnjc->bhnsc", p, zv, precision=precision)
 
 
 def _split_gain(gain_H2M):
@@ -247,11 +257,12 @@ def _split_gain(gain_H2M):
     return b_re[None, :, None, None, :], b_im[None, :, None, None, :]
 
 
-def _scan_states(z, ein_end_coef, chunk_decay, state, gain):
+def _scan_states(z, ein_end_coef, chunk_decay, state, gain, precision=HIGHEST):
     """Passes (i) and (ii). Returns (initial state of every chunk [B,H,N,2M,C], final state [B,H,2M,C])."""
     b_re, b_im = gain
     c_re, c_im = _cmul(b_re, b_im, *ein_end_coef)  # b ⊙ D[K−1, j]   [B,H,N,K,M]
-    loc = jnp.concatenate([_ein("bhnkm,bhnkc->bhnmc", c_re, z), _ein("bhnkm,bhnkc->bhnmc", c_im, z)], axis=-2)
+    loc = jnp.concatenate([_ein("bhnkm,bhnkc->bhnmc", c_re, z, precision=precision),
+                           _ein("bhnkm,bhnkc->bhnmc", c_im, z, precision=precision)], axis=-2)
 
     def body(x, xs):
         a_re, a_im, local = xs
@@ -280,9 +291,10 @@ def _padded_to_sub_chunks(arrays, k, sub):
 
 
 def interdomain_chunked(q, k, v, log_modulus, phase, gain, readout, key_state, value_state, document_BT, *,
-                        chunk_size, sub_chunk_size):
+                        chunk_size, sub_chunk_size, precision=HIGHEST):
     """Same contract as ``reference.interdomain_reference`` (all inputs in the compute dtype).
-    ``sub_chunk_size`` ≤ ``chunk_size`` need not divide it (the chunk is then padded to whole sub-chunks)."""
+    ``sub_chunk_size`` ≤ ``chunk_size`` need not divide it (the chunk is then padded to whole sub-chunks);
+    ``precision``: of the data contractions (``data_precision``)."""
     t, r_dim = q.shape[1], q.shape[-1]
     sub = min(sub_chunk_size, chunk_size)
     (qc, kc, vc), r, doc, carry_doc, pad = _prepare([q, k, v], log_modulus, document_BT, chunk_size)
@@ -290,7 +302,7 @@ def interdomain_chunked(q, k, v, log_modulus, phase, gain, readout, key_state, v
     ein, eend, chunk_decay = _decays(r, phase, doc, carry_doc, pad)
     z = jnp.concatenate([kc, vc], axis=-1)
     state = jnp.concatenate([key_state, value_state], axis=-1)
-    starts, final = _scan_states(z, eend, chunk_decay, state, g)
+    starts, final = _scan_states(z, eend, chunk_decay, state, g, precision)
 
     @jax.checkpoint
     def outputs(qc, kc, vc, r, ein, starts):
@@ -300,15 +312,16 @@ def interdomain_chunked(q, k, v, log_modulus, phase, gain, readout, key_state, v
         mask = _pair_mask(doc, kp)
         x_re, x_im = split(starts)
         # query-contracted key state a_s (complex M): carried part ...
-        y_re = _ein("bhnkr,bhnmr->bhnkm", qc, x_re[..., :r_dim])
-        y_im = _ein("bhnkr,bhnmr->bhnkm", qc, x_im[..., :r_dim])
+        y_re = _ein("bhnkr,bhnmr->bhnkm", qc, x_re[..., :r_dim], precision=precision)
+        y_im = _ein("bhnkr,bhnmr->bhnkm", qc, x_im[..., :r_dim], precision=precision)
         a_re, a_im = _cmul(ein[0], ein[1], y_re, y_im)
         # ... plus the in-chunk part b ⊙ Σ_j Sc[s,j] D[s,j]
-        scores = jnp.where(mask, _ein("bhnsr,bhnjr->bhnsj", qc, kc), 0.0)
-        w_re, w_im = _keys_read(scores, e_q, bf, bd)
+        scores = jnp.where(mask, _ein("bhnsr,bhnjr->bhnsj", qc, kc, precision=precision), 0.0)
+        w_re, w_im = _keys_read(scores, e_q, bf, bd, precision)
         a_hat = jnp.concatenate([a_re + w_re, a_im + w_im], axis=-1)
-        omega = _ein("hij,bhnkj->bhnki", readout, a_hat)
-        o = _value_readout(omega, ein, e_q, bf, bd, mask, x_re[..., r_dim:], x_im[..., r_dim:], vc)
+        omega = _ein("hij,bhnkj->bhnki", readout, a_hat, precision=precision)
+        o = _value_readout(omega, ein, e_q, bf, bd, mask, x_re[..., r_dim:], x_im[..., r_dim:], vc,
+                           precision)
         return o[:, :, :, :k_len]
 
     o = from_chunks(outputs(qc, kc, vc, r, ein, starts))[:, :t]
@@ -329,14 +342,15 @@ def chunk_start_states(inputs, states, log_modulus, phase, gain, document_BT, *,
     return ([starts[..., a:b] for a, b in zip(cuts, cuts[1:])], [final[..., a:b] for a, b in zip(cuts, cuts[1:])])
 
 
-def s4d_chunked(z, log_modulus, phase, gain, readout, state, document_BT, *, chunk_size, sub_chunk_size):
-    """Same contract as ``reference.s4d_reference``; sub-chunks as ``interdomain_chunked``."""
+def s4d_chunked(z, log_modulus, phase, gain, readout, state, document_BT, *, chunk_size, sub_chunk_size,
+                precision=HIGHEST):
+    """Same contract as ``reference.s4d_reference``; sub-chunks and ``precision`` as ``interdomain_chunked``."""
     t = z.shape[1]
     sub = min(sub_chunk_size, chunk_size)
     (zc,), r, doc, carry_doc, pad = _prepare([z], log_modulus, document_BT, chunk_size)
     g = _split_gain(gain)
     ein, eend, chunk_decay = _decays(r, phase, doc, carry_doc, pad)
-    starts, final = _scan_states(zc, eend, chunk_decay, state, g)
+    starts, final = _scan_states(zc, eend, chunk_decay, state, g, precision)
 
     @jax.checkpoint
     def outputs(zc, r, ein, starts):
@@ -345,7 +359,7 @@ def s4d_chunked(z, log_modulus, phase, gain, readout, state, document_BT, *, chu
         (zc, *ein), kp = _padded_to_sub_chunks([zc, *ein], k_len, sub)
         x_re, x_im = split(starts)
         omega = jnp.broadcast_to(readout[None, :, None, None, :], (*zc.shape[:4], readout.shape[-1]))
-        o = _value_readout(omega, ein, e_q, bf, bd, _pair_mask(doc, kp), x_re, x_im, zc)
+        o = _value_readout(omega, ein, e_q, bf, bd, _pair_mask(doc, kp), x_re, x_im, zc, precision)
         return o[:, :, :, :k_len]
 
     o = from_chunks(outputs(zc, r, ein, starts))[:, :t]
