@@ -568,9 +568,9 @@ def write_parquet(docs: list[tuple[str, str]], path: Path, row_group_docs: int =
 
 
 def write_device_subset(out: Path, tokenizer_path: Path, budget: int, known: dict | None = None) -> dict:
-    """OUT/device/{train,val}: the whole val split plus a hash-ordered sample of train of at most ``budget``
-    tokens (EOS counted, as the trainer packs them). ``known``: token counts by id (no EOS) already measured
-    with this tokenizer; documents not in it are encoded here."""
+    """OUT/device/{train,val,tokenizer.json}: the whole val split plus a hash-ordered sample of train of at
+    most ``budget`` tokens (EOS counted, as the trainer packs them). ``known``: token counts by id (no EOS)
+    already measured with this tokenizer; documents not in it are encoded here."""
     import pyarrow.parquet as pq
     from tokenizers import Tokenizer
 
@@ -592,6 +592,7 @@ def write_device_subset(out: Path, tokenizer_path: Path, budget: int, known: dic
     shutil.rmtree(device, ignore_errors=True)
     write_parquet(chosen, device / "train" / "part-00000.parquet")
     shutil.copytree(out / "val", device / "val")
+    shutil.copy(tokenizer_path, device / "tokenizer.json")  # the subset travels alone (configs/lm_compare read it)
     train_tokens = sum(lengths[i] for i, _ in chosen)
     train_bytes = (device / "train" / "part-00000.parquet").stat().st_size
     val_bytes = sum(p.stat().st_size for p in (device / "val").glob("*.parquet"))

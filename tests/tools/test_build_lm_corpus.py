@@ -239,6 +239,7 @@ def test_device_subset_stays_within_its_token_budget(tmp_path):
     val = pq.read_table(tmp_path / "device" / "val" / "part-00000.parquet").column("text").to_pylist()
     assert val == texts[50:]
     assert json.loads((tmp_path / "device" / "manifest.json").read_text())["train_docs"] == len(subset)
+    assert (tmp_path / "device" / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
     known: dict = {}
     blc.count_tokens(tmp_path / "train", tmp_path / "tokenizer.json", known)
     assert blc.write_device_subset(tmp_path, tmp_path / "tokenizer.json", budget, known) == info
