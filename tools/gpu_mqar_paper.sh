@@ -15,6 +15,8 @@
 #   n24     n = 24 with seeds 42, 123 and 999, 2000 steps: one process per mixer and seed          (~400 s)
 #   vla_gaps  vla at n = 16 with seeds 42 and 999 (2000 steps) and at n = 48 with seed 42 (1000 steps): the
 #           runs a time-limited `seed42`/`seeds` call cut, one process each                        (~400 s)
+#   longctx n = 8 at T = 64, 128, 256, 512 (Fig. 6), seed 42, 2000 steps: one process per mixer and T  (~300 s)
+#   copy    the copy task (Table 7, configs/eval/copy_vla_paper.yaml: no short convs), seed 42: one process per mixer
 #   merge   nothing new: merge what OUT_DIR holds and pack it
 # MERGE_WITH="a/results.json ..." adds earlier results (e.g. a merged results.json kept in docs/benchmarks) to
 # the main table, so a call that fills gaps prints the whole table.
@@ -34,7 +36,7 @@ mixers=${3:-softmax,linear_attention,paper_deltanet,vla}
 seconds=${4:-520}
 config=configs/eval/mqar_vla_paper.yaml
 for part in ${parts//,/ }; do
-  case $part in seed42|seeds|n24|vla_gaps|ablation|ood|merge) ;; *) echo "unknown part '$part' (seed42, seeds, n24, vla_gaps, ablation, ood, merge)" >&2; exit 2;; esac
+  case $part in seed42|seeds|n24|vla_gaps|ablation|ood|longctx|copy|merge) ;; *) echo "unknown part '$part' (seed42, seeds, n24, vla_gaps, ablation, ood, longctx, copy, merge)" >&2; exit 2;; esac
 done
 dry=${DRY_RUN:-}
 if [ -z "$dry" ]; then
@@ -49,17 +51,21 @@ fi
 pids=()
 
 job() {  # job NAME ARGS...: one eval.mqar process writing OUT_DIR/NAME
-  local name=$1
-  shift
+  launch mqar "$config" "$@"
+}
+
+launch() {  # launch TASK CONFIG NAME ARGS...: one eval.TASK process writing OUT_DIR/NAME
+  local task=$1 cfg=$2 name=$3
+  shift 3
   if [ -n "$dry" ]; then
     printf '%s:' "$name"
     # shellcheck disable=SC2086
-    printf ' %q' python3 -m mixerlab.eval.mqar --config "$config" --out "$out/$name" "$@" ${MQAR_OVERRIDES:-}
+    printf ' %q' python3 -m "mixerlab.eval.$task" --config "$cfg" --out "$out/$name" "$@" ${MQAR_OVERRIDES:-}
     echo
     return
   fi
   # shellcheck disable=SC2086  # MQAR_OVERRIDES is a list of section.key=value words
-  timeout -s INT "$seconds" python3 -m mixerlab.eval.mqar --config "$config" --out "$out/$name" "$@" \
+  timeout -s INT "$seconds" python3 -m "mixerlab.eval.$task" --config "$cfg" --out "$out/$name" "$@" \
       ${MQAR_OVERRIDES:-} >"$out/$name.log" 2>&1 &
   pids+=($!)
 }
@@ -75,6 +81,12 @@ for part in ${parts//,/ }; do
         job "main_${mixer}_s999" --mixers "$mixer" --n 4,8,16,24 --seeds 999 ;;
       n24)
         for seed in 42 123 999; do job "main_${mixer}_n24_s${seed}" --mixers "$mixer" --n 24 --seeds "$seed"; done ;;
+      longctx)
+        for t in 64 128 256 512; do
+          job "longctx_${mixer}_T${t}" --mixers "$mixer" --label "$mixer, T = $t" --n 8 --seeds 42 "task.seq_len=$t"
+        done ;;
+      copy)
+        launch copy_task configs/eval/copy_vla_paper.yaml "copy_${mixer}" --mixers "$mixer" --seeds 42 ;;
       ood)
         job "ood_${mixer}" --mixers "$mixer" --n 8,16,24 --seeds 42 train.steps=1000 "task.ood_key_range=[64,127]" ;;
     esac
@@ -110,6 +122,7 @@ merge() {  # merge GROUP TITLE: every OUT_DIR/GROUP_*/results.json into OUT_DIR/
 }
 merge main "MQAR, VLA paper setup (no short convs)"
 merge ablation "VLA ablations (paper Table 4), 1000 steps, seed 42"
+merge longctx "MQAR at n = 8 against the sequence length (paper Fig. 6), 2000 steps, seed 42"
 merge ood "MQAR with OOD keys [64,127) (paper Table 13), 1000 steps, seed 42"
 tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"
 exit $status

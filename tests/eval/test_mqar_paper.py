@@ -163,3 +163,61 @@ def test_gpu_script_runs_the_papers_protocol():
     bad = subprocess.run(["bash", "tools/gpu_mqar_paper.sh", "/tmp/out", "everything"], cwd=REPO,
                          env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown part 'everything'" in bad.stderr
+
+
+def test_copy_paper_config_is_copy_without_short_convs():
+    cfg, task = load_eval_config("configs/eval/copy_vla_paper.yaml")
+    base, base_task = load_eval_config("configs/eval/copy.yaml")
+    assert cfg.model == base.model and cfg.optim == base.optim and task == base_task
+    assert (cfg.train.steps, cfg.train.batch_size) == (base.train.steps, base.train.batch_size)
+    for name in PAPER_MIXERS:
+        assert _conv_params(cfg, name) == [], name
+    assert _conv_params(base, "vla")  # the base copy config keeps them (the check can fail)
+
+
+def test_gpu_script_long_context_and_copy_parts():
+    """Fig. 6: n = 8 at T = 64 ... 512, one labelled job per mixer and T; the copy task: one job per mixer on
+    the no-short-conv copy config. Every command parses with its CLI's parser and its config loads."""
+    from mixerlab.eval import mqar
+
+    jobs = _dry_run("longctx,copy")
+    lengths = {}
+    for name, argv in jobs.items():
+        if name.startswith("longctx_"):
+            assert argv[:3] == ["python3", "-m", "mixerlab.eval.mqar"], name
+            args = mqar.sweep_parser().parse_args(argv[3:])
+            assert (args.n, args.seeds, args.config) == ("8", "42", PAPER)
+            (t,) = [o.split("=")[1] for o in args.overrides if o.startswith("task.seq_len=")]
+            assert args.label == f"{args.mixers}, T = {t}"
+            _, task = load_eval_config(args.config, args.overrides)
+            lengths.setdefault(args.mixers, set()).add(task.seq_len)
+        else:
+            assert name.startswith("copy_") and argv[:3] == ["python3", "-m", "mixerlab.eval.copy_task"], name
+            assert argv[argv.index("--config") + 1] == "configs/eval/copy_vla_paper.yaml"
+            assert argv[argv.index("--mixers") + 1] == name[len("copy_"):]
+    assert lengths == {m: {64, 128, 256, 512} for m in PAPER_MIXERS}
+    assert sorted(n for n in jobs if n.startswith("copy_")) == sorted(f"copy_{m}" for m in PAPER_MIXERS)
+
+
+def test_muir_table7_script_configurations_load():
+    """tools/gpu_muir_mqar.sh: every gate configuration's overrides give a valid config (ranks agree with the
+    gamma variant), the two seed lists split as asked, and the labels name distinct rows."""
+    from mixerlab.eval import mqar
+
+    done = subprocess.run(["bash", "tools/gpu_muir_mqar.sh", "/tmp/out", "0,1", "2"], cwd=REPO,
+                          env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    labels, seeds, gammas = set(), {}, {}
+    for line in done.stdout.splitlines():
+        name, command = line.split(":", 1)
+        args = mqar.sweep_parser().parse_args(shlex.split(command)[3:])
+        cfg, task = load_eval_config(args.config, args.overrides)
+        assert (task.seq_len, task.num_kv_pairs) == (256, 16)
+        opts = cfg.mixer_options(args.mixers)
+        if args.mixers == "muir":
+            gammas[name[:-2]] = (opts.gamma, tuple(opts.ranks))
+        labels.add(args.label)
+        seeds.setdefault(name[:-2], []).append(args.seeds)
+    assert len(labels) == 5 and all(v == ["0,1", "2"] for v in seeds.values())
+    assert gammas == {"muir_rb1": ("none", (64, 1, 64, 64, 0)), "muir_rb4": ("none", (64, 4, 64, 64, 0)),
+                      "muir_static": ("static", (64, 4, 64, 4, 0)), "muir_dynamic": ("dynamic", (64, 4, 64, 4, 8))}
