@@ -1,6 +1,6 @@
 """Table and figure of the small language-model comparison (configs/lm_compare/, tools/gpu_lm_compare.sh).
 
-    python tools/lm_compare_report.py RUNS_DIR [--out DIR] [--title TITLE]
+    python tools/lm_compare_report.py RUNS_DIR [RUNS_DIR ...] [--labels A,B] [--out DIR] [--title TITLE]
 
 RUNS_DIR holds one run directory per model (each with metrics.jsonl and config.yaml, as train.py writes them).
 A model whose run directory did not come back but whose terminal log RUNS_DIR/<name>.log did (the progress bar
@@ -9,6 +9,9 @@ config from configs/lm_compare/<name>.yaml.
 Writes DIR/table.md (default RUNS_DIR) and DIR/val_loss.png: validation loss against training tokens for every
 model on one axis, and the training loss (mean over each logging window) beside it. A run stopped early (time
 limit) is kept: its row says how many steps it finished.
+Several RUNS_DIRs (e.g. the same models with another seed) go into one table and one figure: each run is named
+LABEL/model (LABEL from --labels, default the directory's name), one colour per model, one line style per
+directory; --out is then required.
 """
 from __future__ import annotations
 
@@ -73,6 +76,20 @@ def load_log(log_path: str, config_path: str) -> dict | None:
     return {"name": os.path.basename(log_path)[:-4], "train": logged, "val": val, "config": cfg}
 
 
+def load_dir(runs_dir: str) -> list[dict]:
+    """Every run of runs_dir: run directories with metrics, then terminal logs of models without one."""
+    runs = [r for d in sorted(os.listdir(runs_dir))
+            if os.path.isdir(os.path.join(runs_dir, d)) and (r := load_run(os.path.join(runs_dir, d)))]
+    have = {r["name"] for r in runs}
+    for f in sorted(os.listdir(runs_dir)):
+        name = f[:-4]
+        if f.endswith(".log") and name not in have:
+            run = load_log(os.path.join(runs_dir, f), os.path.join("configs", "lm_compare", name + ".yaml"))
+            if run is not None:
+                runs.append(run)
+    return runs
+
+
 def tokens_per_step(cfg: dict) -> int:
     # train.batch_size is the global batch in sequences (micro-batches split it, they do not multiply it)
     return int(cfg.get("train", {}).get("batch_size", 0)) * int(cfg.get("data", {}).get("seq_len", 0))
@@ -117,14 +134,18 @@ def plot(runs: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_val, ax_train) = plt.subplots(1, 2, figsize=(12, 4.5))
+    models = sorted({run["name"].split("/")[-1] for run in runs})
+    colours = {m: f"C{i % 10}" for i, m in enumerate(models)}
+    styles = ["-", "--", ":", "-."]
     for run in sorted(runs, key=lambda r: r["name"]):
         tps = tokens_per_step(run["config"]) / 1e6
+        look = {"color": colours[run["name"].split("/")[-1]], "ls": styles[run.get("group", 0) % len(styles)]}
         if run["val"]:
             ax_val.plot([r["step"] * tps for r in run["val"]], [r["loss"] for r in run["val"]], marker="o",
-                        markersize=3, label=run["name"])
+                        markersize=3, label=run["name"], **look)
         if run["train"]:
             ax_train.plot([r["step"] * tps for r in run["train"]], [r["loss"] for r in run["train"]], lw=1,
-                          label=run["name"])
+                          label=run["name"], **look)
     for ax, what in ((ax_val, "validation loss (held-out split)"), (ax_train, "training loss")):
         ax.set_xlabel("training tokens (M)")
         ax.set_ylabel(what)
@@ -140,26 +161,33 @@ def plot(runs: list[dict], path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("runs_dir")
-    p.add_argument("--out", help="where table.md and val_loss.png go (default: RUNS_DIR)")
+    p.add_argument("runs_dirs", nargs="+", metavar="RUNS_DIR")
+    p.add_argument("--labels", help="comma-separated names of the RUNS_DIRs (default: their directory names)")
+    p.add_argument("--out", help="where table.md and val_loss.png go (default: RUNS_DIR when there is one)")
     p.add_argument("--title", default="Small language-model comparison")
     args = p.parse_args(argv)
-    if not os.path.isdir(args.runs_dir):
-        print(f"error: {args.runs_dir} is not a directory of runs", file=sys.stderr)
+    labels = args.labels.split(",") if args.labels else [os.path.basename(os.path.normpath(d)) for d in args.runs_dirs]
+    if len(labels) != len(args.runs_dirs):
+        print(f"error: --labels names {len(labels)} directories, {len(args.runs_dirs)} were given", file=sys.stderr)
         return 2
-    runs = [r for d in sorted(os.listdir(args.runs_dir))
-            if os.path.isdir(os.path.join(args.runs_dir, d)) and (r := load_run(os.path.join(args.runs_dir, d)))]
-    have = {r["name"] for r in runs}
-    for f in sorted(os.listdir(args.runs_dir)):
-        name = f[:-4]
-        if f.endswith(".log") and name not in have:
-            run = load_log(os.path.join(args.runs_dir, f), os.path.join("configs", "lm_compare", name + ".yaml"))
-            if run is not None:
-                runs.append(run)
-    if not runs:
-        print(f"error: no run directory with a metrics.jsonl under {args.runs_dir}", file=sys.stderr)
+    if len(args.runs_dirs) > 1 and not args.out:
+        print("error: --out is required with several RUNS_DIRs", file=sys.stderr)
         return 2
-    out = args.out or args.runs_dir
+    runs = []
+    for group, (runs_dir, label) in enumerate(zip(args.runs_dirs, labels)):
+        if not os.path.isdir(runs_dir):
+            print(f"error: {runs_dir} is not a directory of runs", file=sys.stderr)
+            return 2
+        found = load_dir(runs_dir)
+        if not found:
+            print(f"error: no run directory with a metrics.jsonl (or train.py log) under {runs_dir}", file=sys.stderr)
+            return 2
+        for run in found:
+            run["group"] = group
+            if len(args.runs_dirs) > 1:
+                run["name"] = f"{label}/{run['name']}"
+        runs.extend(found)
+    out = args.out or args.runs_dirs[0]
     os.makedirs(out, exist_ok=True)
     text = table([summarize(r) for r in runs])
     with open(os.path.join(out, "table.md"), "w") as f:
