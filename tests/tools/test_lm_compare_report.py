@@ -56,3 +56,17 @@ def test_a_run_known_only_from_its_terminal_log(tmp_path):
     assert run["val"] == [{"step": 30, "split": "val", "loss": 5.1202, "perplexity": 167.36}]
     assert lm_compare_report.main([str(tmp_path)]) == 0
     assert "| gdn2 | gdn2 | 30 / 500 | 1.0M | 5.1202 (30) |" in (tmp_path / "table.md").read_text()
+
+
+def test_several_run_directories_one_table_with_labelled_runs(tmp_path, capsys):
+    for seed, loss in (("s0", 4.5), ("s1", 4.4)):
+        (tmp_path / seed).mkdir()
+        _run(tmp_path / seed, "gdn2", "gdn2", [(100, loss)], 100, 100)
+    dirs = [str(tmp_path / "s0"), str(tmp_path / "s1")]
+    assert lm_compare_report.main(dirs) == 2  # several directories need --out
+    assert "--out is required" in capsys.readouterr().err
+    assert lm_compare_report.main(dirs + ["--labels", "a"]) == 2
+    assert lm_compare_report.main(dirs + ["--labels", "seed 0,seed 1", "--out", str(tmp_path / "r")]) == 0
+    text = (tmp_path / "r" / "table.md").read_text()
+    rows = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1:] == ["seed 1/gdn2", "seed 0/gdn2"]
