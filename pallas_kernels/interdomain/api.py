@@ -155,7 +155,7 @@ TABLE.register(dispatch.Implementation("xla", _ia_xla))
 # The TPU kernels: "auto" takes them on a TPU backend when ``supports`` accepts the call (docs/kernels.md).
 TABLE.register(dispatch.Implementation("pallas_tpu", pallas_tpu.run, pallas_tpu.supports, fast=True))
 # The GPU kernel is opt-in (implementation="pallas_triton"), not "auto": correct on the H200 but slower than
-# "xla" there (8x4096, H12, M64, bf16: 21.7 / 51.5 ms fwd / fwd+bwd vs 9.6 / 29.6 ms; docs/kernels_gpu.md).
+# "xla" there (8x4096, H12, M64, bf16: 19.8 / 49.3 ms fwd / fwd+bwd vs 8.5 / 27.0 ms; docs/kernels_gpu.md).
 # It takes q, k, v in the caller's dtype (bf16 GEMM operands).
 TABLE.register(dispatch.Implementation("pallas_triton", pallas_triton.run, pallas_triton.supports))
 
