@@ -15,6 +15,11 @@ Everything is computed by the ops: VLA by ``pallas_kernels.vla.vla_diagnostics``
 the closed-form ‖J_t‖₂) and ``jacobian_window_norm`` (‖J_t⋯J_{t−24}‖₂, the product, not ‖J‖²⁵); linear
 attention and DeltaNet by ``pallas_kernels.delta_rule`` token by token (``trajectory.state_trajectory``).
 Positions are 1-based: t = 1 is the state after the first token.
+
+The paper's unnormalised "VLAv2" (its Table 2): ``--no_normalize_key`` (write and read with φ(k) itself) and/or
+``--no_normalize_write_direction`` (write along α = A k̂, not α̂). Then J_t = I − α_t k_tᵀ has no closed form in
+c_t: ‖J_t‖₂ is computed by SVD, and the 25-step product in log10 (it reaches 10^30 and more, past float32),
+renormalising the running product at every step.
 """
 from __future__ import annotations
 
@@ -72,22 +77,53 @@ def feature_map(k, key_map: str):
     raise ValueError(f"--key_map={key_map!r}; expected one of {KEY_MAPS}")
 
 
+def log10_window_norm(key_BTHK, alpha_BTHK, window: int):
+    """log10 ‖J_t J_{t−1} ⋯ J_{t−w+1}‖₂ (J_t = I − α_t k_tᵀ) for every window, [B, T−w+1, H], without overflow:
+    the running product is divided by its Frobenius norm after every factor and the logs of those norms summed."""
+    dk = key_BTHK.shape[-1]
+    J = jnp.eye(dk, dtype=jnp.float32) - alpha_BTHK[..., :, None] * key_BTHK[..., None, :]
+    t = J.shape[1]
+    prod = J[:, window - 1:]
+    log_scale = jnp.zeros(prod.shape[:-2], jnp.float32)
+    for i in range(1, window):
+        prod = jnp.matmul(prod, J[:, window - 1 - i:t - i], precision=jax.lax.Precision.HIGHEST)
+        fro = jnp.linalg.norm(prod, axis=(-2, -1))
+        prod = prod / fro[..., None, None]
+        log_scale = log_scale + jnp.log10(fro)
+    return log_scale + jnp.log10(jnp.linalg.norm(prod, ord=2, axis=(-2, -1)))
+
+
 def vla_state_diagnostics(k, v, *, key_map: str = "elu_plus_one", beta: float = 1.0, window: int = 25,
-                          eps: float = DEFAULT_EPS) -> dict:
+                          eps: float = DEFAULT_EPS, normalize_key: bool = True,
+                          normalize_write_direction: bool = True) -> dict:
     """Per-token diagnostics of VLA, linear attention and DeltaNet on the same k, v [B, T, 1, d].
 
     Returns numpy arrays [B, T] (or [B, T − window + 1] for window products, whose entry i is the product
     ending at token i + window, 1-based): ``vla/state_norm``, ``vla/penalty_norm``, ``vla/alignment``,
     ``vla/jacobian_norm``, ``vla/window_norm``, ``la/state_norm``, ``deltanet/state_norm``,
-    ``deltanet/jacobian_norm``, ``deltanet/window_norm``; plus ``vla/alpha`` and ``k_hat`` [B, T, 1, d].
+    ``deltanet/jacobian_norm``, ``deltanet/window_norm``; plus ``vla/alpha`` and ``k_hat`` [B, T, 1, d], and
+    ``vla/log10_window_norm`` (log10 of ``vla/window_norm``, computed without overflow).
+    With ``normalize_key`` or ``normalize_write_direction`` off (the paper's unnormalised VLAv2), VLA's
+    ``jacobian_norm`` is the SVD norm of I − α_t k_tᵀ with the key and write direction the op used, and
+    ``window_norm`` is 10 ** ``log10_window_norm`` (inf past the float32 range).
     """
     phi_k = feature_map(k, key_map)
     k_hat = normalize(phi_k, eps)  # the op's own k̂ (same ε floor)
     q = jnp.zeros_like(k)  # the readout does not enter any of these statistics
-    diag = vla_diagnostics(q, phi_k, v, eps=eps)
+    diag = vla_diagnostics(q, phi_k, v, eps=eps, normalize_key=normalize_key,
+                           normalize_write_direction=normalize_write_direction)
     out = {f"vla/{name}": diag[name][..., 0] for name in ("state_norm", "penalty_norm", "alignment",
                                                             "jacobian_norm")}
-    out["vla/window_norm"] = jacobian_window_norm(k_hat, diag["alpha"], window)[..., 0]
+    key = k_hat if normalize_key else phi_k  # the key the recurrence erases along
+    if normalize_key and normalize_write_direction:
+        out["vla/window_norm"] = jacobian_window_norm(k_hat, diag["alpha"], window)[..., 0]
+        out["vla/log10_window_norm"] = jnp.log10(out["vla/window_norm"])
+    else:  # the closed form needs unit α̂ and k̂
+        eye = jnp.eye(key.shape[-1], dtype=jnp.float32)
+        J = eye - diag["alpha"][..., 0, :, None] * key[..., 0, None, :]
+        out["vla/jacobian_norm"] = jnp.linalg.norm(J, ord=2, axis=(-2, -1))
+        out["vla/log10_window_norm"] = log10_window_norm(key, diag["alpha"], window)[..., 0]
+        out["vla/window_norm"] = 10.0 ** out["vla/log10_window_norm"]
     out["vla/alpha"], out["k_hat"] = diag["alpha"], k_hat
     la_norm, _ = state_trajectory(q, phi_k, v)
     out["la/state_norm"] = jnp.moveaxis(la_norm, 0, 1)[..., 0]
@@ -117,6 +153,7 @@ def summarize(diag: dict, window: int) -> dict:
                      f"window{window}_norm": _stats(diag["deltanet/window_norm"])},
         "vla": {"jacobian_norm": _stats(diag["vla/jacobian_norm"]),
                 f"window{window}_norm": _stats(diag["vla/window_norm"]),
+                f"log10_window{window}_norm": _stats(diag["vla/log10_window_norm"]),
                 "alignment": _stats(diag["vla/alignment"])},
     }
     return {"positions": positions, "norms": norms, "jacobians": jac,
@@ -175,6 +212,9 @@ def main(argv=None) -> dict:
     p.add_argument("--key_map", default="elu_plus_one", choices=KEY_MAPS)
     p.add_argument("--beta", type=float, default=1.0, help="DeltaNet write strength β")
     p.add_argument("--window", type=int, default=25, help="Jacobian product window")
+    p.add_argument("--no_normalize_key", action="store_true", help="VLA writes and reads with φ(k) (paper's VLAv2)")
+    p.add_argument("--no_normalize_write_direction", action="store_true",
+                   help="VLA writes along α = A k̂, not α̂ (paper's VLAv2)")
     p.add_argument("--out", default="runs/eval/vla_state", help="output directory")
     p.add_argument("--png", default=None, help="plot path (default <out>/vla_state.png)")
     a = p.parse_args(argv)
@@ -182,10 +222,14 @@ def main(argv=None) -> dict:
     if a.T < a.window:
         raise ValueError(f"--T={a.T} must be >= --window={a.window}")
     k, v = make_inputs(seeds, a.T, a.dk, a.inputs)
-    diag = vla_state_diagnostics(k, v, key_map=a.key_map, beta=a.beta, window=a.window)
+    normalized = not (a.no_normalize_key or a.no_normalize_write_direction)
+    diag = vla_state_diagnostics(k, v, key_map=a.key_map, beta=a.beta, window=a.window,
+                                 normalize_key=not a.no_normalize_key,
+                                 normalize_write_direction=not a.no_normalize_write_direction)
     summary = summarize(diag, a.window)
     setup = {"T": a.T, "d_k": a.dk, "d_v": a.dk, "seeds": seeds, "inputs": INPUTS[a.inputs],
              "key_map": a.key_map, "deltanet_beta": a.beta, "window": a.window,
+             "normalize_key": not a.no_normalize_key, "normalize_write_direction": not a.no_normalize_write_direction,
              "vla": "u = k̂ (no f_θ), λ₀ = 0.1, P = 20, ρ = 1e-3, ε = 1e-4 (op defaults), float32 reference scan"}
     print(f"inputs: {setup['inputs']}; keys φ = {a.key_map}; d = {a.dk}; T = {a.T}; seeds {seeds}; "
           f"DeltaNet β = {a.beta}")
@@ -206,9 +250,13 @@ def main(argv=None) -> dict:
     print(report.table(["mixer", "‖J_t‖₂ mean", "min", "max", f"‖∏_{a.window}J‖₂ mean", "max"], jrows,
                        "Jacobians (over seeds and tokens; LA exact: J = I)"))
     window_max = summary["vla_window_max_per_seed"]
-    print(f"VLA max_t ‖∏_{a.window}J‖₂ per seed: " + ", ".join(f"{x:.3f}" for x in window_max))
+    print(f"VLA max_t ‖∏_{a.window}J‖₂ per seed: " + ", ".join(f"{x:.4g}" for x in window_max))
+    lw = summary["jacobians"]["vla"][f"log10_window{a.window}_norm"]
+    print(f"VLA log10 ‖∏_{a.window}J‖₂ mean {lw['mean']:.2f}, min {lw['min']:.2f}, max {lw['max']:.2f}"
+          f" (VLA key normalised: {not a.no_normalize_key}; write direction normalised: "
+          f"{not a.no_normalize_write_direction})")
     comparison = []
-    if a.inputs == "gaussian" and a.dk == 32 and a.key_map == "elu_plus_one":
+    if a.inputs == "gaussian" and a.dk == 32 and a.key_map == "elu_plus_one" and normalized:
         comparison = spec_comparison(summary, a.window)
         print()
         print(report.table(["quantity", "earlier numpy simulation", "measured (seed range)"], comparison,

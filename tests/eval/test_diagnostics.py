@@ -43,6 +43,39 @@ def test_vla_diagnostics_finite_and_penalty_start(vla_small):
     np.testing.assert_allclose(diag["deltanet/jacobian_norm"], 1.0, atol=1e-5)  # β = 1: a projection
 
 
+@pytest.mark.parametrize("normalize_key,normalize_write_direction", [(False, False), (True, False), (False, True)])
+def test_unnormalised_vla_jacobians_match_a_float64_product(normalize_key, normalize_write_direction):
+    """The paper's unnormalised VLAv2: ‖I − α_t k_tᵀ‖₂ by SVD and the 5-step product in log10, both against
+    float64 numpy on the op's own α and key; with both normalisations off the norms exceed 1 (the check bites:
+    the normalised run of the fixture stays below 1.619)."""
+    d, length, window = 6, 40, 5
+    k, v = vla_state.make_inputs([3], length, d, "gaussian")
+    diag = vla_state.vla_state_diagnostics(k, v, window=window, normalize_key=normalize_key,
+                                           normalize_write_direction=normalize_write_direction)
+    phi = np.asarray(jax.nn.elu(k) + 1.0, np.float64)[0, :, 0]
+    key = phi / np.linalg.norm(phi, axis=-1, keepdims=True) if normalize_key else phi
+    alpha = np.asarray(diag["vla/alpha"], np.float64)[0, :, 0]
+    J = np.eye(d) - alpha[:, :, None] * key[:, None, :]
+    np.testing.assert_allclose(diag["vla/jacobian_norm"][0], np.linalg.norm(J, ord=2, axis=(1, 2)), rtol=1e-4)
+    prods = []
+    for t in range(window - 1, length):
+        prod = np.eye(d)
+        for i in range(window):
+            prod = prod @ J[t - i]
+        prods.append(np.log10(np.linalg.norm(prod, ord=2)))
+    np.testing.assert_allclose(diag["vla/log10_window_norm"][0], prods, rtol=1e-4, atol=1e-4)
+    if not (normalize_key or normalize_write_direction):
+        assert diag["vla/jacobian_norm"].max() > 1.7
+
+
+def test_log10_window_norm_agrees_with_the_direct_product(vla_small):
+    _, _, _, diag = vla_small
+    np.testing.assert_allclose(diag["vla/log10_window_norm"], np.log10(diag["vla/window_norm"]), rtol=1e-6)
+    k_hat, alpha = jnp.asarray(diag["k_hat"]), jnp.asarray(diag["vla/alpha"])
+    np.testing.assert_allclose(vla_state.log10_window_norm(k_hat, alpha, 25)[..., 0],
+                               diag["vla/log10_window_norm"], atol=2e-5)
+
+
 def test_linear_attention_state_grows_and_matches_the_sum(vla_small):
     _, k, v, diag = vla_small
     la = diag["la/state_norm"]
