@@ -1,0 +1,34 @@
+"""tools/bench_latency_vs_length.py: the crossover T against attention, the table, option errors."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+import bench_latency_vs_length as bench  # noqa: E402
+
+
+def test_crossover_interpolates_in_log_log_and_names_the_edge_cases():
+    attention = {1024: 1.0, 4096: 16.0}  # quadratic
+    linear = {1024: 4.0, 4096: 4.0}
+    # log ratios: log 4 at 1024, log(1/4) at 4096 -> halfway in log T: T = 2048
+    assert bench.crossover(linear, attention) == pytest.approx(2048.0)
+    assert bench.crossover({1024: 0.5, 4096: 1.0}, attention) == "below throughout"
+    assert bench.crossover({1024: 8.0, 4096: 64.0}, attention) is None
+    assert bench.crossover({1024: "RuntimeError: x"}, attention) is None  # a failed cell is not a time
+
+
+def test_markdown_marks_missing_and_failed_cells():
+    results = {"vla/xla": {16: 2.0, 32: "ValueError: too long"}, "attention": {16: 1.0, 32: 4.0}}
+    text = bench.markdown(results, (16, 32, 64))
+    assert "| vla/xla | 2.000 | error | – | none in range |" in text
+    assert "| attention | 1.000 | 4.000 | – | – |" in text
+
+
+def test_unknown_ops_and_bad_lengths_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--out", "/tmp/x.json", "--ops", "flash"])
+    assert "--ops: unknown ['flash']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--out", "/tmp/x.json", "--lengths", "1k"])
+    assert "--lengths must be comma-separated integers" in capsys.readouterr().err
