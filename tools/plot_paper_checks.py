@@ -66,12 +66,8 @@ def longctx(runs: list[dict], out: str | None) -> str:
             ax.plot(ts, [row[t] for t in ts], marker="o", label=mixer)
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [str(t) for t in lengths])
-        ax.set_xlabel("sequence length T")
-        ax.set_ylabel("held-out accuracy (n = 8)")
-        ax.set_ylim(-0.02, 1.05)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        ax.set_title("MQAR against the sequence length (VLA paper Fig. 6 setup)")
+        _accuracy_axes(ax, "sequence length T", "held-out accuracy (n = 8)",
+                       "MQAR against the sequence length (VLA paper Fig. 6 setup)")
         _save(fig, out)
     return "\n".join(lines) + "\n"
 
@@ -91,12 +87,8 @@ def copy(runs: list[dict], out: str | None) -> str:
         for r in sorted(runs, key=lambda r: r["mixer"]):
             ax.plot(*_accuracy_curve(r), label=r["mixer"])
         ax.axvline(150, color="grey", lw=0.8, ls=":")
-        ax.set_xlabel("training step")
-        ax.set_ylabel("held-out accuracy (copied half)")
-        ax.set_ylim(-0.02, 1.05)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        ax.set_title("Copy task, T = 64 (VLA paper Table 7 setup)")
+        _accuracy_axes(ax, "training step", "held-out accuracy (copied half)",
+                       "Copy task, T = 64 (VLA paper Table 7 setup)")
         _save(fig, out)
     return "\n".join(lines) + "\n"
 
@@ -132,6 +124,15 @@ def table7(runs: list[dict], out: str | None) -> str:
         ax.set_title("Learned MQAR, T = 256, n = 16 (Muir paper Table 7 setup)")
         _save(fig, out)
     return "\n".join(lines) + "\n"
+
+
+def _accuracy_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(-0.02, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
 
 
 def _pyplot():
