@@ -18,7 +18,6 @@ docs/math/interdomain.md, 'What the paper leaves open'); ``conjugate=False`` giv
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -127,25 +126,42 @@ def check_log_modulus(op, log_modulus, *, under_jit=True):
 
 # ---------------------------------------------------------------------------------------------------------
 # implementations. Contract (interdomain): run(q, k, v, log_modulus [B,T,H,M], phase, gain, readout,
-# key_state, value_state, document_BT, *, chunk_size, sub_chunk_size) -> (o, key, value); everything in the
-# compute dtype. (s4d): run(z, log_modulus, phase, gain, readout_vector, state, document_BT, *, chunk_size,
-# sub_chunk_size) -> (o, state).
+# key_state, value_state, document_BT, *, chunk_size, sub_chunk_size) -> (o, key, value); q, k, v (s4d: z) in
+# the caller's dtype, everything else in the compute dtype: each implementation decides how the data enter its
+# arithmetic (the kernels use them as GEMM operands, the XLA forms upcast them and pick the matmul precision
+# from the caller's dtype). (s4d): run(z, log_modulus, phase, gain, readout_vector, state, document_BT, *,
+# chunk_size, sub_chunk_size) -> (o, state).
 
 
-def _ref_ia(*args, chunk_size, sub_chunk_size):
+def _upcast(*data):
+    dt = compute_dtype(data[0].dtype)
+    return tuple(x.astype(dt) for x in data)
+
+
+def _ref_ia(q, k, v, *rest, chunk_size, sub_chunk_size):
     del chunk_size, sub_chunk_size
-    return _ia_ref(*args)
+    return _ia_ref(*_upcast(q, k, v), *rest)
 
 
-def _ref_s4d(*args, chunk_size, sub_chunk_size):
+def _ref_s4d(z, *rest, chunk_size, sub_chunk_size):
     del chunk_size, sub_chunk_size
-    return _s4d_ref(*args)
+    return _s4d_ref(*_upcast(z), *rest)
+
+
+def _ia_xla(q, k, v, *rest, chunk_size, sub_chunk_size):
+    return _ia_xla_jit(*_upcast(q, k, v), *rest, chunk_size=chunk_size, sub_chunk_size=sub_chunk_size,
+                       precision=xla.data_precision(q.dtype))
+
+
+def _s4d_xla(z, *rest, chunk_size, sub_chunk_size):
+    return _s4d_xla_jit(*_upcast(z), *rest, chunk_size=chunk_size, sub_chunk_size=sub_chunk_size,
+                        precision=xla.data_precision(z.dtype))
 
 
 _ia_ref = jax.jit(reference.interdomain_reference)
 _s4d_ref = jax.jit(reference.s4d_reference)
-_ia_xla = jax.jit(xla.interdomain_chunked, static_argnames=("chunk_size", "sub_chunk_size", "precision"))
-_s4d_xla = jax.jit(xla.s4d_chunked, static_argnames=("chunk_size", "sub_chunk_size", "precision"))
+_ia_xla_jit = jax.jit(xla.interdomain_chunked, static_argnames=("chunk_size", "sub_chunk_size", "precision"))
+_s4d_xla_jit = jax.jit(xla.s4d_chunked, static_argnames=("chunk_size", "sub_chunk_size", "precision"))
 _ia_step = jax.jit(decode.interdomain_step)
 _s4d_step = jax.jit(decode.s4d_step)
 
@@ -232,13 +248,9 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
     else:
         key0, value0 = initial_state[0].astype(dt), initial_state[1].astype(dt)
     run, out_dtype = impl.run, v.dtype
-    if impl.name.startswith("pallas_"):  # kernels take the caller's dtype and run per shard under a mesh
+    if impl.name.startswith("pallas_"):  # the kernels run per shard under a mesh
         run = common.per_shard(run, h, ("tokens",) * 4 + ("heads",) * 3 + ("state", "state", "rows"),
                                ("tokens", "state", "state"))
-    else:
-        if impl.name == "xla":  # 16-bit callers: data matmuls at DEFAULT precision (xla.data_precision)
-            run = functools.partial(run, precision=xla.data_precision(q.dtype))
-        q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
     o, key, value = run(q, k, v, lm, phase.astype(dt), input_gain.astype(dt), readout.astype(dt), key0, value0,
                         common.document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
     o, key, value = common.poison(violation, o.astype(out_dtype), key, value)
@@ -310,13 +322,9 @@ def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segme
     lm = jnp.broadcast_to(log_modulus.astype(dt), (b, t, h, m))
     x0 = jnp.zeros((b, h, 2 * m, c), dt) if initial_state is None else initial_state.astype(dt)
     run, out_dtype = impl.run, z.dtype
-    if impl.name.startswith("pallas_"):  # kernels take the caller's dtype and run per shard under a mesh
+    if impl.name.startswith("pallas_"):  # the kernels run per shard under a mesh
         run = common.per_shard(run, h, ("tokens", "tokens", "heads", "heads", "heads", "state", "rows"),
                                ("tokens", "state"))
-    else:
-        if impl.name == "xla":
-            run = functools.partial(run, precision=xla.data_precision(z.dtype))
-        z = z.astype(dt)
     o, x = run(z, lm, phase.astype(dt), input_gain.astype(dt), readout.astype(dt), x0,
                common.document_index(segment_ids, b, t), chunk_size=chunk, sub_chunk_size=sub)
     return common.poison(violation, o.astype(out_dtype), x)
