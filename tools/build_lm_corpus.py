@@ -558,13 +558,10 @@ def select_subset(rows: Iterable[tuple[str, str, int]], budget: int) -> list[tup
 
 
 def write_parquet(docs: list[tuple[str, str]], path: Path, row_group_docs: int = 1000) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from mixerlab.training.prepare_data import write_documents
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.table({"text": pa.array([t for _, t in docs], pa.string()),
-                      "id": pa.array([i for i, _ in docs], pa.string())})
-    pq.write_table(table, path, row_group_size=row_group_docs, compression="zstd")
+    write_documents(str(path), [t for _, t in docs], [i for i, _ in docs], row_group_docs)
 
 
 def write_device_subset(out: Path, tokenizer_path: Path, budget: int, known: dict | None = None) -> dict:

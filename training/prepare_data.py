@@ -55,6 +55,12 @@ MANIFEST = "manifest.json"
 SCHEMA = pa.schema([("text", pa.string()), ("id", pa.string())])
 
 
+def write_documents(where, texts: list[str], ids: list[str], row_group_docs: int) -> None:
+    """One Parquet file of documents (``text``, ``id``; zstd) to a path or an open binary file."""
+    table = pa.table({"text": pa.array(texts, pa.string()), "id": pa.array(ids, pa.string())}, schema=SCHEMA)
+    pq.write_table(table, where, row_group_size=row_group_docs, compression="zstd")
+
+
 class PrepareError(ValueError):
     """A bad source, flag or output; the message names the thing and what would be valid."""
 
@@ -237,10 +243,8 @@ class _SplitWriter:
         nbytes = sum(len(t.encode("utf-8")) for t in self.texts)
         path = self.out / self.split / f"{name}.parquet"
         path.parent.mkdir(parents=True, exist_ok=True)
-        table = pa.table({"text": pa.array(self.texts, pa.string()), "id": pa.array(self.ids, pa.string())},
-                         schema=SCHEMA)
         with path.open("wb") as f:
-            pq.write_table(table, f, row_group_size=self.row_group_docs, compression="zstd")
+            write_documents(f, self.texts, self.ids, self.row_group_docs)
         with path.open("rb") as f:  # as written (pyarrow may cut row groups smaller than asked)
             md = pq.ParquetFile(f).metadata
             groups = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
