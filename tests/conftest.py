@@ -59,6 +59,24 @@ def _set_xla_cache(on: bool) -> None:
     _cache_on = on
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Make ``xdist_group`` work under ``--dist loadgroup``: pytest-xdist 3.8 marks a group by appending
+    ``@<group>`` to ``item._nodeid``, which pytest 9 no longer reads (the node id lives in ``item._id``), so the
+    scheduler saw no groups and spread every group over both workers (each then built the group's shared
+    fixture and compiled its programs itself). Runs in the workers, after pytest-xdist's own hook."""
+    if not getattr(config.option, "loadgroup", False):  # pytest-xdist sets it in each worker for loadgroup
+        return
+    for item in items:
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+        suffix = "@" + "_".join(sorted(names))
+        if not names or item.nodeid.endswith(suffix):  # no group, or a pytest-xdist that already named it
+            continue
+        from _pytest.nodeid import coerce_node_id  # pytest >= 9: the node id is a structured object
+
+        item._id = coerce_node_id(item.nodeid + suffix)
+
+
 @pytest.fixture(autouse=True)
 def _repo_root_cwd(monkeypatch):
     """Configs use repo-relative paths (data/embedded/...): run every test from the repo root."""
