@@ -17,6 +17,10 @@ from mixerlab import mixers  # noqa: F401  (registers every mixer)
 from mixerlab.mixers import registry
 from mixerlab.mixers.base import DynamicsParam, MixerSpec
 
+# The layers run eagerly: the first test in a process compiles the op's primitives at these shapes (≈ 30–45 s),
+# the rest reuse them (1–5 s each), so one xdist worker runs the whole file instead of both paying that compile.
+pytestmark = pytest.mark.xdist_group("delta_layers")
+
 D, H, DK, DV = 64, 2, 16, 32
 # The op runs eagerly with its default ("auto") implementation. Every test uses B = 2 and T in {TS, TL}, so the
 # op's primitives compile once per process and later tests reuse them (a new length costs seconds of compile).
