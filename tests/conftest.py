@@ -68,7 +68,8 @@ def pytest_collection_modifyitems(config, items):
     if not getattr(config.option, "loadgroup", False):  # pytest-xdist sets it in each worker for loadgroup
         return
     for item in items:
-        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+        marks = item.iter_markers("xdist_group")
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks}
         suffix = "@" + "_".join(sorted(names))
         if not names or item.nodeid.endswith(suffix):  # no group, or a pytest-xdist that already named it
             continue
