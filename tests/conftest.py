@@ -28,6 +28,11 @@ XLA_CACHE_SETTINGS = {  # the JAX option -> its value; the environment variable 
 }
 
 
+def pytest_configure(config):
+    # pytest-xdist registers this marker; declare it too for runs without xdist (-p no:xdist, --strict-markers).
+    config.addinivalue_line("markers", "xdist_group(name): keep these tests on one xdist worker (--dist loadgroup)")
+
+
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
