@@ -28,6 +28,11 @@ XLA_CACHE_SETTINGS = {  # the JAX option -> its value; the environment variable 
 }
 
 
+def pytest_configure(config):
+    # pytest-xdist registers this marker; declare it too for runs without xdist (-p no:xdist, --strict-markers).
+    config.addinivalue_line("markers", "xdist_group(name): keep these tests on one xdist worker (--dist loadgroup)")
+
+
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
@@ -57,6 +62,25 @@ def _set_xla_cache(on: bool) -> None:
     for key, value in XLA_CACHE_SETTINGS.items():
         jax.config.update(key, value if on else _jax_defaults[key])
     _cache_on = on
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Make ``xdist_group`` work under ``--dist loadgroup``: pytest-xdist 3.8 marks a group by appending
+    ``@<group>`` to ``item._nodeid``, which pytest 9 no longer reads (the node id lives in ``item._id``), so the
+    scheduler saw no groups and spread every group over both workers (each then built the group's shared
+    fixture and compiled its programs itself). Runs in the workers, after pytest-xdist's own hook."""
+    if not getattr(config.option, "loadgroup", False):  # pytest-xdist sets it in each worker for loadgroup
+        return
+    for item in items:
+        marks = item.iter_markers("xdist_group")
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks}
+        suffix = "@" + "_".join(sorted(names))
+        if not names or item.nodeid.endswith(suffix):  # no group, or a pytest-xdist that already named it
+            continue
+        from _pytest.nodeid import coerce_node_id  # pytest >= 9: the node id is a structured object
+
+        item._id = coerce_node_id(item.nodeid + suffix)
 
 
 @pytest.fixture(autouse=True)

@@ -17,10 +17,19 @@ from mixerlab import mixers  # noqa: F401  (registers every mixer)
 from mixerlab.mixers import registry
 from mixerlab.mixers.base import DynamicsParam, MixerSpec
 
+# The layers run eagerly: the first test in a process compiles the op's primitives at these shapes (≈ 30–45 s),
+# the rest reuse them (1–5 s each), so one xdist worker runs the whole file instead of both paying that compile.
+pytestmark = pytest.mark.xdist_group("delta_layers")
+
 D, H, DK, DV = 64, 2, 16, 32
 # The op runs eagerly with its default ("auto") implementation. Every test uses B = 2 and T in {TS, TL}, so the
 # op's primitives compile once per process and later tests reuse them (a new length costs seconds of compile).
 B, TS, TL = 2, 8, 16
+# The op's chunking for every layer built here: chunk 8 (one pivot level over leaves of 4) instead of the CPU
+# default 64, so T = TL spans two chunks (the state crosses a chunk edge, documents start inside a chunk and at
+# its edge) and the chunked form compiles a smaller program. The default chunking is run by the op tests
+# (tests/pallas_kernels/test_delta_rule*.py) and the training tests.
+CHUNKING = dict(chunk_size=8, leaf_size=4)
 DELTA_NAMES = ["linear_attention", "deltanet", "gated_deltanet", "kda", "gdn2", "muir"]
 
 # (id, mixer name, option overrides): every mixer with defaults, plus the non-default code paths.
@@ -49,7 +58,8 @@ def spec(dtype=jnp.float32, **kw) -> MixerSpec:
 
 def build(name, seed=0, dtype=jnp.float32, spec_kw=None, **overrides):
     entry = registry.get(name)
-    return registry.build(name, spec(dtype, **(spec_kw or {})), entry.options(**overrides), rngs=nnx.Rngs(seed))
+    options = entry.options(**{**CHUNKING, **overrides})
+    return registry.build(name, spec(dtype, **(spec_kw or {})), options, rngs=nnx.Rngs(seed))
 
 
 def perturb_dynamics(layer, seed=1, scale=0.3):

@@ -66,9 +66,11 @@ def test_documents_in_one_row_do_not_see_each_other(mixer):
     doc1 = np.asarray(seg[0] == 1)
     np.testing.assert_array_equal(np.asarray(out[0, ~doc1]), np.asarray(base[0, ~doc1]))
     assert not np.allclose(out[0, 5:21], base[0, 5:21])  # the change is visible inside its own document
-    # And a packed document equals the same document run alone.
-    alone = model(tokens[:, 21:40], segment_ids=jnp.ones((1, 19), jnp.int32), positions=pos[:, 21:40])
-    np.testing.assert_allclose(np.asarray(base[0, 21:40]), np.asarray(alone[0]), rtol=2e-5, atol=2e-5)
+    # And a packed document equals the same document run alone: at the start of a row of the same length (the
+    # compiled program above serves it), followed by another document of other tokens.
+    filler, alone_seg, alone_pos = _packed(rng, [19, 30])
+    alone = model(filler.at[:, :19].set(tokens[:, 21:40]), segment_ids=alone_seg, positions=alone_pos)
+    np.testing.assert_allclose(np.asarray(base[0, 21:40]), np.asarray(alone[0, :19]), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("mixer", MIXERS)
