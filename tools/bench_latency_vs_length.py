@@ -6,6 +6,9 @@ warm runs after a compile + warm-up call.
 
     python3 tools/bench_latency_vs_length.py --out $OUT/latency.json --png $OUT/latency.png
     JAX_PLATFORMS=cpu python tools/bench_latency_vs_length.py --smoke --out /tmp/lat.json   # tiny, on CPU
+    python tools/bench_latency_vs_length.py --from_logs a.log b.log --device H200 --out lat.json --png lat.png
+        # no timing: the table, JSON and figure from the per-cell lines of earlier runs (a later log wins for the
+        # same cell), e.g. a run cut by a time limit and a second run of the rows it did not reach
 
 Rows (every op at every T in ``--lengths`` until one call of it takes longer than ``--max_ms``):
   vla/reference      the token-by-token scan (our counterpart of the paper's "VLA-Python": sequential in T)
@@ -152,6 +155,18 @@ def plot(results: dict, path: str, title: str) -> None:
     plt.close(fig)
 
 
+def results_from_logs(paths):
+    """{op: {T: ms}} from the JSON lines that :func:`measure` prints; a later file wins for the same cell."""
+    results = {}
+    for path in paths:
+        with open(path) as fh:
+            for line in fh:
+                if line.startswith("{"):
+                    cell = json.loads(line)
+                    results.setdefault(cell["op"], {})[int(cell["T"])] = float(cell["ms"])
+    return results
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -163,6 +178,8 @@ def main(argv=None):
     p.add_argument("--max_ms", type=float, default=2000.0, help="stop an op after a T slower than this")
     p.add_argument("--lengths", help="comma-separated T (default 1K … 64K; smoke 16, 32)")
     p.add_argument("--ops", help="comma-separated subset of the rows (default: all)")
+    p.add_argument("--from_logs", nargs="+", metavar="LOG", help="no timing: build the outputs from earlier logs")
+    p.add_argument("--device", help="with --from_logs: the machine the logs were measured on (title, JSON)")
     a = p.parse_args(argv)
     sz = dict(SMOKE if a.smoke else FULL)
     if a.lengths:
@@ -175,9 +192,16 @@ def main(argv=None):
     if only and not only <= known:
         p.error(f"--ops: unknown {sorted(only - known)}; valid on this backend: {sorted(known)}")
     reps = a.reps if a.reps is not None else (2 if a.smoke else 10)
-    results = measure(sz, a.batch, reps, a.max_ms, only)
+    if a.from_logs:
+        results = results_from_logs(a.from_logs)
+        sz["lengths"] = tuple(sorted({t for row in results.values() for t in row}))
+    else:
+        results = measure(sz, a.batch, reps, a.max_ms, only)
     text = markdown(results, sz["lengths"])
-    payload = dict(device=str(jax.devices()[0]), backend=jax.default_backend(), jax=jax.__version__, batch=a.batch,
+    measured_on = dict(device=str(jax.devices()[0]), backend=jax.default_backend(), jax=jax.__version__)
+    if a.from_logs:  # the cells were timed elsewhere: say where they came from, not where this ran
+        measured_on = dict(device=a.device or "the machine of the logs", backend=None, jax=None, from_logs=a.from_logs)
+    payload = dict(**measured_on, batch=a.batch,
                    reps=reps, sizes={k: list(v) if isinstance(v, tuple) else v for k, v in sz.items()},
                    results={name: {str(t): x for t, x in row.items()} for name, row in results.items()},
                    crossover={name: crossover(row, results.get("attention", {})) for name, row in results.items()

@@ -32,3 +32,21 @@ def test_unknown_ops_and_bad_lengths_are_refused(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--smoke", "--out", "/tmp/x.json", "--lengths", "1k"])
     assert "--lengths must be comma-separated integers" in capsys.readouterr().err
+
+
+def test_from_logs_merges_cells_later_log_wins_and_times_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "measure", lambda *a, **k: pytest.fail("--from_logs must not time anything"))
+    first = tmp_path / "a.log"
+    first.write_text('{"op": "attention", "T": 16, "ms": 1.0}\nsome compiler warning\n'
+                     '{"op": "vla/xla", "T": 16, "ms": 9.0}\n')
+    second = tmp_path / "b.log"
+    second.write_text('{"op": "vla/xla", "T": 16, "ms": 3.0}\n{"op": "vla/xla", "T": 32, "ms": 5.0}\n'
+                      '{"op": "attention", "T": 32, "ms": 6.0}\n')
+    out = tmp_path / "m.json"
+    assert bench.main(["--from_logs", str(first), str(second), "--device", "H200", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| vla/xla | 3.000 | 5.000 | T ≈ 29 |" in text  # log ratios log 3, log(5/6): 16·2^0.858
+    import json
+    payload = json.loads(out.read_text())
+    assert payload["device"] == "H200" and payload["backend"] is None
+    assert payload["results"]["vla/xla"] == {"16": 3.0, "32": 5.0}
