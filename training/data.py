@@ -417,21 +417,31 @@ class _JsonStateIterator(grain.DatasetIterator):
         # Batches from grain worker processes live in shared memory: hand out private copies instead, so
         # that a batch kept by the caller does not pin (and, at exit, leak) a shared-memory block.
         self._copy = bool(fingerprint.get("num_workers"))
+        # batches handed out from the start of the pipeline, while fewer than the worker processes (see get_state)
+        self._workers = int(fingerprint.get("num_workers") or 0)
+        self._from_start = 0
 
     def __next__(self):
         batch = next(self._parent)
+        self._from_start += 1
         if self._copy:
             batch = {k: np.array(v, copy=True) for k, v in batch.items()}
         return batch
 
     def get_state(self) -> dict:
-        return {"version": _STATE_VERSION, "pipeline": self._fingerprint,
-                "grain": _jsonable(self._parent.get_state())}
+        """Plain JSON. Until every worker process has delivered a batch, the position is saved as a count of
+        batches from the start instead of grain's state: grain (0.2.x) records a worker that has not delivered
+        yet with the state of the whole interleave, which its set_state then rejects (IndexError), so a
+        checkpoint from the first steps (e.g. a SIGTERM right after start) could not be resumed."""
+        state = {"version": _STATE_VERSION, "pipeline": self._fingerprint}
+        if self._from_start < self._workers:
+            return state | {"batches_from_start": self._from_start}
+        return state | {"grain": _jsonable(self._parent.get_state())}
 
     def set_state(self, state: dict) -> None:
         if isinstance(state, (str, bytes)):
             state = json.loads(state)
-        if not isinstance(state, dict) or "grain" not in state:
+        if not isinstance(state, dict) or not ("grain" in state or "batches_from_start" in state):
             raise ValueError(f"data iterator state: expected a dict from get_state(), got {type(state).__name__}")
         old = state.get("pipeline", {})
         changed = {k: (old.get(k), v) for k, v in self._fingerprint.items() if old.get(k) != v}
@@ -439,7 +449,16 @@ class _JsonStateIterator(grain.DatasetIterator):
             warnings.warn("data iterator state was saved by a different data pipeline; the batches after "
                           "resuming will not continue the original order. Changed (saved, now): "
                           + ", ".join(f"{k}={a!r}->{b!r}" for k, (a, b) in changed.items()), stacklevel=2)
-        self._parent.set_state(_from_json(copy.deepcopy(state["grain"])))
+        if "grain" in state:
+            self._parent.set_state(_from_json(copy.deepcopy(state["grain"])))
+            self._from_start = self._workers  # past the first batches: grain's own state from now on
+            return
+        if self._from_start:
+            raise ValueError("data iterator state: a position counted from the start (batches_from_start) can "
+                             "only be restored into a fresh iterator; this one has handed out "
+                             f"{self._from_start} batches")
+        for _ in range(int(state["batches_from_start"])):  # fewer than the worker processes: a cheap replay
+            next(self)
 
     def __str__(self) -> str:
         return "_JsonStateIterator"

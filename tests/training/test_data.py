@@ -300,6 +300,30 @@ def test_worker_processes_match_in_process(letters):
         it.close()
 
 
+def test_worker_processes_resume_from_the_first_batches(letters):
+    """With 2 worker processes, a state saved after 0, 1 (before every worker has delivered: grain's own state
+    of that moment cannot be restored) or 3 batches resumes exactly where the uninterrupted run goes on."""
+    cfg = make_cfg(letters.path, shuffle=True, num_workers=2)
+    it = data.train_iterator(cfg, BYTE, global_batch_size=2, seed=4)
+    try:
+        states, batches = [], []
+        for _ in range(5):
+            states.append(json.loads(json.dumps(it.get_state())))
+            batches.append(next(it))
+    finally:
+        it.close()
+    assert "batches_from_start" in states[1] and "grain" in states[3]
+    for k in (0, 1, 3):
+        again = data.train_iterator(cfg, BYTE, global_batch_size=2, seed=4)
+        try:
+            again.set_state(states[k])
+            assert_same(take(again, 2), batches[k:k + 2])
+            with pytest.raises(ValueError, match="fresh iterator"):
+                again.set_state(states[1])
+        finally:
+            again.close()
+
+
 # ------------------------------------------------------------------------------------------- eval
 def test_eval_batches(corpus):
     cfg = make_cfg(corpus.root / "train", val_path=corpus.root / "val")
