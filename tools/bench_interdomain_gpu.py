@@ -113,10 +113,10 @@ def delta_rule_case(b, t, sz, key):
     return q, k, v, log_decay
 
 
-def delta_rule_fn(q, k, v, log_decay):
+def delta_rule_fn(q, k, v, log_decay, implementation="auto"):
     from mixerlab.pallas_kernels.delta_rule.api import delta_rule
 
-    return delta_rule(q, k, v, erase_key=k, log_decay=log_decay, implementation="auto")[0]
+    return delta_rule(q, k, v, erase_key=k, log_decay=log_decay, implementation=implementation)[0]
 
 
 # Seen 2026-12-01 with jax 0.10.2 on CPU: the delta rule's xla forward+backward segfaults inside XLA (in the

@@ -33,9 +33,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 from benchlib import timed  # noqa: E402  (tools/benchlib.py)
-from bench_interdomain_gpu import attention_case, attention_fn, interdomain_case, interdomain_fn  # noqa: E402
+from bench_interdomain_gpu import (attention_case, attention_fn, delta_rule_case, interdomain_case,  # noqa: E402
+                                   interdomain_fn)
 from bench_vla_gpu import vla_case, vla_fn  # noqa: E402
 
 FULL = dict(lengths=(1024, 2048, 4096, 8192, 16384, 32768, 65536), heads=12, key_dim=64, value_dim=64, modes=64,
@@ -48,15 +48,9 @@ def on_gpu():
 
 
 def _delta_case(b, t, sz, seed, erase):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    h, dk, dv = sz["heads"], sz["key_dim"], sz["value_dim"]
-    q = jax.random.normal(ks[0], (b, t, h, dk), jnp.bfloat16)
-    k = jax.random.normal(ks[1], (b, t, h, dk), jnp.float32)
-    k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)
-    v = jax.random.normal(ks[2], (b, t, h, dv), jnp.bfloat16)
-    if not erase:
-        return q, k, v
-    return q, k, v, -jax.nn.softplus(jax.random.normal(ks[3], (b, t, h)))
+    """The delta-rule inputs of the IA benchmark; linear attention takes them without the decay."""
+    q, k, v, log_decay = delta_rule_case(b, t, sz, jax.random.key(seed))
+    return (q, k, v, log_decay) if erase else (q, k, v)
 
 
 def _linear_attention(q, k, v):

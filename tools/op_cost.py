@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import re
 import sys
@@ -37,13 +38,7 @@ def case_and_fn(op, impl, b, t, sz):
     if op == "interdomain":
         return interdomain_case(b, t, sz, key), interdomain_fn(impl), (0, 1, 2)
     if op == "delta_rule":
-        if impl != "auto":
-            from mixerlab.pallas_kernels.delta_rule.api import delta_rule
-
-            def fn(q, k, v, log_decay):
-                return delta_rule(q, k, v, erase_key=k, log_decay=log_decay, implementation=impl)[0]
-            return delta_rule_case(b, t, sz, key), fn, (0, 1, 2)
-        return delta_rule_case(b, t, sz, key), delta_rule_fn, (0, 1, 2)
+        return delta_rule_case(b, t, sz, key), functools.partial(delta_rule_fn, implementation=impl), (0, 1, 2)
     if op == "vla":
         return vla_case(b, t, dict(sz, document=10 ** 9), 0), vla_fn(impl), (0, 1, 2)
     if op == "attention":

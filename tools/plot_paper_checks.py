@@ -17,9 +17,11 @@ import glob
 import json
 import os
 import re
-import statistics
 import sys
 import textwrap
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mixerlab.eval.synthetic.report import mean_std  # noqa: E402
 
 
 def load(directory: str) -> list[dict]:
@@ -38,7 +40,7 @@ def load(directory: str) -> list[dict]:
 def _mean_std(values: list[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+    return "{:.3f} ± {:.3f}".format(*mean_std(values))
 
 
 def _accuracy_curve(run: dict) -> tuple[list[int], list[float]]:
@@ -115,8 +117,8 @@ def table7(runs: list[dict], out: str | None) -> str:
         for i, label in enumerate(labels):
             accs = [r["accuracy"] for r in groups[label]]
             ax.scatter([i] * len(accs), accs, color="tab:blue", alpha=0.7, zorder=3)
-            ax.errorbar(i + 0.15, statistics.mean(accs), yerr=statistics.stdev(accs) if len(accs) > 1 else 0,
-                        fmt="s", color="black", capsize=4)
+            mean, std = mean_std(accs)
+            ax.errorbar(i + 0.15, mean, yerr=std, fmt="s", color="black", capsize=4)
         ax.set_xticks(range(len(labels)), [textwrap.fill(lb, 20) for lb in labels], fontsize=7)
         ax.set_ylabel("held-out accuracy (dots: seeds; square: mean ± std)")
         ax.set_ylim(-0.02, 1.05)

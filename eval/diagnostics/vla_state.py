@@ -77,22 +77,6 @@ def feature_map(k, key_map: str):
     raise ValueError(f"--key_map={key_map!r}; expected one of {KEY_MAPS}")
 
 
-def log10_window_norm(key_BTHK, alpha_BTHK, window: int):
-    """log10 ‖J_t J_{t−1} ⋯ J_{t−w+1}‖₂ (J_t = I − α_t k_tᵀ) for every window, [B, T−w+1, H], without overflow:
-    the running product is divided by its Frobenius norm after every factor and the logs of those norms summed."""
-    dk = key_BTHK.shape[-1]
-    J = jnp.eye(dk, dtype=jnp.float32) - alpha_BTHK[..., :, None] * key_BTHK[..., None, :]
-    t = J.shape[1]
-    prod = J[:, window - 1:]
-    log_scale = jnp.zeros(prod.shape[:-2], jnp.float32)
-    for i in range(1, window):
-        prod = jnp.matmul(prod, J[:, window - 1 - i:t - i], precision=jax.lax.Precision.HIGHEST)
-        fro = jnp.linalg.norm(prod, axis=(-2, -1))
-        prod = prod / fro[..., None, None]
-        log_scale = log_scale + jnp.log10(fro)
-    return log_scale + jnp.log10(jnp.linalg.norm(prod, ord=2, axis=(-2, -1)))
-
-
 def vla_state_diagnostics(k, v, *, key_map: str = "elu_plus_one", beta: float = 1.0, window: int = 25,
                           eps: float = DEFAULT_EPS, normalize_key: bool = True,
                           normalize_write_direction: bool = True) -> dict:
@@ -122,7 +106,7 @@ def vla_state_diagnostics(k, v, *, key_map: str = "elu_plus_one", beta: float = 
         eye = jnp.eye(key.shape[-1], dtype=jnp.float32)
         J = eye - diag["alpha"][..., 0, :, None] * key[..., 0, None, :]
         out["vla/jacobian_norm"] = jnp.linalg.norm(J, ord=2, axis=(-2, -1))
-        out["vla/log10_window_norm"] = log10_window_norm(key, diag["alpha"], window)[..., 0]
+        out["vla/log10_window_norm"] = jacobian_window_norm(key, diag["alpha"], window, log10=True)[..., 0]
         out["vla/window_norm"] = 10.0 ** out["vla/log10_window_norm"]
     out["vla/alpha"], out["k_hat"] = diag["alpha"], k_hat
     la_norm, _ = state_trajectory(q, phi_k, v)

@@ -354,16 +354,24 @@ def vla_diagnostics(q, k, v, *, penalty_key=None, initial_state=None, segment_id
     return diag
 
 
-def jacobian_window_norm(k_hat_BTHK, alpha_BTHK, window: int):
+def jacobian_window_norm(k_hat_BTHK, alpha_BTHK, window: int, *, log10: bool = False):
     """‖J_t J_{t−1} ⋯ J_{t−w+1}‖₂ for every t ≥ w−1 (J_t = I − α̂_t k̂_tᵀ, acting on the key side of S),
-    [B, T−w+1, H]. O(T w d³): for diagnostics on short sequences."""
+    [B, T−w+1, H]. O(T w d³): for diagnostics on short sequences. ``log10``: log10 of the same norms without
+    overflow (the running product is divided by its Frobenius norm after every factor and the logs of those
+    norms summed), for products past the float range."""
     dk = k_hat_BTHK.shape[-1]
     J = jnp.eye(dk, dtype=k_hat_BTHK.dtype) - alpha_BTHK[..., :, None] * k_hat_BTHK[..., None, :]
     t = J.shape[1]
     prod = J[:, window - 1:]
+    log_scale = jnp.zeros(prod.shape[:-2], prod.dtype)
     for i in range(1, window):
         prod = jnp.matmul(prod, J[:, window - 1 - i:t - i], precision=jax.lax.Precision.HIGHEST)
-    return jnp.linalg.norm(prod, ord=2, axis=(-2, -1))
+        if log10:
+            fro = jnp.linalg.norm(prod, axis=(-2, -1))
+            prod = prod / fro[..., None, None]
+            log_scale = log_scale + jnp.log10(fro)
+    norm = jnp.linalg.norm(prod, ord=2, axis=(-2, -1))
+    return log_scale + jnp.log10(norm) if log10 else norm
 
 
 def vla_step(q, k, v, *, penalty_key=None, state, position, refresh_period: int = DEFAULT_REFRESH_PERIOD,
