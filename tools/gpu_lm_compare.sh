@@ -23,10 +23,7 @@ done
 [ -f data/lm_corpus/device/tokenizer.json ] || {
   echo "data/lm_corpus/device/tokenizer.json missing: build it with tools/build_lm_corpus.py (docs/lm_corpus.md)" >&2
   exit 2; }
-if ! python3 -c "import grain" 2>/dev/null; then  # the GPU machine lacks these; wheels carried in .whl/
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+source tools/gpu_env.sh lm_compare
 mkdir -p "$out"
 pids=()
 for m in ${models//,/ }; do
@@ -35,7 +32,7 @@ for m in ${models//,/ }; do
   pids+=($!)
 done
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+wait_all "${pids[@]}" || status=$?
 tail -n 3 "$out"/*.log
 python3 tools/lm_compare_report.py "$out" || status=$?
 tar czf "$out.tgz" --exclude=checkpoints --exclude=tensorboard -C "$(dirname "$out")" "$(basename "$out")"

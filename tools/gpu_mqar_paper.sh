@@ -40,12 +40,7 @@ for part in ${parts//,/ }; do
 done
 dry=${DRY_RUN:-}
 if [ -z "$dry" ]; then
-  if ! python3 -c "import grain" 2>/dev/null; then  # the GPU machine lacks these; wheels carried in .whl/
-    pip install -q --no-deps --target /tmp/site .whl/grain-*.whl .whl/array_record-*.whl .whl/portpicker-*.whl \
-        .whl/tensorboardx-*.whl
-  fi
-  export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-  export JAX_COMPILATION_CACHE_DIR=/tmp/mqar_paper_xla_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+  source tools/gpu_env.sh mqar_paper
   mkdir -p "$out"
 fi
 pids=()
@@ -108,7 +103,7 @@ done
 [ -n "$dry" ] && exit 0
 
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+wait_all "${pids[@]}" || status=$?
 compgen -G "$out/*.log" >/dev/null && tail -n 8 "$out"/*.log
 
 merge() {  # merge GROUP TITLE: every OUT_DIR/GROUP_*/results.json into OUT_DIR/GROUP

@@ -22,11 +22,7 @@ seeds_b=${3-5,6,7,8,9}
 seconds=${4:-480}
 config=configs/eval/muir_table7_mqar.yaml
 dry=${DRY_RUN:-}
-if [ -z "$dry" ] && ! python3 -c "import grain" 2>/dev/null; then  # the GPU machine lacks these; wheels carried in .whl/
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-export JAX_COMPILATION_CACHE_DIR=/tmp/muir_mqar_xla_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+[ -n "$dry" ] || source tools/gpu_env.sh muir_mqar
 [ -n "$dry" ] || mkdir -p "$out"
 pids=()
 job() {  # job NAME LABEL MIXER OVERRIDES...: one process per seed list
@@ -55,7 +51,7 @@ job muir_dynamic "Muir, dynamic gamma, r_b = r_w = 4, r_q = 8" muir mixers.muir.
     "mixers.muir.ranks=[64,4,64,4,8]"
 [ -n "$dry" ] && exit 0
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+wait_all "${pids[@]}" || status=$?
 tail -n 4 "$out"/*.log
 files=()
 for f in "$out"/*/results.json; do [ -f "$f" ] && files+=("$f"); done
