@@ -11,6 +11,7 @@ import sys
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KERNELS = {"interdomain/pallas_tpu": "needs a TPU backend", "interdomain/pallas_triton": "GPU only"}  # and why
 
 
 @pytest.mark.extended  # a benchmark tool's smoke run; the op's own tests stay in make test
@@ -27,13 +28,14 @@ def test_smoke_run_writes_every_row(tmp_path):
     assert {"interdomain/xla", "interdomain/pallas_triton", "attention/xla", "delta_rule/auto"} <= ops, ops
     for row in result["training"]:
         assert "error" not in row, row
-        if row["op"] == "interdomain/pallas_triton":  # GPU only: recorded with the reason it refuses the CPU
-            assert "GPU only" in row["skipped"], row
+        if row["op"] in KERNELS:  # recorded with the reason each kernel refuses the CPU
+            assert KERNELS[row["op"]] in row["skipped"], row
             continue
         assert row["fwd_ms"] > 0, row
         assert row.get("fwd_bwd_ms", 1.0) > 0 and ("fwd_bwd_ms" in row or "fwd_bwd_skipped" in row), row
-    assert [row["op"] for row in result["check"]] == ["interdomain/pallas_triton"], result["check"]
-    assert "skipped" in result["check"][0] and "| interdomain/pallas_triton | refused |" in run.stdout
+    assert [row["op"] for row in result["check"]] == sorted(KERNELS), result["check"]
+    for row in result["check"]:
+        assert KERNELS[row["op"]] in row["skipped"] and f"| {row['op']} | refused |" in run.stdout, row
     decode = {(row["mixer"], row["prefix"]) for row in result["decode"]}
     assert decode == {(m, p) for m in ("interdomain", "softmax") for p in (8, 16)}, decode
     for row in result["decode"]:
