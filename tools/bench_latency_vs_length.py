@@ -192,9 +192,10 @@ def main(argv=None):
     else:
         results = measure(sz, a.batch, reps, a.max_ms, only)
     text = markdown(results, sz["lengths"])
-    measured_on = dict(device=str(jax.devices()[0]), backend=jax.default_backend(), jax=jax.__version__)
     if a.from_logs:  # the cells were timed elsewhere: say where they came from, not where this ran
         measured_on = dict(device=a.device or "the machine of the logs", backend=None, jax=None, from_logs=a.from_logs)
+    else:
+        measured_on = dict(device=str(jax.devices()[0]), backend=jax.default_backend(), jax=jax.__version__)
     payload = dict(**measured_on, batch=a.batch,
                    reps=reps, sizes={k: list(v) if isinstance(v, tuple) else v for k, v in sz.items()},
                    results={name: {str(t): x for t, x in row.items()} for name, row in results.items()},

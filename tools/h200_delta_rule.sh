@@ -23,7 +23,7 @@ if [ "$PHASE" = ours ]; then
 elif [ "$PHASE" = kernels ]; then
   JAX_PLATFORMS=cuda timeout 150 python3 -m pytest -q -m gpu tests/pallas_kernels/test_delta_rule_pallas_triton.py -p no:cacheprovider \
     2>&1 | tee $R/pytest_gpu.log | tail -3
-  timeout 200 python3 tools/profile_delta_rule_gpu.py --reps 15 --variants ${VARIANTS:-base,band1,band8,band32,warps8} \
+  timeout 200 python3 tools/profile_delta_rule_gpu.py --reps 15 --variants ${VARIANTS:-base,intra_warps8,key_grads_warps8,block_k16} \
     2>&1 | tee $R/profile.log | grep "^|"
   timeout 200 $B --skip probe,correctness,fla_compare,fla,jla --no-gdn2-variant --shapes ${SHAPES:-8x4096,2x16384,1x32768} \
     --overrides "$OV" --budget 190 --out $R/bench.json > $R/bench.log 2>&1

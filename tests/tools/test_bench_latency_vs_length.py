@@ -1,4 +1,5 @@
 """tools/bench_latency_vs_length.py: the crossover T against attention, the table, option errors."""
+import json
 import os
 import sys
 
@@ -46,7 +47,6 @@ def test_from_logs_merges_cells_later_log_wins_and_times_nothing(tmp_path, capsy
     assert bench.main(["--from_logs", str(first), str(second), "--device", "H200", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| vla/xla | 3.000 | 5.000 | T ≈ 29 |" in text  # log ratios log 3, log(5/6): 16·2^0.858
-    import json
     payload = json.loads(out.read_text())
     assert payload["device"] == "H200" and payload["backend"] is None
     assert payload["results"]["vla/xla"] == {"16": 3.0, "32": 5.0}
