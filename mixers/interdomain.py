@@ -66,9 +66,10 @@ class InterdomainOptions:
     selective_write: bool = False  g = exp(α tanh(w RMS₀(k̄) + b)), init w = b = 0, α = 1 (g = 1) [S form; init R].
     selective_decay: bool = False  δ_t = 2^{tanh(w_δ·RMS₀(k̄) + b_δ)} ∈ [½, 2] scales Re log Λ only, scalar per
                                    head and token, init w_δ = b_δ = 0 [S range; form R].
-    implementation: str = "auto"   op implementation ("auto" | "reference" | "xla" | "pallas_tpu": TPU, taken by
-                                   auto | "pallas_triton": GPU, opt-in).
-    chunk_size: int = 0            chunk length of the xla op; 0 = the op's default (64).
+    implementation: str = "auto"   op implementation ("auto" | "reference" | "xla" | "toeplitz": static decay,
+                                   taken by auto | "pallas_tpu": TPU, taken by auto for a selective decay |
+                                   "pallas_triton": GPU, opt-in).
+    chunk_size: int = 0            op chunk length; 0 = the op's default (128 for toeplitz, else 64).
     """
 
     num_modes: int = 64
@@ -199,8 +200,12 @@ class Interdomain(nnx.Module):
         if self.options.value_conv:
             v = jax.nn.silu(self.v_conv(v, segment_ids))
         xi_q, k_t, v_t, v_h, log_mod, phase, gain = self._inputs(qc, kc, v, positions)
+        # q, k, v enter the op in the activation dtype, like the delta-rule mixers': a bf16 model runs the op's data
+        # GEMMs on bf16/TF32 tensor cores (float32 inputs would ask for float32-exact GEMMs); state and
+        # accumulation stay float32 inside the op
         out, state = ia_op.interdomain(
-            xi_q, k_t, v_t, log_modulus=log_mod, phase=phase, input_gain=gain, readout=self._readout(),
+            xi_q.astype(self.dtype), k_t.astype(self.dtype), v_t.astype(self.dtype), log_modulus=log_mod,
+            phase=phase, input_gain=gain, readout=self._readout(),
             initial_state=initial_state, segment_ids=segment_ids, chunk_size=_chunk(self.options.chunk_size),
             implementation=self.options.implementation)
         return self._finish(out, v_h, x), state, (q, k, v)

@@ -47,9 +47,9 @@ class S4DOptions:
     c_lr_group: "main"           C_h and c_out: main LR, no weight decay | "ssm" (LR-capped group) [S/R, B9].
     c_out_std: float = 0.125     c_out ~ N(0, c_out_std²) per head (0.125 = 1/√64) [R].
     norm_eps: float = 1e-6       eps of the input RMSNorms [R].
-    implementation: str = "auto" op implementation ("auto" | "reference" | "xla" | "pallas_tpu": TPU, taken by
-                                 auto | "pallas_triton": GPU, opt-in).
-    chunk_size: int = 0          chunk length of the xla op; 0 = the op's default (64).
+    implementation: str = "auto" op implementation ("auto" | "reference" | "xla" | "toeplitz": taken by auto,
+                                 the decay is static | "pallas_tpu": TPU | "pallas_triton": GPU, opt-in).
+    chunk_size: int = 0          op chunk length; 0 = the op's default (128 for toeplitz, else 64).
     """
 
     num_modes: int = 64
@@ -114,7 +114,9 @@ class S4DOnly(nnx.Module):
         a, bb = self.a_proj(x), self.b_proj(x)
         z, log_mod, phase, gain, readout = self._inputs(self.a_conv(a, segment_ids), self.b_conv(bb, segment_ids),
                                                         positions)
-        out, state = ia_op.s4d(z, log_modulus=log_mod, phase=phase, input_gain=gain, readout=readout,
+        # z enters the op in the activation dtype, like the delta-rule mixers' q, k, v: a bf16 model runs the op's
+        # data GEMMs on bf16/TF32 tensor cores (float32 inputs would ask for float32-exact GEMMs)
+        out, state = ia_op.s4d(z.astype(self.dtype), log_modulus=log_mod, phase=phase, input_gain=gain, readout=readout,
                                segment_ids=segment_ids, chunk_size=self.options.chunk_size or None,
                                implementation=self.options.implementation)
         return self._finish(out), state, (a, bb)

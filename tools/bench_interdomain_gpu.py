@@ -20,6 +20,7 @@ as skipped with its reason. ``--check`` also compares every interdomain implemen
 first training shape (outputs and the gradients of all seven float inputs: max |error| / max |xla|).
 
     python tools/bench_interdomain_gpu.py --out $OUT/interdomain_h200.json --check
+    python tools/bench_interdomain_gpu.py --out $OUT/ia.json --check --impls xla,toeplitz --skip-decode
     JAX_PLATFORMS=cpu python tools/bench_interdomain_gpu.py --smoke --out /tmp/ia_smoke.json   # tiny sizes
 """
 from __future__ import annotations
@@ -79,12 +80,12 @@ def interdomain_refusal(impl, b, t, sz):
     return None
 
 
-def interdomain_fn(impl):
+def interdomain_fn(impl, chunk_size=None):
     from mixerlab.pallas_kernels.interdomain import api as ia
 
     def fn(q, k, v, log_modulus, phase, gain, readout):
         return ia.interdomain(q, k, v, log_modulus=log_modulus, phase=phase, input_gain=gain, readout=readout,
-                              implementation=impl)[0]
+                              implementation=impl, chunk_size=chunk_size)[0]
 
     return fn
 
@@ -125,15 +126,26 @@ def delta_rule_fn(q, k, v, log_decay, implementation="auto"):
 CPU_DELTA_RULE_BACKWARD = "not timed off the GPU: the delta rule's xla backward can segfault XLA on CPU"
 
 
-def training_rows(sz, reps):
+def interdomain_impls(only=None):
+    """The registered interdomain implementations but ``auto`` and the token reference (or those in ``only``)."""
     from mixerlab.pallas_kernels.interdomain import api as ia
 
+    names = [n for n in ia.TABLE.names() if n not in ("auto", "reference")]
+    if only:
+        unknown = sorted(set(only) - set(names))
+        if unknown:
+            raise SystemExit(f"--impls: unknown {unknown}; registered: {names}")
+        names = [n for n in names if n in only]
+    return names
+
+
+def training_rows(sz, reps, only=None, chunk_size=None):
     on_gpu = jax.default_backend() == "gpu"
-    ia_impls = [n for n in ia.TABLE.names() if n not in ("auto", "reference")]
+    ia_impls = interdomain_impls(only)
     attention_impl = "cudnn" if on_gpu else "xla"
     ops = [("delta_rule/auto", delta_rule_case, delta_rule_fn, (0, 1, 2, 3)),
            (f"attention/{attention_impl}", attention_case, attention_fn(attention_impl), (0, 1, 2))]
-    ops += [(f"interdomain/{n}", interdomain_case, interdomain_fn(n), tuple(range(7))) for n in ia_impls]
+    ops += [(f"interdomain/{n}", interdomain_case, interdomain_fn(n, chunk_size), tuple(range(7))) for n in ia_impls]
     rows = []
     for t in sz["lengths"]:
         b = max(sz["tokens"] // t, 1)
@@ -157,11 +169,9 @@ def training_rows(sz, reps):
     return rows
 
 
-def check_rows(sz):
+def check_rows(sz, only=None):
     """Every interdomain implementation against ``xla`` at the first training shape: max |error| / max |xla|
     of the output and of the gradients of q, k, v, log_modulus, phase, gain, readout."""
-    from mixerlab.pallas_kernels.interdomain import api as ia
-
     t = sz["lengths"][0]
     b = max(sz["tokens"] // t, 1)
     args = interdomain_case(b, t, sz, jax.random.key(0))
@@ -173,7 +183,7 @@ def check_rows(sz):
     want = outputs("xla")
     names = ("o", "dq", "dk", "dv", "dlog_modulus", "dphase", "dgain", "dreadout")
     rows = []
-    for impl in [n for n in ia.TABLE.names() if n not in ("auto", "reference", "xla")]:
+    for impl in [n for n in interdomain_impls(only) if n != "xla"]:
         def compare(row, impl=impl):
             refusal = interdomain_refusal(impl, b, t, sz)
             if refusal is not None:
@@ -285,13 +295,17 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=None, help="timed runs per row (default 10; smoke 2)")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--check", action="store_true", help="also compare every interdomain implementation with xla")
+    p.add_argument("--impls", default="", help="comma-separated interdomain implementations (default: all)")
+    p.add_argument("--chunk", type=int, default=None, help="interdomain chunk_size (default: the op's, 64)")
     a = p.parse_args(argv)
+    only = [n for n in a.impls.split(",") if n]
     sz = SMOKE if a.smoke else FULL
     reps = a.reps if a.reps is not None else (2 if a.smoke else 10)
     result = dict(device=str(jax.devices()[0]), backend=jax.default_backend(), jax=jax.__version__, reps=reps,
                   sizes={k: list(v) if isinstance(v, tuple) else v for k, v in sz.items()}, smoke=a.smoke)
-    result["training"] = training_rows(sz, reps)
-    result["check"] = check_rows(sz) if a.check else []
+    result["chunk_size"] = a.chunk
+    result["training"] = training_rows(sz, reps, only, a.chunk)
+    result["check"] = check_rows(sz, only) if a.check else []
     result["decode"] = [] if a.skip_decode else decode_rows(sz, reps)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as fh:

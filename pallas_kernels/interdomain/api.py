@@ -26,9 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from mixerlab.pallas_kernels import common, dispatch
-from mixerlab.pallas_kernels.interdomain import decode, pallas_tpu, pallas_triton, reference, xla
+from mixerlab.pallas_kernels.interdomain import decode, pallas_tpu, pallas_triton, reference, toeplitz, xla
 
 DEFAULT_CHUNK_SIZE = 64
+# the Toeplitz form's default: its per-token work grows with the chunk, its chunk-state work shrinks; 128 was the
+# fastest forward+backward at 8 x 4096 on the H200 (docs/kernels_gpu.md)
+DEFAULT_TOEPLITZ_CHUNK_SIZE = 128
 DEFAULT_SUB_CHUNK_SIZE = 8
 # docs/math/interdomain.md 'Chunked form': exact pairwise decays inside 8 tokens, factors across; 8 ≈ √64
 # balances the two (K·sub·M pairwise against (K/sub)·K·M cross-sub-chunk factors per chunk)
@@ -77,6 +80,11 @@ def resolve_chunk_size(op, chunk_size):
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"{op}: chunk_size={chunk_size!r}; expected a positive int (default {DEFAULT_CHUNK_SIZE})")
     return chunk_size
+
+
+def _chunk_for(impl, requested, resolved):
+    """The chunk the chosen implementation runs: the caller's, else its own default."""
+    return DEFAULT_TOEPLITZ_CHUNK_SIZE if requested is None and impl.name == "toeplitz" else resolved
 
 
 def resolve_sub_chunk_size(op, sub_chunk_size, chunk):
@@ -158,16 +166,34 @@ def _s4d_xla(z, *rest, chunk_size, sub_chunk_size):
                         precision=xla.data_precision(z.dtype))
 
 
+def _ia_toeplitz(q, k, v, *rest, chunk_size, sub_chunk_size):
+    del sub_chunk_size  # no sub-chunks: the decays come from one table per head
+    return _ia_toeplitz_jit(*_upcast(q, k, v), *rest, chunk_size=chunk_size, precision=xla.data_precision(q.dtype))
+
+
+def _s4d_toeplitz(z, *rest, chunk_size, sub_chunk_size):
+    del sub_chunk_size
+    return _s4d_toeplitz_jit(*_upcast(z), *rest, chunk_size=chunk_size, precision=xla.data_precision(z.dtype))
+
+
 _ia_ref = jax.jit(reference.interdomain_reference)
 _s4d_ref = jax.jit(reference.s4d_reference)
 _ia_xla_jit = jax.jit(xla.interdomain_chunked, static_argnames=("chunk_size", "sub_chunk_size", "precision"))
 _s4d_xla_jit = jax.jit(xla.s4d_chunked, static_argnames=("chunk_size", "sub_chunk_size", "precision"))
+_ia_toeplitz_jit = jax.jit(toeplitz.interdomain_toeplitz, static_argnames=("chunk_size", "precision"))
+_s4d_toeplitz_jit = jax.jit(toeplitz.s4d_toeplitz, static_argnames=("chunk_size", "precision"))
 _ia_step = jax.jit(decode.interdomain_step)
 _s4d_step = jax.jit(decode.s4d_step)
+
+# implementations that take log_modulus as the static [H, M] (the others get it per token, [B, T, H, M])
+STATIC_DECAY_ONLY = ("toeplitz",)
 
 TABLE = dispatch.OpTable("interdomain", fallback="xla")
 TABLE.register(dispatch.Implementation("reference", _ref_ia))
 TABLE.register(dispatch.Implementation("xla", _ia_xla))
+# A static decay (no selective decay: the paper's LM runs) takes the Toeplitz form first on every backend: plain
+# XLA GEMMs against one decay table per head, no per-token decay tensors (toeplitz.py, docs/kernels_gpu.md).
+TABLE.register(dispatch.Implementation("toeplitz", _ia_toeplitz, toeplitz.supports, fast=True))
 # The TPU kernels: "auto" takes them on a TPU backend when ``supports`` accepts the call (docs/kernels.md).
 TABLE.register(dispatch.Implementation("pallas_tpu", pallas_tpu.run, pallas_tpu.supports, fast=True))
 # The GPU kernel is opt-in (implementation="pallas_triton"), not "auto": correct on the H200 but slower than
@@ -178,6 +204,7 @@ TABLE.register(dispatch.Implementation("pallas_triton", pallas_triton.run, palla
 S4D_TABLE = dispatch.OpTable("s4d", fallback="xla")
 S4D_TABLE.register(dispatch.Implementation("reference", _ref_s4d))
 S4D_TABLE.register(dispatch.Implementation("xla", _s4d_xla))
+S4D_TABLE.register(dispatch.Implementation("toeplitz", _s4d_toeplitz, toeplitz.supports, fast=True))
 S4D_TABLE.register(dispatch.Implementation("pallas_tpu", pallas_tpu.run_s4d, pallas_tpu.supports, fast=True))
 S4D_TABLE.register(dispatch.Implementation("pallas_triton", pallas_triton.run_s4d, pallas_triton.supports))
 
@@ -197,12 +224,14 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
       initial_state: ``InterdomainState`` (key [B, H, 2M, R], value [B, H, 2M, Dv]) or None (zeros). It
         belongs to the first segment of each row.
       segment_ids: [B, T] int; both states reset to zero at every t with seg[t] != seg[t−1].
-      chunk_size: chunk length of "xla" (default 64; any positive int, T need not be a multiple).
+      chunk_size: chunk length (default 128 for "toeplitz", 64 otherwise; any positive int, T need not be a
+        multiple).
       sub_chunk_size: sub-chunk length of "xla" inside a chunk (docs/math/interdomain.md 'Chunked form': exact
         pairwise decays within a sub-chunk, relative factors across). Default min(8, chunk_size); any int in
         [1, chunk_size], it need not divide chunk_size. Accuracy does not depend on it.
-      implementation: "auto" | "reference" | "xla" | "pallas_tpu" (TPU) | "pallas_triton" (GPU, opt-in); the
-        kernels run bf16 inputs as bf16 GEMM operands with float32 accumulation and state. "auto" takes
+      implementation: "auto" | "reference" | "xla" | "toeplitz" (static log_modulus only) | "pallas_tpu" (TPU) |
+        "pallas_triton" (GPU, opt-in); the kernels run bf16 inputs as bf16 GEMM operands with float32
+        accumulation and state. "auto" takes "toeplitz" for a static log_modulus (any backend), else
         "pallas_tpu" on a TPU where it accepts the call, else "xla".
 
     Returns:
@@ -239,9 +268,10 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
                            segment_ids is not None, chunk, sub, dispatch.target_backend())
     violation = check_log_modulus(op, log_modulus)
     impl = TABLE.choose(implementation, call)
+    chunk = _chunk_for(impl, chunk_size, chunk)
     dt = compute_dtype(q.dtype)
     lm = log_modulus.astype(dt)
-    if not selective:
+    if not selective and impl.name not in STATIC_DECAY_ONLY:
         lm = jnp.broadcast_to(lm, (b, t, h, m))
     if initial_state is None:
         key0, value0 = jnp.zeros((b, h, 2 * m, r), dt), jnp.zeros((b, h, 2 * m, dv), dt)
@@ -318,8 +348,11 @@ def s4d(z, *, log_modulus, phase, input_gain, readout, initial_state=None, segme
                            segment_ids is not None, chunk, sub, dispatch.target_backend())
     violation = check_log_modulus(op, log_modulus)
     impl = S4D_TABLE.choose(implementation, call)
+    chunk = _chunk_for(impl, chunk_size, chunk)
     dt = compute_dtype(z.dtype)
-    lm = jnp.broadcast_to(log_modulus.astype(dt), (b, t, h, m))
+    lm = log_modulus.astype(dt)
+    if not selective and impl.name not in STATIC_DECAY_ONLY:
+        lm = jnp.broadcast_to(lm, (b, t, h, m))
     x0 = jnp.zeros((b, h, 2 * m, c), dt) if initial_state is None else initial_state.astype(dt)
     run, out_dtype = impl.run, z.dtype
     if impl.name.startswith("pallas_"):  # the kernels run per shard under a mesh

@@ -78,7 +78,7 @@ def from_chunks(x_BHNK):
     return jnp.moveaxis(x_BHNK, 1, 3).reshape(b, n * k, h, *x_BHNK.shape[4:])
 
 
-def _cmul(a_re, a_im, b_re, b_im):
+def cmul(a_re, a_im, b_re, b_im):
     return a_re * b_re - a_im * b_im, a_re * b_im + a_im * b_re
 
 
@@ -178,14 +178,14 @@ def _sub_chunk_factors(r_BHNKM, phase_HM, gain_H2M, sub):
     offset = ((blocks * sub - 1)[:, None] - pos[None, :]).astype(dtype)  # p − j, [S_I, Kp]
     f = _polar(_masked_exp(earlier, expo).reshape(b_, h_, n_, n_sub, kp, m),
                offset[None, None, None, :, :, None] * phase_HM[None, :, None, None, None, :])
-    bf = _cmul(b_re[None, :, None, None, None, :], b_im[None, :, None, None, None, :], *f)
+    bf = cmul(b_re[None, :, None, None, None, :], b_im[None, :, None, None, None, :], *f)
     # D inside a sub-chunk: for each query s, a running sum of r from s downwards (exclusive of j)
     causal = local[:, None] >= local[None, :]  # [s, j]
     between_js = _upto(sub)[:, None, :] & _after(sub)[None, :, :]  # [s, j, τ]: j < τ ≤ s
     pair_expo = _range_sums(r, between_js)  # [B,H,N,S,s,j,M]
     lag = (local[:, None] - local[None, :]).astype(dtype)  # s − j
     d = _polar(_masked_exp(causal[..., None], pair_expo), lag[..., None] * theta[..., None, :])
-    bd = _cmul(b_re[None, :, None, None, None, None, :], b_im[None, :, None, None, None, None, :], *d)
+    bd = cmul(b_re[None, :, None, None, None, None, :], b_im[None, :, None, None, None, None, :], *d)
     return e_q, jnp.concatenate(bf, axis=-1), bd
 
 
@@ -224,7 +224,7 @@ def _keys_read(scores, e_q, bf, bd, precision):
     n_sub = bf.shape[3]
     u = _ein("bhnisj,bhnijm->bhnism", _by_sub_chunk(scores, n_sub), bf, precision=precision)
     u_re, u_im = split(u.reshape(*scores.shape[:4], -1), axis=-1)
-    w_re, w_im = _cmul(e_q[0], e_q[1], u_re, u_im)
+    w_re, w_im = cmul(e_q[0], e_q[1], u_re, u_im)
     inside = _diagonal_blocks(scores, n_sub)
     in_re = _ein("bhnisj,bhnisjm->bhnism", inside, bd[0], precision=precision).reshape(w_re.shape)
     in_im = _ein("bhnisj,bhnisjm->bhnism", inside, bd[1], precision=precision).reshape(w_im.shape)
@@ -260,14 +260,20 @@ def _split_gain(gain_H2M):
 def _scan_states(z, ein_end_coef, chunk_decay, state, gain, precision=HIGHEST):
     """Passes (i) and (ii). Returns (initial state of every chunk [B,H,N,2M,C], final state [B,H,2M,C])."""
     b_re, b_im = gain
-    c_re, c_im = _cmul(b_re, b_im, *ein_end_coef)  # b ⊙ D[K−1, j]   [B,H,N,K,M]
+    c_re, c_im = cmul(b_re, b_im, *ein_end_coef)  # b ⊙ D[K−1, j]   [B,H,N,K,M]
     loc = jnp.concatenate([_ein("bhnkm,bhnkc->bhnmc", c_re, z, precision=precision),
                            _ein("bhnkm,bhnkc->bhnmc", c_im, z, precision=precision)], axis=-2)
+    return scan_chunk_states(loc, chunk_decay, state)
 
+
+def scan_chunk_states(loc, chunk_decay, state):
+    """Pass (ii): X_{n+1} = e^{ℓ_e} ⊙ X_n + X_loc,n over the chunks. ``loc`` [B,H,N,2M,C] (the chunks' local
+    end states), ``chunk_decay`` (re, im) [B,H,N,M] (zero where a document starts inside the chunk), ``state``
+    [B,H,2M,C]. Returns (the state before every chunk [B,H,N,2M,C], the final state)."""
     def body(x, xs):
         a_re, a_im, local = xs
         x_re, x_im = split(x)
-        n_re, n_im = _cmul(a_re[..., None], a_im[..., None], x_re, x_im)
+        n_re, n_im = cmul(a_re[..., None], a_im[..., None], x_re, x_im)
         return jnp.concatenate([n_re, n_im], axis=-2) + local, x
 
     xs = (jnp.moveaxis(chunk_decay[0], 2, 0), jnp.moveaxis(chunk_decay[1], 2, 0), jnp.moveaxis(loc, 2, 0))
@@ -275,11 +281,12 @@ def _scan_states(z, ein_end_coef, chunk_decay, state, gain, precision=HIGHEST):
     return jnp.moveaxis(starts, 0, 2), final
 
 
-def _prepare(arrays, r, document_BT, chunk):
+def prepare_chunks(arrays, r, document_BT, chunk):
+    """Pad T to whole chunks and cut [B,T,H,..] arrays (and a per-token r, unless None) into [B,H,N,K,..]."""
     t = document_BT.shape[1]
     pad = (-t) % chunk
     arrays = [to_chunks(common.pad_time(x, chunk), chunk) for x in arrays]
-    r = to_chunks(common.pad_time(r, chunk), chunk)
+    r = None if r is None else to_chunks(common.pad_time(r, chunk), chunk)
     doc, carry_doc = common.chunk_documents(common.pad_time(document_BT, chunk, mode="edge"), chunk)
     return arrays, r, doc, carry_doc, pad
 
@@ -297,7 +304,7 @@ def interdomain_chunked(q, k, v, log_modulus, phase, gain, readout, key_state, v
     ``precision``: of the data contractions (``data_precision``)."""
     t, r_dim = q.shape[1], q.shape[-1]
     sub = min(sub_chunk_size, chunk_size)
-    (qc, kc, vc), r, doc, carry_doc, pad = _prepare([q, k, v], log_modulus, document_BT, chunk_size)
+    (qc, kc, vc), r, doc, carry_doc, pad = prepare_chunks([q, k, v], log_modulus, document_BT, chunk_size)
     g = _split_gain(gain)
     ein, eend, chunk_decay = _decays(r, phase, doc, carry_doc, pad)
     z = jnp.concatenate([kc, vc], axis=-1)
@@ -314,7 +321,7 @@ def interdomain_chunked(q, k, v, log_modulus, phase, gain, readout, key_state, v
         # query-contracted key state a_s (complex M): carried part ...
         y_re = _ein("bhnkr,bhnmr->bhnkm", qc, x_re[..., :r_dim], precision=precision)
         y_im = _ein("bhnkr,bhnmr->bhnkm", qc, x_im[..., :r_dim], precision=precision)
-        a_re, a_im = _cmul(ein[0], ein[1], y_re, y_im)
+        a_re, a_im = cmul(ein[0], ein[1], y_re, y_im)
         # ... plus the in-chunk part b ⊙ Σ_j Sc[s,j] D[s,j]
         scores = jnp.where(mask, _ein("bhnsr,bhnjr->bhnsj", qc, kc, precision=precision), 0.0)
         w_re, w_im = _keys_read(scores, e_q, bf, bd, precision)
@@ -334,7 +341,7 @@ def chunk_start_states(inputs, states, log_modulus, phase, gain, document_BT, *,
     ``states``: their initial states [B,H,2M,C_i]. Returns (the states before every chunk [B,H,N,2M,C_i],
     the final states [B,H,2M,C_i]), one list entry per input; differentiable (plain JAX)."""
     widths = [x.shape[-1] for x in inputs]
-    chunked, r, doc, carry_doc, pad = _prepare(list(inputs), log_modulus, document_BT, chunk_size)
+    chunked, r, doc, carry_doc, pad = prepare_chunks(list(inputs), log_modulus, document_BT, chunk_size)
     _, eend, chunk_decay = _decays(r, phase, doc, carry_doc, pad)
     state = jnp.concatenate(states, axis=-1)
     starts, final = _scan_states(jnp.concatenate(chunked, axis=-1), eend, chunk_decay, state, _split_gain(gain))
@@ -347,7 +354,7 @@ def s4d_chunked(z, log_modulus, phase, gain, readout, state, document_BT, *, chu
     """Same contract as ``reference.s4d_reference``; sub-chunks and ``precision`` as ``interdomain_chunked``."""
     t = z.shape[1]
     sub = min(sub_chunk_size, chunk_size)
-    (zc,), r, doc, carry_doc, pad = _prepare([z], log_modulus, document_BT, chunk_size)
+    (zc,), r, doc, carry_doc, pad = prepare_chunks([z], log_modulus, document_BT, chunk_size)
     g = _split_gain(gain)
     ein, eend, chunk_decay = _decays(r, phase, doc, carry_doc, pad)
     starts, final = _scan_states(zc, eend, chunk_decay, state, g, precision)

@@ -100,3 +100,23 @@ def _pallas_calls(jaxpr):
             sub = getattr(value, "jaxpr", value)
             if hasattr(sub, "eqns"):
                 yield from _pallas_calls(sub)
+
+
+def op_call(**kw):
+    """An ``InterdomainCall`` at the 125M head shape (8 x 4096, H 12, R = Dv = M = 64, bf16, selective decay,
+    documents, chunk 64) with ``kw`` replaced: what ``supports`` and the dispatch tests hand the tables."""
+    base = dict(op="interdomain", batch=8, length=4096, heads=12, key_dim=64, value_dim=64, modes=64,
+                dtype=jnp.dtype(jnp.bfloat16), selective=True, has_initial_state=False, has_segments=True,
+                chunk_size=64, sub_chunk_size=8, backend="cpu")
+    base.update(kw)
+    return ia.InterdomainCall(**base)
+
+
+def both_ops_loss(q, k, v, lm, phase, gain, readout, seg):
+    """A scalar through ``interdomain`` and ``s4d`` with implementation "auto" (outputs and final states), for
+    the tests that trace what "auto" picks and compile its gradient."""
+    o, state = ia.interdomain(q, k, v, log_modulus=lm, phase=phase, input_gain=gain, readout=readout,
+                              segment_ids=seg)
+    z, x = ia.s4d(v, log_modulus=lm, phase=phase, input_gain=gain, readout=readout[:, 0], segment_ids=seg)
+    return (jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(state.key) + jnp.sum(state.value)
+            + jnp.sum(z.astype(jnp.float32)) + jnp.sum(x))

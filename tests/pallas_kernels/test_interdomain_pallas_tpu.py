@@ -23,7 +23,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
-from interdomain_cases import NAMES, _executed, _inputs, _loss, _pallas_calls, _reference, _weights  # noqa: E402
+from interdomain_cases import (NAMES, _executed, _inputs, _loss, _pallas_calls, _reference, _weights,  # noqa: E402
+                               both_ops_loss, op_call)
 from mixerlab.pallas_kernels.interdomain import api as ia  # noqa: E402
 from mixerlab.pallas_kernels.interdomain import pallas_tpu, reference  # noqa: E402
 from tpu_topologies import TOPOLOGIES, replicated, tpu_devices  # noqa: E402
@@ -227,11 +228,7 @@ def test_cost_estimates_scale_with_tokens_and_chunk():
 
 
 def _call(**kw):
-    base = dict(op="interdomain", batch=8, length=4096, heads=12, key_dim=64, value_dim=64, modes=64,
-                dtype=jnp.dtype(jnp.bfloat16), selective=True, has_initial_state=False, has_segments=True,
-                chunk_size=64, sub_chunk_size=8, backend="tpu")
-    base.update(kw)
-    return ia.InterdomainCall(**base)
+    return op_call(**{"backend": "tpu", **kw})
 
 
 def test_supports():
@@ -333,17 +330,12 @@ def test_ops_take_the_kernels_under_a_tpu_mesh_and_compile():
     tokens, rows, rep = (NamedSharding(mesh, P("data", None, "tensor", None)), NamedSharding(mesh, P("data", None)),
                          NamedSharding(mesh, P()))
     sd = lambda s, dt=jnp.float32, sh=rep: jax.ShapeDtypeStruct(s, dt, sharding=sh)  # noqa: E731
-    specs = [sd((b, t, h, d), jnp.bfloat16, tokens)] * 3 + [sd((h, m)), sd((h, m)), sd((h, 2 * m)),
-                                                             sd((h, 2 * m, 2 * m)), sd((b, t), jnp.int32, rows)]
-
-    def loss(q, k, v, lm, phase, gain, readout, seg):
-        o, state = ia.interdomain(q, k, v, log_modulus=lm, phase=phase, input_gain=gain, readout=readout,
-                                  segment_ids=seg)
-        z, x = ia.s4d(v, log_modulus=lm, phase=phase, input_gain=gain, readout=readout[:, 0], segment_ids=seg)
-        return (jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(state.key) + jnp.sum(state.value)
-                + jnp.sum(z.astype(jnp.float32)) + jnp.sum(x))
+    # a selective (per-token) log-modulus: for a static one "auto" takes the Toeplitz form (plain XLA)
+    specs = [sd((b, t, h, d), jnp.bfloat16, tokens)] * 3 + [sd((b, t, h, m), sh=tokens), sd((h, m)),
+                                                             sd((h, 2 * m)), sd((h, 2 * m, 2 * m)),
+                                                             sd((b, t), jnp.int32, rows)]
 
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4, 5, 6))).trace(*specs).lower()
+        lowered = jax.jit(jax.grad(both_ops_loss, argnums=(0, 1, 2, 4, 5, 6))).trace(*specs).lower()
     assert lowered.as_text().count("tpu_custom_call") == 6
     lowered.compile()

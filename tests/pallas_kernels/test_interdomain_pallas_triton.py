@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from interdomain_cases import NAMES, _executed, _inputs, _loss, _pallas_calls, _reference, _weights
+from interdomain_cases import op_call, NAMES, _executed, _inputs, _loss, _pallas_calls, _reference, _weights
 from mixerlab.pallas_kernels.interdomain import api as ia
 from mixerlab.pallas_kernels.interdomain import pallas_triton, reference
 
@@ -145,11 +145,7 @@ def test_config_and_tf32_rounding():
 
 
 def _call(**kw):
-    base = dict(op="interdomain", batch=8, length=4096, heads=12, key_dim=64, value_dim=64, modes=64,
-                dtype=jnp.dtype(jnp.bfloat16), selective=True, has_initial_state=False, has_segments=True,
-                chunk_size=64, sub_chunk_size=8, backend="gpu")
-    base.update(kw)
-    return ia.InterdomainCall(**base)
+    return op_call(**{"backend": "gpu", **kw})
 
 
 def test_supports():
