@@ -38,6 +38,7 @@ TPU_EXTREME = TPU + "::test_extreme_decay_c64_every_head"
 VLA = _T + "test_vla.py"
 VLA_TRITON_PACKED = _T + "test_vla_pallas_triton.py::test_interpret_a_pass_matches_reference_f32[packed_refresh_offset]"
 IA = _T + "test_interdomain.py"
+IA_TOEPLITZ = _T + "test_interdomain_toeplitz.py"
 DELTA_LAYERS = "tests/mixers/test_delta_layers.py"
 SHORT_CONV = "tests/mixers/test_short_conv.py"
 SC_OP = _T + "test_short_conv.py"
@@ -54,6 +55,7 @@ _BWD = _DR + "pallas_tpu_bwd.py"
 _VX = "pallas_kernels/vla/xla.py"
 _VT = "pallas_kernels/vla/pallas_triton.py"
 _IX = "pallas_kernels/interdomain/xla.py"
+_IT = "pallas_kernels/interdomain/toeplitz.py"
 
 M = Mutant
 MUTANTS = [
@@ -276,6 +278,18 @@ MUTANTS = [
       "between_js = _upto(sub)[:, None, :] & (_after(sub) | jnp.eye(sub, dtype=bool))[None, :, :]",
       "in-sub-chunk decay D[s, j] also decays by r_j (range j ≤ τ ≤ s instead of j < τ ≤ s)",
       (IA + "::test_chunked_equals_reference_float64",)),
+    M("ia_toeplitz_transfer_lag_off_by_one", _IT,
+      "jnp.maximum(idx[:, None] - 1 - idx[None, :], 0) * k", "jnp.maximum(idx[:, None] - idx[None, :], 0) * k",
+      "pass (ii) as GEMMs: a chunk's end state decays over one chunk too many on its way to a later chunk",
+      (IA_TOEPLITZ + "::test_chunk_states_by_gemm_equal_the_serial_scan",)),
+    M("ia_toeplitz_transfer_crosses_documents", _IT,
+      "(before[:, :, None] == resets[:, None, :])", "(before[:, :, None] >= resets[:, None, :])",
+      "pass (ii) as GEMMs: a chunk's end state reaches later chunks across a document start",
+      (IA_TOEPLITZ + "::test_chunk_states_by_gemm_equal_the_serial_scan",)),
+    M("ia_toeplitz_carry_in_power_off_by_one", _IT,
+      "jnp.arange(1, k + 1, dtype=r_HM.dtype)", "jnp.arange(k, dtype=r_HM.dtype)",
+      "carry-in factor Λ^s instead of Λ^(s+1) (the state before the chunk skips token s's own transition)",
+      (IA_TOEPLITZ + "::test_float64_outputs_states_and_gradients_equal_the_reference",)),
     # ---- mixers: short convolution and delta-rule packing -----------------------------------------------------
     M("short_conv_segment_shift_off_by_one", "pallas_kernels/short_conv/reference.py",
       "jnp.pad(segment_ids_BT, ((0, 0), (i, 0))", "jnp.pad(segment_ids_BT, ((0, 0), (i + 1, 0))",
