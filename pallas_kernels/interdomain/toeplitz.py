@@ -47,9 +47,7 @@ def supports(call) -> str | None:
 def _powers(r_HM, theta_HM, lags):
     """Λ^lag per head and mode for a float vector of integer ``lags`` ≥ 0: (re, im), each [H, len(lags), M]."""
     lag = lags[None, :, None]
-    mag = jnp.exp(lag * r_HM[:, None, :])
-    angle = lag * theta_HM[:, None, :]
-    return mag * jnp.cos(angle), mag * jnp.sin(angle)
+    return xla.polar(jnp.exp(lag * r_HM[:, None, :]), lag * theta_HM[:, None, :])
 
 
 def lag_table(r_HM, theta_HM, gain_H2M, chunk):
@@ -134,22 +132,6 @@ def _carry_in(r_HM, theta_HM, doc, carry_doc, k):
     return jnp.where(carried, e_re[None, :, None], 0.0), jnp.where(carried, e_im[None, :, None], 0.0)
 
 
-def _pair_mask(doc):
-    """1[j ≤ s, same document] as [B,1,N,K,K]."""
-    k = doc.shape[-1]
-    pos = jnp.arange(k)
-    return ((pos[:, None] >= pos[None, :]) & (doc[..., :, None] == doc[..., None, :]))[:, None]
-
-
-def _carried_values(omega, ein, x_re, x_im, precision):
-    """Re(conj(ω_s) ⊙ e^{ℓ_s})ᵀ X̂⁰: the carried state's share of every output."""
-    w_re, w_im = split(omega, axis=-1)
-    g_re = w_re * ein[0] + w_im * ein[1]
-    g_im = w_re * ein[1] - w_im * ein[0]
-    return (jnp.einsum("bhnkm,bhnmc->bhnkc", g_re, x_re, precision=precision)
-            - jnp.einsum("bhnkm,bhnmc->bhnkc", g_im, x_im, precision=precision))
-
-
 def interdomain_toeplitz(q, k, v, log_modulus, phase, gain, readout, key_state, value_state, document_BT, *,
                          chunk_size, precision=HIGHEST, max_gemm_chunks=MAX_GEMM_CHUNKS):
     """``reference.interdomain_reference``'s contract with a static ``log_modulus`` [H, M] (all inputs in the
@@ -162,7 +144,7 @@ def interdomain_toeplitz(q, k, v, log_modulus, phase, gain, readout, key_state, 
                                   pad, state, precision, max_gemm_chunks)
     x_re, x_im = split(starts)
     ein = _carry_in(log_modulus, phase, doc, carry_doc, chunk_size)
-    mask = _pair_mask(doc)
+    mask = xla.pair_mask(doc, chunk_size)
     # â_s: the carried key state read by the query, plus the in-chunk keys through the table
     y_re = jnp.einsum("bhnkr,bhnmr->bhnkm", qc, x_re[..., :r_dim], precision=precision)
     y_im = jnp.einsum("bhnkr,bhnmr->bhnkm", qc, x_im[..., :r_dim], precision=precision)
@@ -180,7 +162,7 @@ def interdomain_toeplitz(q, k, v, log_modulus, phase, gain, readout, key_state, 
     p_lag = jnp.einsum("bhnsm,bhlm->bhnsl", omega, table_b, precision=precision)
     p = jnp.where(mask, skew(p_lag), 0.0)
     o = (jnp.einsum("bhnsj,bhnjc->bhnsc", p, vc, precision=precision)
-         + _carried_values(omega, ein, x_re[..., r_dim:], x_im[..., r_dim:], precision))
+         + xla.carried_values(omega, ein, x_re[..., r_dim:], x_im[..., r_dim:], precision))
     return xla.from_chunks(o)[:, :t], final[..., :r_dim], final[..., r_dim:]
 
 
@@ -197,8 +179,8 @@ def s4d_toeplitz(z, log_modulus, phase, gain, readout, state, document_BT, *, ch
     ein = _carry_in(log_modulus, phase, doc, carry_doc, chunk_size)
     p_lag = jnp.einsum("hm,hlm->hl", readout, table, precision=HIGHEST)  # the same for every query
     p_head = skew(jnp.broadcast_to(p_lag[:, None, :], (*p_lag.shape[:1], chunk_size, chunk_size)))
-    p = jnp.where(_pair_mask(doc), p_head[None, :, None], 0.0)
+    p = jnp.where(xla.pair_mask(doc, chunk_size), p_head[None, :, None], 0.0)
     omega = readout[None, :, None, None, :]
     o = (jnp.einsum("bhnsj,bhnjc->bhnsc", p, zc, precision=precision)
-         + _carried_values(omega, ein, x_re, x_im, precision))
+         + xla.carried_values(omega, ein, x_re, x_im, precision))
     return xla.from_chunks(o)[:, :t], final

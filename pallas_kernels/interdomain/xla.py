@@ -82,7 +82,7 @@ def cmul(a_re, a_im, b_re, b_im):
     return a_re * b_re - a_im * b_im, a_re * b_im + a_im * b_re
 
 
-def _polar(mag, ang):
+def polar(mag, ang):
     return mag * jnp.cos(ang), mag * jnp.sin(ang)
 
 
@@ -126,12 +126,12 @@ def _decays(r_BHNKM, phase_HM, doc_BNK, carry_doc_BN, pad):
     # carry-in: state before the chunk -> token s (s+1 transitions), only in the carried document
     valid = (doc_BNK == carry_doc_BN[..., None])[:, None, :, :, None]
     carried = _masked_exp(valid, _range_sums(r_BHNKM, _upto(k)))
-    ein = _polar(carried, (pos + 1.0)[:, None] * theta)
+    ein = polar(carried, (pos + 1.0)[:, None] * theta)
     # end coefficients: token j -> end of chunk, only tokens of the chunk's last document
     same_end = (doc_BNK == doc_BNK[..., -1:])[:, None, :, :, None]
     to_end = _range_sums(r_BHNKM, _after(k))
-    eend = _polar(_masked_exp(same_end, to_end), (end - pos[:, None]) * theta)
-    chunk_decay = _polar(carried[..., -1, :], (end[:, 0] + 1.0) * phase_HM[None, :, None, :])  # [B,H,N,M]
+    eend = polar(_masked_exp(same_end, to_end), (end - pos[:, None]) * theta)
+    chunk_decay = polar(carried[..., -1, :], (end[:, 0] + 1.0) * phase_HM[None, :, None, :])  # [B,H,N,M]
     return ein, eend, chunk_decay
 
 
@@ -163,7 +163,7 @@ def _sub_chunk_factors(r_BHNKM, phase_HM, gain_H2M, sub):
     b_re, b_im = split(gain_H2M, axis=-1)
     # E: a running sum from the sub-chunk's first token; s − p = local + 1 transitions
     head = _range_sums(r, _upto(sub))
-    e_q = _polar(jnp.exp(head), (local + 1).astype(dtype)[:, None] * theta)
+    e_q = polar(jnp.exp(head), (local + 1).astype(dtype)[:, None] * theta)
     e_q = tuple(x.reshape(b_, h_, n_, kp, m) for x in e_q)
     # F across sub-chunks: (rest of j's sub-chunk J after j) + (whole sub-chunks strictly between J and I)
     after_j = _range_sums(r, _after(sub))  # [B,H,N,S_J,sub,M]
@@ -176,7 +176,7 @@ def _sub_chunk_factors(r_BHNKM, phase_HM, gain_H2M, sub):
     expo = after_j[..., None, :, :, :] + between[..., :, :, None, :]  # [B,H,N,S_I,S_J,sub,M]
     pos = jnp.arange(kp)
     offset = ((blocks * sub - 1)[:, None] - pos[None, :]).astype(dtype)  # p − j, [S_I, Kp]
-    f = _polar(_masked_exp(earlier, expo).reshape(b_, h_, n_, n_sub, kp, m),
+    f = polar(_masked_exp(earlier, expo).reshape(b_, h_, n_, n_sub, kp, m),
                offset[None, None, None, :, :, None] * phase_HM[None, :, None, None, None, :])
     bf = cmul(b_re[None, :, None, None, None, :], b_im[None, :, None, None, None, :], *f)
     # D inside a sub-chunk: for each query s, a running sum of r from s downwards (exclusive of j)
@@ -184,12 +184,12 @@ def _sub_chunk_factors(r_BHNKM, phase_HM, gain_H2M, sub):
     between_js = _upto(sub)[:, None, :] & _after(sub)[None, :, :]  # [s, j, τ]: j < τ ≤ s
     pair_expo = _range_sums(r, between_js)  # [B,H,N,S,s,j,M]
     lag = (local[:, None] - local[None, :]).astype(dtype)  # s − j
-    d = _polar(_masked_exp(causal[..., None], pair_expo), lag[..., None] * theta[..., None, :])
+    d = polar(_masked_exp(causal[..., None], pair_expo), lag[..., None] * theta[..., None, :])
     bd = cmul(b_re[None, :, None, None, None, None, :], b_im[None, :, None, None, None, None, :], *d)
     return e_q, jnp.concatenate(bf, axis=-1), bd
 
 
-def _pair_mask(doc_BNK, kp):
+def pair_mask(doc_BNK, kp):
     """1[j ≤ s, same document] as [B,1,N,Kp,Kp] (causal within the chunk; padded positions never match)."""
     k = doc_BNK.shape[-1]
     pos = jnp.arange(k)
@@ -231,14 +231,20 @@ def _keys_read(scores, e_q, bf, bd, precision):
     return w_re + in_re, w_im + in_im
 
 
+def carried_values(omega, ein, x0_re, x0_im, precision):
+    """Re(conj(ω_s) ⊙ e^{ℓ_s})ᵀ X̂⁰: the carried value state's share of every output [B,H,N,K,C]."""
+    w_re, w_im = split(omega, axis=-1)
+    g_re = w_re * ein[0] + w_im * ein[1]
+    g_im = w_re * ein[1] - w_im * ein[0]
+    return (_ein("bhnkm,bhnmc->bhnkc", g_re, x0_re, precision=precision)
+            - _ein("bhnkm,bhnmc->bhnkc", g_im, x0_im, precision=precision))
+
+
 def _value_readout(omega, ein, e_q, bf, bd, mask, x0_re, x0_im, zv, precision):
     """o_s = Re(conj(ω_s) ⊙ e^{ℓ_s})·X⁰ + Σ_j P[s,j] z_j, P[s,j] = Re Σ_m conj(ω_sm) b_m D[s,j,m]: across
     sub-chunks through E[s] F[I,j], inside a sub-chunk from the exact pairwise bD."""
     w_re, w_im = split(omega, axis=-1)
-    g_re = w_re * ein[0] + w_im * ein[1]
-    g_im = w_re * ein[1] - w_im * ein[0]
-    out = (_ein("bhnkm,bhnmc->bhnkc", g_re, x0_re, precision=precision)
-           - _ein("bhnkm,bhnmc->bhnkc", g_im, x0_im, precision=precision))
+    out = carried_values(omega, ein, x0_re, x0_im, precision)
     # conj(ω) ⊙ E, stacked as [Re; −Im] so that Re(g · bF) is one real contraction over 2M
     h_re = w_re * e_q[0] + w_im * e_q[1]
     h_im = w_re * e_q[1] - w_im * e_q[0]
@@ -316,7 +322,7 @@ def interdomain_chunked(q, k, v, log_modulus, phase, gain, readout, key_state, v
         k_len = qc.shape[3]
         e_q, bf, bd = _sub_chunk_factors(r, phase, gain, sub)
         (qc, kc, vc, *ein), kp = _padded_to_sub_chunks([qc, kc, vc, *ein], k_len, sub)
-        mask = _pair_mask(doc, kp)
+        mask = pair_mask(doc, kp)
         x_re, x_im = split(starts)
         # query-contracted key state a_s (complex M): carried part ...
         y_re = _ein("bhnkr,bhnmr->bhnkm", qc, x_re[..., :r_dim], precision=precision)
@@ -366,7 +372,7 @@ def s4d_chunked(z, log_modulus, phase, gain, readout, state, document_BT, *, chu
         (zc, *ein), kp = _padded_to_sub_chunks([zc, *ein], k_len, sub)
         x_re, x_im = split(starts)
         omega = jnp.broadcast_to(readout[None, :, None, None, :], (*zc.shape[:4], readout.shape[-1]))
-        o = _value_readout(omega, ein, e_q, bf, bd, _pair_mask(doc, kp), x_re, x_im, zc, precision)
+        o = _value_readout(omega, ein, e_q, bf, bd, pair_mask(doc, kp), x_re, x_im, zc, precision)
         return o[:, :, :, :k_len]
 
     o = from_chunks(outputs(zc, r, ein, starts))[:, :t]
