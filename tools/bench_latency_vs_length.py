@@ -13,7 +13,7 @@ warm runs after a compile + warm-up call.
 Rows (every op at every T in ``--lengths`` until one call of it takes longer than ``--max_ms``):
   vla/reference      the token-by-token scan (our counterpart of the paper's "VLA-Python": sequential in T)
   vla/xla            the chunked Woodbury–Cholesky A-pass, then the delta-rule S-pass
-  vla/pallas_triton  the Sherman–Morrison A-pass kernel, then the S-pass (GPU; opt-in in the op)
+  vla/pallas_triton  the Sherman–Morrison A-pass kernel, then the S-pass (GPU; what "auto" takes there)
   linear_attention   the delta-rule op without erase or decay (``auto``)
   delta_rule         with erase and a per-head decay (``auto``)
   interdomain/xla    M = 64 modes

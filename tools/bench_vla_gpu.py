@@ -163,10 +163,10 @@ def check(sz):
     return record([], dict(batch=b, length=t), compare)
 
 
-def training_rows(sz, reps):
+def training_rows(sz, reps, impls=IMPLS):
     # (name, inputs, jit'd forward, function to differentiate, argnums)
-    ops = [(f"vla/{impl}", vla_case, vla_forward(impl), vla_fn(impl), (0, 1, 2, 3)) for impl in IMPLS]
-    ops += [(f"vla_a_pass/{impl}", a_pass_case, jax.jit(a_pass_fn(impl)), a_pass_fn(impl), (0, 1)) for impl in IMPLS]
+    ops = [(f"vla/{impl}", vla_case, vla_forward(impl), vla_fn(impl), (0, 1, 2, 3)) for impl in impls]
+    ops += [(f"vla_a_pass/{impl}", a_pass_case, jax.jit(a_pass_fn(impl)), a_pass_fn(impl), (0, 1)) for impl in impls]
     ops += [("delta_rule/auto", delta_rule_case, jax.jit(delta_rule_fn), delta_rule_fn, (0, 1, 2, 3))]
     rows = []
     for t in sz["lengths"]:
@@ -232,14 +232,22 @@ def main(argv=None):
     p.add_argument("--check", action="store_true", help="first print max errors of pallas_triton vs xla")
     p.add_argument("--sweep-warps", action="store_true", help="time the Triton A-pass for several num_warps")
     p.add_argument("--reps", type=int, default=None, help="timed runs per row (default 10; smoke 2)")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS} for the timed rows")
+    p.add_argument("--lengths", type=int, nargs="+", default=None, help="sequence lengths of the timed rows "
+                   "(default 4096 16384; B = 32K / T)")
     a = p.parse_args(argv)
-    sz = SMOKE if a.smoke else FULL
+    impls = tuple(a.impls.split(","))
+    if not set(impls) <= set(IMPLS):
+        p.error(f"--impls {a.impls!r}: expected a comma-separated subset of {IMPLS}")
+    sz = dict(SMOKE if a.smoke else FULL)
+    if a.lengths:
+        sz["lengths"] = tuple(a.lengths)
     reps = a.reps if a.reps is not None else (2 if a.smoke else 10)
     result = dict(device=str(jax.devices()[0]), backend=jax.default_backend(), jax=jax.__version__, reps=reps,
                   sizes={k: list(v) if isinstance(v, tuple) else v for k, v in sz.items()}, smoke=a.smoke)
     if a.check:
         result["check"] = check(sz)
-    result["training"] = training_rows(sz, reps)
+    result["training"] = training_rows(sz, reps, impls)
     if a.sweep_warps:
         result["sweep"] = sweep_rows(sz, reps)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -2,9 +2,9 @@
 # The training-throughput measurements of docs/benchmarks/train_h200.md, on the GPU machine (one H200, JAX 0.11.2,
 # Python 3.12): the paper configs on the embedded corpus (the output layer keeps its 32K vocabulary: step
 # time does not depend on which token ids occur).
-#   usage: bash tools/h200_train.sh {bench166|bench125|bench125_ia|loop|losses|losses_packed} OUT_DIR
+#   usage: bash tools/h200_train.sh {bench166|bench125|bench125_ia|bench125_vla|loop|losses|losses_packed} OUT_DIR
 set -euo pipefail
-what=${1:?bench166, bench125, bench125_ia, loop, losses or losses_packed}
+what=${1:?bench166, bench125, bench125_ia, bench125_vla, loop, losses or losses_packed}
 out=${2:?output directory}
 mkdir -p "$out"
 if ! python3 -c "import grain" 2>/dev/null; then  # the GPU machine lacks these; wheels carried in .whl/
@@ -29,6 +29,10 @@ case $what in
       gdn2_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=gdn2 \
       interdomain_125m=configs/paper/ia_interdomain_125m.yaml,train.batch_size=8 \
       s4d_125m=configs/paper/ia_s4d_125m.yaml,train.batch_size=8 ;;
+  bench125_vla)  # the IA paper's 125M shape with the VLA mixer on its Triton A-pass kernel, GDN-2 beside it
+    python3 tools/bench_train.py --steps 10 --warmup 3 --out "$out/bench125_vla.json" $sets \
+      vla_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=vla,mixers.vla.implementation=pallas_triton \
+      gdn2_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=gdn2 ;;
   loop)  # the trainer itself (prefetch, metrics every 10 steps): 40 steps of Muir 166M
     python3 train.py --config configs/paper/muir_166m.yaml $data train.steps=40 train.batch_size=32 \
       train.log_every=10 train.eval_every=0 checkpoint.every=0 optim.warmup_steps=10 \
@@ -45,5 +49,5 @@ case $what in
         train.log_every=10 train.eval_every=0 checkpoint.every=0 optim.warmup_steps=20 \
         mixers.softmax.implementation=$impl train.output_dir="$out/losses_$impl"
     done ;;
-  *) echo "unknown '$what' (valid: bench166, bench125, bench125_ia, loop, losses, losses_packed)" >&2; exit 2 ;;
+  *) echo "unknown '$what' (valid: bench166, bench125, bench125_ia, bench125_vla, loop, losses, losses_packed)" >&2; exit 2 ;;
 esac

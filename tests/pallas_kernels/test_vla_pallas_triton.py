@@ -219,10 +219,11 @@ def test_supports():
         assert isinstance(reason, str) and reason, bad
 
 
-def test_auto_skips_the_kernel_off_gpu_and_explicit_request_names_the_reason():
+def test_auto_takes_the_kernel_on_gpu_only_and_explicit_request_names_the_reason():
     q = jnp.ones((1, 8, 1, 16), jnp.float32)
     assert api.TABLE.choose("auto", _call(backend="cpu")).name == "xla"
-    assert api.TABLE.choose("auto", _call()).name == "xla"  # opt-in until timed on the GPU
+    assert api.TABLE.choose("auto", _call()).name == "pallas_triton"  # a GPU call
+    assert api.TABLE.choose("auto", _call(key_dim=96)).name == "xla"  # a head dim the kernel refuses
     assert api.TABLE.choose("pallas_triton", _call()).name == "pallas_triton"
     with pytest.raises(ValueError, match="implementation='pallas_triton'.*GPU only"):
         api.vla(q, q, q, implementation="pallas_triton")
