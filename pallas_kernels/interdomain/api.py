@@ -166,29 +166,22 @@ def _s4d_xla(z, *rest, chunk_size, sub_chunk_size):
                         precision=xla.data_precision(z.dtype))
 
 
-def _sixteen_bit(dtype):
-    """The caller's dtype when it is a 16-bit float (the Toeplitz form's in-chunk GEMM operands), else None."""
-    return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize == 2 else None
-
-
 def _ia_toeplitz(q, k, v, *rest, chunk_size, sub_chunk_size):
     del sub_chunk_size  # no sub-chunks: the decays come from one table per head
-    return _ia_toeplitz_jit(*_upcast(q, k, v), *rest, chunk_size=chunk_size, precision=xla.data_precision(q.dtype),
-                            operand_dtype=_sixteen_bit(q.dtype))
+    return _ia_toeplitz_jit(*_upcast(q, k, v), *rest, chunk_size=chunk_size, precision=xla.data_precision(q.dtype))
 
 
 def _s4d_toeplitz(z, *rest, chunk_size, sub_chunk_size):
     del sub_chunk_size
-    return _s4d_toeplitz_jit(*_upcast(z), *rest, chunk_size=chunk_size, precision=xla.data_precision(z.dtype),
-                             operand_dtype=_sixteen_bit(z.dtype))
+    return _s4d_toeplitz_jit(*_upcast(z), *rest, chunk_size=chunk_size, precision=xla.data_precision(z.dtype))
 
 
 _ia_ref = jax.jit(reference.interdomain_reference)
 _s4d_ref = jax.jit(reference.s4d_reference)
 _ia_xla_jit = jax.jit(xla.interdomain_chunked, static_argnames=("chunk_size", "sub_chunk_size", "precision"))
 _s4d_xla_jit = jax.jit(xla.s4d_chunked, static_argnames=("chunk_size", "sub_chunk_size", "precision"))
-_ia_toeplitz_jit = jax.jit(toeplitz.interdomain_toeplitz, static_argnames=("chunk_size", "precision", "operand_dtype"))
-_s4d_toeplitz_jit = jax.jit(toeplitz.s4d_toeplitz, static_argnames=("chunk_size", "precision", "operand_dtype"))
+_ia_toeplitz_jit = jax.jit(toeplitz.interdomain_toeplitz, static_argnames=("chunk_size", "precision"))
+_s4d_toeplitz_jit = jax.jit(toeplitz.s4d_toeplitz, static_argnames=("chunk_size", "precision"))
 _ia_step = jax.jit(decode.interdomain_step)
 _s4d_step = jax.jit(decode.s4d_step)
 

@@ -37,14 +37,6 @@ from mixerlab.pallas_kernels.interdomain.decode import HIGHEST, split
 MAX_GEMM_CHUNKS = 64
 
 
-def _gemm(spec, a, b, precision, operand_dtype):
-    """A data contraction: at ``precision`` on the compute dtype, or with both operands rounded to
-    ``operand_dtype`` (the caller's 16-bit dtype) and float32 accumulation."""
-    if operand_dtype is None:
-        return jnp.einsum(spec, a, b, precision=precision)
-    return jnp.einsum(spec, a.astype(operand_dtype), b.astype(operand_dtype), preferred_element_type=jnp.float32)
-
-
 def supports(call) -> str | None:
     """None if the Toeplitz form can run the call, else the reason (for ``dispatch``)."""
     if call.selective:
@@ -141,13 +133,9 @@ def _carry_in(r_HM, theta_HM, doc, carry_doc, k):
 
 
 def interdomain_toeplitz(q, k, v, log_modulus, phase, gain, readout, key_state, value_state, document_BT, *,
-                         chunk_size, precision=HIGHEST, max_gemm_chunks=MAX_GEMM_CHUNKS, operand_dtype=None):
+                         chunk_size, precision=HIGHEST, max_gemm_chunks=MAX_GEMM_CHUNKS):
     """``reference.interdomain_reference``'s contract with a static ``log_modulus`` [H, M] (all inputs in the
-    compute dtype; ``precision``: of the data contractions, ``xla.data_precision``). ``operand_dtype`` (a
-    16-bit dtype or None): the in-chunk GEMMs — scores, the table products, the readout, P·v — take their
-    operands rounded to it, with float32 accumulation, as the delta rule's kernels do for 16-bit inputs; the
-    chunk states (passes i, ii) and their reads stay at ``precision``."""
-    mm = lambda spec, a, b: _gemm(spec, a, b, precision, operand_dtype)  # noqa: E731
+    compute dtype; ``precision``: of the data contractions, ``xla.data_precision``)."""
     t, r_dim = q.shape[1], q.shape[-1]
     (qc, kc, vc), _, doc, carry_doc, pad = xla.prepare_chunks([q, k, v], None, document_BT, chunk_size)
     table = lag_table(log_modulus, phase, gain, chunk_size)
@@ -161,32 +149,27 @@ def interdomain_toeplitz(q, k, v, log_modulus, phase, gain, readout, key_state, 
     y_re = jnp.einsum("bhnkr,bhnmr->bhnkm", qc, x_re[..., :r_dim], precision=precision)
     y_im = jnp.einsum("bhnkr,bhnmr->bhnkm", qc, x_im[..., :r_dim], precision=precision)
     a_re, a_im = xla.cmul(ein[0], ein[1], y_re, y_im)
-    scores = jnp.where(mask, mm("bhnsr,bhnjr->bhnsj", qc, kc), 0.0)
+    scores = jnp.where(mask, jnp.einsum("bhnsr,bhnjr->bhnsj", qc, kc, precision=precision), 0.0)
     # the per-head table and readout broadcast over the batch: GEMMs batched over (row, head) need no transpose
     # of the [B, H, ...] operands (batched over the head alone, XLA moves H in front first)
     per_row = lambda x: jnp.broadcast_to(x[None], (qc.shape[0], *x.shape))  # noqa: E731
     table_b = per_row(table)
-    if operand_dtype is not None:
-        scores = scores.astype(operand_dtype)  # skew copies it: half the bytes
-    by_lag = mm("bhnsl,bhlm->bhnsm", skew(scores), table_b)
+    by_lag = jnp.einsum("bhnsl,bhlm->bhnsm", skew(scores), table_b, precision=precision)
     a_hat = jnp.concatenate([a_re, a_im], axis=-1) + by_lag
-    omega = mm("bhij,bhnkj->bhnki", per_row(readout), a_hat)
+    omega = jnp.einsum("bhij,bhnkj->bhnki", per_row(readout), a_hat, precision=precision)
     # P[s, j] = Re Σ_m conj(ω_sm) (b Λ^{s−j})_m = ω_re·T_re + ω_im·T_im at lag s − j: one contraction over the
     # stacked 2M per lag, then back from lags to key positions
-    p_lag = mm("bhnsm,bhlm->bhnsl", omega, table_b)
-    if operand_dtype is not None:
-        p_lag = p_lag.astype(operand_dtype)
+    p_lag = jnp.einsum("bhnsm,bhlm->bhnsl", omega, table_b, precision=precision)
     p = jnp.where(mask, skew(p_lag), 0.0)
-    o = (mm("bhnsj,bhnjc->bhnsc", p, vc).astype(omega.dtype)
+    o = (jnp.einsum("bhnsj,bhnjc->bhnsc", p, vc, precision=precision)
          + xla.carried_values(omega, ein, x_re[..., r_dim:], x_im[..., r_dim:], precision))
     return xla.from_chunks(o)[:, :t], final[..., :r_dim], final[..., r_dim:]
 
 
 def s4d_toeplitz(z, log_modulus, phase, gain, readout, state, document_BT, *, chunk_size, precision=HIGHEST,
-                 max_gemm_chunks=MAX_GEMM_CHUNKS, operand_dtype=None):
+                 max_gemm_chunks=MAX_GEMM_CHUNKS):
     """``reference.s4d_reference``'s contract with a static ``log_modulus`` [H, M]: with a fixed readout ω per
-    head, P = Re(conj(ω) · table) is one [K, K] matrix per head. ``operand_dtype``: as
-    ``interdomain_toeplitz`` (here the one in-chunk GEMM, P·z)."""
+    head, P = Re(conj(ω) · table) is one [K, K] matrix per head."""
     t = z.shape[1]
     (zc,), _, doc, carry_doc, pad = xla.prepare_chunks([z], None, document_BT, chunk_size)
     table = lag_table(log_modulus, phase, gain, chunk_size)
@@ -198,6 +181,6 @@ def s4d_toeplitz(z, log_modulus, phase, gain, readout, state, document_BT, *, ch
     p_head = skew(jnp.broadcast_to(p_lag[:, None, :], (*p_lag.shape[:1], chunk_size, chunk_size)))
     p = jnp.where(xla.pair_mask(doc, chunk_size), p_head[None, :, None], 0.0)
     omega = readout[None, :, None, None, :]
-    o = (_gemm("bhnsj,bhnjc->bhnsc", p, zc, precision, operand_dtype).astype(zc.dtype)
+    o = (jnp.einsum("bhnsj,bhnjc->bhnsc", p, zc, precision=precision)
          + xla.carried_values(omega, ein, x_re, x_im, precision))
     return xla.from_chunks(o)[:, :t], final

@@ -123,10 +123,9 @@ def test_float32_no_overflow_for_any_nonpositive_log_modulus():
 
 
 def test_bfloat16_inputs():
-    """bf16 q, k, v against the float64 reference on the same rounded inputs: the in-chunk GEMMs take bf16
-    operands (float32 accumulation), the chunk states float32 at DEFAULT precision (TF32 on a GPU). Measured
-    (CPU, 2026-12-02), max-abs relative: outputs 4.1e-3 (1.9e-3 with float32 operands; the outputs' own bf16
-    rounding is ~2e-3), key / value states 2.3e-7 / 3.2e-7."""
+    """bf16 q, k, v against the float64 reference on the same rounded inputs: the data GEMMs run at DEFAULT
+    precision (TF32 on a GPU), state and accumulation in float32. Measured (CPU, 2026-12-02), max-abs relative:
+    outputs 1.9e-3 (their bf16 rounding), key / value states 2.3e-7 / 3.2e-7."""
     args, document = _inputs(7, 2, 100, 2, 16, 16, 8, boundaries=(0, 33, 64), selective=False)
     args[:3] = [np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) for a in args[:3]]
     with jax.enable_x64(True):
