@@ -64,7 +64,7 @@ class Config:
     refresh_magnitude: float
     anchor_every: int = 64  # tokens per saved A (backward memory N·d²·4 bytes per head; rebuild error ∝ it)
     warps_forward: int = 4
-    warps_backward: int = 8  # the backward keeps ~4 d×d tiles live (A, Ā and their updates)
+    warps_backward: int = 4  # the fastest on the H200 (--sweep-warps), though ~4 d×d tiles stay live
     interpret: bool = False
 
 
