@@ -2,9 +2,9 @@
 # The training-throughput measurements of docs/benchmarks/train_h200.md, on the GPU machine (one H200, JAX 0.11.2,
 # Python 3.12): the paper configs on the embedded corpus (the output layer keeps its 32K vocabulary: step
 # time does not depend on which token ids occur).
-#   usage: bash tools/h200_train.sh {bench166|bench125|bench125_ia|bench125_vla|loop|losses|losses_packed} OUT_DIR
+#   usage: bash tools/h200_train.sh {bench166|bench125|bench125_ia|bench125_vla|bench125_ratios|loop|losses|losses_packed} OUT_DIR
 set -euo pipefail
-what=${1:?bench166, bench125, bench125_ia, bench125_vla, loop, losses or losses_packed}
+what=${1:?bench166, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses or losses_packed}
 out=${2:?output directory}
 mkdir -p "$out"
 if ! python3 -c "import grain" 2>/dev/null; then  # the GPU machine lacks these; wheels carried in .whl/
@@ -33,6 +33,11 @@ case $what in
     python3 tools/bench_train.py --steps 10 --warmup 3 --out "$out/bench125_vla.json" $sets \
       vla_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=vla,mixers.vla.implementation=pallas_triton \
       gdn2_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=gdn2 ;;
+  bench125_ratios)  # the issue targets in one process: GDN-2, interdomain and VLA at the 125M shape
+    python3 tools/bench_train.py --steps 10 --warmup 3 --out "$out/bench125_ratios.json" $sets \
+      gdn2_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=gdn2 \
+      interdomain_125m=configs/paper/ia_interdomain_125m.yaml,train.batch_size=8 \
+      vla_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=vla ;;
   loop)  # the trainer itself (prefetch, metrics every 10 steps): 40 steps of Muir 166M
     python3 train.py --config configs/paper/muir_166m.yaml $data train.steps=40 train.batch_size=32 \
       train.log_every=10 train.eval_every=0 checkpoint.every=0 optim.warmup_steps=10 \
@@ -49,5 +54,5 @@ case $what in
         train.log_every=10 train.eval_every=0 checkpoint.every=0 optim.warmup_steps=20 \
         mixers.softmax.implementation=$impl train.output_dir="$out/losses_$impl"
     done ;;
-  *) echo "unknown '$what' (valid: bench166, bench125, bench125_ia, bench125_vla, loop, losses, losses_packed)" >&2; exit 2 ;;
+  *) echo "unknown '$what' (valid: bench166, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed)" >&2; exit 2 ;;
 esac
