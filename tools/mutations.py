@@ -244,6 +244,10 @@ MUTANTS = [
       "d_a = jnp.where(reset, 0.0, d_a)", "d_a = d_a",
       "A-pass backward: the cotangent of A flows into the previous document across a document start",
       (VLA_TRITON_PACKED,)),
+    M("vla_auto_skips_the_gpu_kernel", "pallas_kernels/vla/api.py",
+      "_run_pallas_triton, pallas_triton.supports, fast=True)", "_run_pallas_triton, pallas_triton.supports)",
+      "\"auto\" leaves the Triton A-pass out on a GPU and runs the xla form (8x slower there)",
+      (_T + "test_vla_pallas_triton.py::test_auto_takes_the_kernel_on_gpu_only_and_explicit_request_names_the_reason",)),
     # ---- interdomain / s4d ---------------------------------------------------------------------------------------
     M("ia_xla_carry_doc_unused", _IX,
       "doc, carry_doc = common.chunk_documents(", "doc, _ = common.chunk_documents(",
