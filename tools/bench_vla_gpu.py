@@ -12,7 +12,9 @@ One process, bf16 inputs, median of ``--reps`` (default 10) warm runs after a co
        - ``vla/<impl>``: the op (A-pass, then the delta-rule S-pass) for impl in xla, pallas_triton;
        - ``vla_a_pass/<impl>``: the A-pass alone (α̂ from k̂, u; grads w.r.t. both);
        - ``delta_rule/auto``: the delta rule as VLA's S-pass calls it (write key α̂, erase key k̂, no decay);
-  2. ``--sweep-warps``: the Triton A-pass alone at T = 4K for num_warps (forward, backward) pairs.
+  2. ``--sweep-warps``: the Triton A-pass alone at T = 4K for num_warps (forward, backward) pairs;
+  3. ``--forwards``: the Triton A-pass alone at T = 4K with each forward kernel (token by token; by chunks,
+     16 or 32 rows, 4 or 8 warps) and its α̂ and gradients against the token form's.
 Prints Markdown tables; writes every number to ``--out`` (JSON). A failing row keeps its error; the run goes on.
 
     python tools/bench_vla_gpu.py --check --sweep-warps --out $OUT/vla_h200.json
@@ -202,6 +204,33 @@ def sweep_rows(sz, reps):
     return rows
 
 
+FORWARDS = (dict(forward="token"), dict(forward="chunked", chunk_rows=16),
+            dict(forward="chunked", chunk_rows=16, warps_forward=8),
+            dict(forward="chunked", chunk_rows=32, warps_forward=8))
+
+
+def forward_rows(sz, reps):
+    """The A-pass alone with each forward kernel (token by token, or by chunks: pallas_triton.Config), timed,
+    and its α̂ and gradients against the token form's (max |error| / max |token|)."""
+    t = sz["lengths"][0]
+    b = max(sz["tokens"] // t, 1)
+    args = a_pass_case(b, t, sz, 1)
+    token = a_pass_fn("pallas_triton", forward="token")
+    want = (jax.jit(token)(*args), *with_grad(token, (0, 1))(*args))
+    rows = []
+    for overrides in FORWARDS:
+
+        def measure(row, overrides=overrides):
+            fn = a_pass_fn("pallas_triton", **overrides)
+            got = (jax.jit(fn)(*args), *with_grad(fn, (0, 1))(*args))
+            row.update((f"err_{name}", max_rel_err(g, w)) for name, g, w in zip(("alpha", "dk", "du"), got, want))
+            row["fwd_ms"], _ = timed(jax.jit(fn), args, reps)
+            row["fwd_bwd_ms"], _ = timed(with_grad(fn, (0, 1)), args, reps)
+
+        record(rows, dict(batch=b, length=t, **overrides), measure)
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------------
 # report
 
@@ -222,6 +251,14 @@ def markdown(result):
                   "| warps fwd | warps bwd | fwd ms | fwd+bwd ms |", "|---|---|---|---|"]
         lines += [f"| {r['warps_forward']} | {r['warps_backward']} | {_cell(r, 'fwd_ms')} | {_cell(r, 'fwd_bwd_ms')} |"
                   for r in result["sweep"]]
+    if result.get("forwards"):
+        lines += ["", "Triton A-pass alone, forward kernel (errors vs the token form, max |error| / max |token|):", "",
+                  "| forward | chunk rows | warps fwd | fwd ms | fwd+bwd ms | α̂ err | dk̂ err | du err |",
+                  "|---|---|---|---|---|---|---|---|"]
+        err = lambda r, k: f"{r[k]:.1e}" if k in r else "error"  # noqa: E731
+        lines += [f"| {r['forward']} | {r.get('chunk_rows', '–')} | {r.get('warps_forward', 4)} | "
+                  f"{_cell(r, 'fwd_ms')} | {_cell(r, 'fwd_bwd_ms')} | {err(r, 'err_alpha')} | {err(r, 'err_dk')} | "
+                  f"{err(r, 'err_du')} |" for r in result["forwards"]]
     return "\n".join(lines)
 
 
@@ -231,12 +268,14 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny sizes (runs on CPU, kernels in interpret mode)")
     p.add_argument("--check", action="store_true", help="first print max errors of pallas_triton vs xla")
     p.add_argument("--sweep-warps", action="store_true", help="time the Triton A-pass for several num_warps")
+    p.add_argument("--forwards", action="store_true", help="time the Triton A-pass with each forward kernel "
+                   "(token by token, by chunks) and compare them")
     p.add_argument("--reps", type=int, default=None, help="timed runs per row (default 10; smoke 2)")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS} for the timed rows")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="sequence lengths of the timed rows "
                    "(default 4096 16384; B = 32K / T)")
     a = p.parse_args(argv)
-    impls = tuple(a.impls.split(","))
+    impls = tuple(filter(None, a.impls.split(",")))
     if not set(impls) <= set(IMPLS):
         p.error(f"--impls {a.impls!r}: expected a comma-separated subset of {IMPLS}")
     sz = dict(SMOKE if a.smoke else FULL)
@@ -247,9 +286,11 @@ def main(argv=None):
                   sizes={k: list(v) if isinstance(v, tuple) else v for k, v in sz.items()}, smoke=a.smoke)
     if a.check:
         result["check"] = check(sz)
-    result["training"] = training_rows(sz, reps, impls)
+    result["training"] = training_rows(sz, reps, impls) if impls else []
     if a.sweep_warps:
         result["sweep"] = sweep_rows(sz, reps)
+    if a.forwards:
+        result["forwards"] = forward_rows(sz, reps)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as fh:
         json.dump(result, fh, indent=1)

@@ -36,7 +36,12 @@ TPU = _T + "test_delta_rule_pallas_tpu.py"
 TPU_SEG = TPU + "::test_float32_segments_odd_length_c64"
 TPU_EXTREME = TPU + "::test_extreme_decay_c64_every_head"
 VLA = _T + "test_vla.py"
-VLA_TRITON_PACKED = _T + "test_vla_pallas_triton.py::test_interpret_a_pass_matches_reference_f32[packed_refresh_offset]"
+VLA_TRITON_PACKED = (_T + "test_vla_pallas_triton.py::test_interpret_a_pass_matches_reference_f32"
+                     "[packed_refresh_offset-token]")
+VLA_TRITON_CHUNKED = (_T + "test_vla_pallas_triton.py::test_interpret_a_pass_matches_reference_f32"
+                      "[packed_refresh_offset-chunked_32]")
+VLA_TRITON_AUTO = (_T + "test_vla_pallas_triton.py::"
+                   "test_auto_takes_the_kernel_on_gpu_only_and_explicit_request_names_the_reason")
 IA = _T + "test_interdomain.py"
 IA_TOEPLITZ = _T + "test_interdomain_toeplitz.py"
 DELTA_LAYERS = "tests/mixers/test_delta_layers.py"
@@ -244,10 +249,22 @@ MUTANTS = [
       "d_a = jnp.where(reset, 0.0, d_a)", "d_a = d_a",
       "A-pass backward: the cotangent of A flows into the previous document across a document start",
       (VLA_TRITON_PACKED,)),
+    M("vla_triton_chunk_ignores_refresh", _VT,
+      "after_refresh = jnp.where(inside & _flag(fl, REFRESH), rows + 1, cm)", "after_refresh = jnp.full_like(rows, cm)",
+      "chunked forward: a chunk runs past a refresh token, so the tokens after it miss A + ρI",
+      (VLA_TRITON_CHUNKED,)),
+    M("vla_triton_chunk_readout_before_update", _VT,
+      "causal = row2 >= col2", "causal = row2 > col2",
+      "chunked forward: g_t reads A_{t−1} instead of A_t (the token's own rank-1 term left out)",
+      (VLA_TRITON_CHUNKED,)),
+    M("vla_triton_chunk_no_reset", _VT,
+      "a = jax.lax.cond(_flag(flags_ref[pos], RESET), lambda", "a = jax.lax.cond(_flag(flags_ref[pos], 0), lambda",
+      "chunked forward: a chunk that starts a document keeps the previous document's A",
+      (VLA_TRITON_CHUNKED,)),
     M("vla_auto_skips_the_gpu_kernel", "pallas_kernels/vla/api.py",
       "_run_pallas_triton, pallas_triton.supports, fast=True)", "_run_pallas_triton, pallas_triton.supports)",
       "\"auto\" leaves the Triton A-pass out on a GPU and runs the xla form (8x slower there)",
-      (_T + "test_vla_pallas_triton.py::test_auto_takes_the_kernel_on_gpu_only_and_explicit_request_names_the_reason",)),
+      (VLA_TRITON_AUTO,)),
     # ---- interdomain / s4d ---------------------------------------------------------------------------------------
     M("ia_xla_carry_doc_unused", _IX,
       "doc, carry_doc = common.chunk_documents(", "doc, _ = common.chunk_documents(",

@@ -15,6 +15,10 @@ final A, and A at the start of every ``anchor_every`` tokens ("anchors", [B, H, 
 one the final A) for the backward. The normalisation α̂ = g / max(‖g‖, ε) is left to XLA (autodiff of it is
 cheap and parallel), which keeps two reductions per token off the kernels' serial path.
 
+Chunked forward (``Config.forward="chunked"``, opt-in until timed on a GPU): the same outputs from chunks of
+at most ``chunk_rows`` tokens that share a start matrix, through a c × c factorisation and f32 dots
+(``_chunked_forward_kernel``; docs/kernels_gpu.md, 'Chunked forward').
+
 Backward kernel (grid (B, H)): reverse over the anchor chunks, each from its end anchor, reverse over its
 tokens. It walks A backwards exactly as the forward subtracted it: A_{t−1} = A_t − ρ_t I + ŵ_t ŵ_tᵀ (the
 same stored ŵ_t, so only rounding separates it from the forward's A; the anchors bound that to one chunk).
@@ -40,6 +44,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from mixerlab.pallas_kernels import common
 from mixerlab.pallas_kernels.vla import penalty_vjp
@@ -65,6 +70,8 @@ class Config:
     anchor_every: int = 64  # tokens per saved A (backward memory N·d²·4 bytes per head; rebuild error ∝ it)
     warps_forward: int = 4
     warps_backward: int = 4  # the fastest on the H200 (--sweep-warps), though ~4 d×d tiles stay live
+    forward: str = "token"  # "token": one Sherman–Morrison step per token; "chunked": Woodbury per chunk (below)
+    chunk_rows: int = 32  # "chunked": tile rows, the longest chunk (chunks also end at refreshes and documents)
     interpret: bool = False
 
 
@@ -73,6 +80,10 @@ def make_config(key_dim, *, lambda0, refresh_magnitude, interpret=False, **overr
                  interpret=interpret, **overrides)
     if not pow2(cfg.anchor_every):
         raise ValueError(f"vla pallas_triton: anchor_every={cfg.anchor_every}; expected a power of two")
+    if cfg.forward not in ("token", "chunked"):
+        raise ValueError(f"vla pallas_triton: forward={cfg.forward!r}; expected 'token' or 'chunked'")
+    if not pow2(cfg.chunk_rows) or cfg.chunk_rows < 16:
+        raise ValueError(f"vla pallas_triton: chunk_rows={cfg.chunk_rows}; expected a power of two >= 16")
     return cfg
 
 
@@ -157,6 +168,81 @@ def _forward_kernel(cfg, n_chunks):
 
         first = (a0_ref[...].astype(F32), _row(k_ref, 0), _row(u_ref, 0), flags_ref[0])
         a = jax.lax.fori_loop(0, n_chunks, chunk, first)[0]
+        anchors_out[n_chunks] = a
+        a_final_out[...] = a
+
+    return kernel
+
+
+def _chunked_forward_kernel(cfg, n_chunks):
+    """The forward kernel's outputs by chunks instead of tokens (docs/kernels_gpu.md, 'Chunked forward').
+
+    A chunk is at most ``chunk_rows`` tokens that share one start matrix A₀: it ends after a refresh token,
+    before a document start and at an anchor boundary. For its rows U, K̂ (padding rows zero):
+
+        X = U A₀,  Y = K̂ A₀,  G = I + U Xᵀ = L D Lᵀ  (c × c, SPD, every pivot ≥ 1)
+        Ŵ = D^{-1/2} L^{-1} X      row t = ŵ_t, exactly the token form's factor
+        g_t = Y_t − Σ_{s≤t} (k̂_t·ŵ_s) ŵ_s,      A ← A₀ − Ŵᵀ Ŵ
+
+    The factorisation is the only serial part: c elimination steps on the c × c tile, each a column
+    extraction, a pivot and two rank-1 updates (G's Schur complement and L⁻¹ by Gauss–Jordan), instead of c
+    token steps on the d × d tile. The matrix products run as f32 ``dot``s at full precision (no TF32)."""
+    c, d, cm = cfg.anchor_every, cfg.key_dim, cfg.chunk_rows
+    hi = jax.lax.Precision.HIGHEST
+
+    def dot(a, b):
+        return jnp.dot(a, b, precision=hi, preferred_element_type=F32)
+
+    def kernel(k_ref, u_ref, flags_ref, a0_ref, g_out, factor_out, anchors_out, a_final_out):
+        eye = _eye(d)
+        eye_c = _eye(cm)
+        rows = iota((cm,), 0)
+        row2 = iota((cm, cm), 0)
+        col2 = iota((cm, cm), 1)
+        causal = row2 >= col2
+
+        def chunk(state, block_end):
+            pos, a = state
+            inside = pos + rows < block_end
+            fl = pltriton.load(flags_ref.at[pl.ds(pos, cm)], mask=inside, other=0)
+            # the chunk: up to and including its first refresh, before the next document start
+            after_refresh = jnp.where(inside & _flag(fl, REFRESH), rows + 1, cm)
+            new_document = jnp.where(inside & _flag(fl, RESET) & (rows > 0), rows, cm)
+            length = jnp.minimum(jnp.minimum(jnp.min(after_refresh), jnp.min(new_document)), block_end - pos)
+            valid = rows < length
+            a = jax.lax.cond(_flag(flags_ref[pos], RESET), lambda: eye * (1.0 / cfg.lambda0), lambda: a)
+            u = pltriton.load(u_ref.at[pl.ds(pos, cm), :], mask=valid[:, None], other=0.0).astype(F32)
+            k = pltriton.load(k_ref.at[pl.ds(pos, cm), :], mask=valid[:, None], other=0.0).astype(F32)
+            x = dot(u, a)
+            y = dot(k, a)
+            gram = eye_c + dot(u, x.T)
+
+            def eliminate(j, carry):
+                gm, linv, piv = carry
+                column = jnp.sum(jnp.where(col2 == j, gm, 0.0), axis=1)       # G[:, j] (Schur complement)
+                pivot = jnp.sum(jnp.where(rows == j, column, 0.0))
+                ell = jnp.where(rows > j, column / pivot, 0.0)                 # L[:, j] below the diagonal
+                gm = gm - _outer(ell, column)
+                linv = linv - _outer(ell, jnp.sum(jnp.where(row2 == j, linv, 0.0), axis=0))
+                return gm, linv, jnp.where(rows == j, pivot, piv)
+
+            _, linv, piv = jax.lax.fori_loop(0, length, eliminate, (gram, eye_c, jnp.ones((cm,), F32)))
+            w = dot(linv, x) / jnp.sqrt(piv)[:, None]
+            kw = jnp.where(causal, dot(k, w.T), 0.0)
+            pltriton.store(g_out.at[pl.ds(pos, cm), :], y - dot(kw, w), mask=valid[:, None])
+            pltriton.store(factor_out.at[pl.ds(pos, cm), :], w, mask=valid[:, None])
+            a = a - dot(w.T, w)
+            a = jax.lax.cond(_flag(flags_ref[pos + length - 1], REFRESH), lambda: a + cfg.refresh_magnitude * eye,
+                             lambda: a)
+            return pos + length, a
+
+        def block(n, a):
+            anchors_out[n] = a
+            end = (n + 1) * c
+            return jax.lax.while_loop(lambda st: st[0] < end, functools.partial(chunk, block_end=end),
+                                      (n * c, a))[1]
+
+        a = jax.lax.fori_loop(0, n_chunks, block, a0_ref[...].astype(F32))
         anchors_out[n_chunks] = a
         a_final_out[...] = a
 
@@ -267,15 +353,22 @@ def _specs(cfg, b, t, h):
 
 def _forward(cfg, k_hat, u, a0, flags):
     b, t, h, d = k_hat.shape
-    token, flag_spec, square, anchors, n = _specs(cfg, b, t, h)
-    return pl.pallas_call(
-        _forward_kernel(cfg, n), grid=(b, h),
+    _, _, square, anchors, n = _specs(cfg, b, t, h)
+    if cfg.forward == "chunked":  # tiles of chunk_rows from any token: chunk_rows rows of zeros past the end
+        k_hat, u = (common.pad_time(x, t + cfg.chunk_rows) for x in (k_hat, u))
+        flags = common.pad_time(flags, t + cfg.chunk_rows)
+    tp = k_hat.shape[1]
+    token = pl.BlockSpec((None, tp, None, d), lambda b_, h_: (b_, 0, h_, 0))
+    flag_spec = pl.BlockSpec((None, tp), lambda b_, h_: (b_, 0))
+    g, factors, anchor_states, a_final = pl.pallas_call(
+        (_chunked_forward_kernel if cfg.forward == "chunked" else _forward_kernel)(cfg, n), grid=(b, h),
         in_specs=[token, token, flag_spec, square],
         out_specs=(token, token, anchors, square),
-        out_shape=(jax.ShapeDtypeStruct((b, t, h, d), F32), jax.ShapeDtypeStruct((b, t, h, d), F32),
+        out_shape=(jax.ShapeDtypeStruct((b, tp, h, d), F32), jax.ShapeDtypeStruct((b, tp, h, d), F32),
                    jax.ShapeDtypeStruct((b, h, n + 1, d, d), F32), jax.ShapeDtypeStruct((b, h, d, d), F32)),
         interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_forward),
         cost_estimate=_cost(cfg, "forward", b * h, t), name="vla_penalty_forward")(k_hat, u, flags, a0)
+    return g[:, :t], factors[:, :t], anchor_states, a_final
 
 
 def _backward(cfg, k_hat, u, factors, flags, d_g, anchors, d_final):

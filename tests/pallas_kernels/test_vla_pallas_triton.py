@@ -8,6 +8,7 @@ GPU (``-m gpu``, skipped elsewhere): the compiled op against the reference.
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -62,11 +63,18 @@ def _a_pass_inputs(seed, boundaries, period, offset, initial_position, zero_rows
     return (k_hat, u, jnp.asarray(_spd(rng, b, h, d), jnp.float32), document, refresh), weights
 
 
-@jax.jit
-def _kernel_a_pass(k_hat, u, a0, document, refresh, w_alpha, w_a):
+# the forward kernels: token by token (anchors every 8 tokens), and by chunks — tiles of 16 rows inside anchor
+# blocks of 8 (every chunk shorter than its tile) and of 32 (several chunks per block, some 16 rows long)
+FORWARDS = {"token": dict(forward="token", anchor_every=ANCHOR_EVERY),
+            "chunked_8": dict(forward="chunked", anchor_every=ANCHOR_EVERY, chunk_rows=16),
+            "chunked_32": dict(forward="chunked", anchor_every=32, chunk_rows=16)}
+
+
+@functools.partial(jax.jit, static_argnames="forward")
+def _kernel_a_pass(k_hat, u, a0, document, refresh, w_alpha, w_a, forward="token"):
     def loss(k_hat, u, a0):
         alpha, a = pallas_triton.penalty_pass(k_hat, u, a0, document, refresh, lambda0=LAMBDA0, refresh_magnitude=RHO,
-                                              eps=EPS, interpret=True, anchor_every=ANCHOR_EVERY)
+                                              eps=EPS, interpret=True, **FORWARDS[forward])
         return jnp.sum(alpha * w_alpha) + jnp.sum(a * w_a), (alpha, a)
 
     return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(k_hat, u, a0)
@@ -103,13 +111,14 @@ A_PASS_CASES = {
 }
 
 
+@pytest.mark.parametrize("forward", sorted(FORWARDS))
 @pytest.mark.parametrize("case", sorted(A_PASS_CASES))
-def test_interpret_a_pass_matches_reference_f32(case):
-    """α̂, A_T and d/dk̂, d/du, d/dA₀ of the kernels in float32 vs the float64 reference: rel-RMS ≤ 1e-5
-    (measured ≤ 4e-7)."""
+def test_interpret_a_pass_matches_reference_f32(case, forward):
+    """α̂, A_T and d/dk̂, d/du, d/dA₀ of the kernels (each forward kernel, the same backward) in float32 vs the
+    float64 reference: rel-RMS ≤ 1e-5 (measured, CPU 2026-12-02: ≤ 6.3e-7 token by token, ≤ 6.6e-7 by chunks)."""
     args, weights = _a_pass_inputs(1, **A_PASS_CASES[case])
     w = [jnp.asarray(x, jnp.float32) for x in weights]
-    grads, (alpha, a) = _kernel_a_pass(*args, *w)
+    grads, (alpha, a) = _kernel_a_pass(*args, *w, forward=forward)
     ref_grads, (ref_alpha, ref_a) = _reference_a_pass(*args, *weights)
     assert alpha.dtype == jnp.float32 and a.dtype == jnp.float32
     assert _rel_rms(alpha, ref_alpha) <= 1e-5, _rel_rms(alpha, ref_alpha)
@@ -121,13 +130,15 @@ def test_interpret_a_pass_matches_reference_f32(case):
         assert _rel_rms(g, r) <= 1e-5, (name, _rel_rms(g, r))
 
 
-def test_interpret_a_stays_exactly_symmetric():
+@pytest.mark.parametrize("forward", sorted(FORWARDS))
+def test_interpret_a_stays_exactly_symmetric(forward):
     """The rank-1 update ŵŵᵀ keeps a symmetric A bitwise symmetric (so the kernel skips the reference's
-    symmetrisation), with or without fused multiply-adds (ŵ_i ŵ_j is one exact product either way)."""
+    symmetrisation), with or without fused multiply-adds (ŵ_i ŵ_j is one exact product either way); so does the
+    chunked form's ŴᵀŴ (entries (i, j) and (j, i) sum the same products in the same order)."""
     args, weights = _a_pass_inputs(2, **A_PASS_CASES["packed_refresh_offset"])
     a0 = args[2]
     args = (*args[:2], 0.5 * (a0 + jnp.swapaxes(a0, -1, -2)), *args[3:])
-    _, (_, a) = _kernel_a_pass(*args, *(jnp.asarray(x, jnp.float32) for x in weights))
+    _, (_, a) = _kernel_a_pass(*args, *(jnp.asarray(x, jnp.float32) for x in weights), forward=forward)
     a = np.asarray(a)
     assert np.array_equal(a, np.swapaxes(a, -1, -2))
 
@@ -232,13 +243,19 @@ def test_auto_takes_the_kernel_on_gpu_only_and_explicit_request_names_the_reason
 def test_config_checks():
     with pytest.raises(ValueError, match="anchor_every=48"):
         pallas_triton.make_config(64, lambda0=0.1, refresh_magnitude=1e-3, anchor_every=48)
+    with pytest.raises(ValueError, match="forward='blocked'.*'token' or 'chunked'"):
+        pallas_triton.make_config(64, lambda0=0.1, refresh_magnitude=1e-3, forward="blocked")
+    with pytest.raises(ValueError, match="chunk_rows=8; expected a power of two >= 16"):
+        pallas_triton.make_config(64, lambda0=0.1, refresh_magnitude=1e-3, chunk_rows=8)
     flags = pallas_triton.token_flags(_documents(1, 6, [2, 5]), jnp.asarray([[0, 1, 0, 0, 1, 1]], bool))
     assert flags.tolist() == [[0, 2, 1, 0, 2, 3]]  # RESET = 1 at document starts after t = 0, REFRESH = 2
 
 
-def test_lowers_for_cuda_on_cpu():
+@pytest.mark.parametrize("forward", ["token", "chunked"])
+def test_lowers_for_cuda_on_cpu(forward):
     """Forward and backward lower to one Triton custom call each for CUDA (Triton's shape and op rules:
-    the lax.cond around the replay, scalar flags, 1-D vectors)."""
+    the lax.cond around the replay, scalar flags, 1-D vectors; the chunked forward's masked tile loads at a
+    dynamic row, its while loop and its f32 dots)."""
     s = jax.ShapeDtypeStruct
     b, t, h, d = 1, 200, 2, 64
     specs = [s((b, t, h, d), jnp.float32)] * 2 + [s((b, h, d, d), jnp.float32), s((b, t), jnp.int32),
@@ -246,7 +263,7 @@ def test_lowers_for_cuda_on_cpu():
 
     def loss(k_hat, u, a0, document, refresh):
         alpha, a = pallas_triton.penalty_pass(k_hat, u, a0, document, refresh, lambda0=0.1, refresh_magnitude=1e-3,
-                                              eps=1e-4)
+                                              eps=1e-4, forward=forward)
         return jnp.sum(alpha) + jnp.sum(a)
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
