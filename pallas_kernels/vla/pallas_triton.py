@@ -319,20 +319,29 @@ def _backward_kernel(cfg, n_chunks):
 # pallas_call wrappers (inputs padded to a multiple of anchor_every)
 
 
-def flops_per_token(d: int) -> dict:
+def flops_per_token(d: int, chunk_rows: Optional[int] = None) -> dict:
     """Executed FLOPs per token and head of each kernel (d×d element-wise work counted in full):
     forward: A u, u·w, the ŵŵᵀ update, g = A k̂, the refresh add: ≈ 8 d²;
     backward: the ρ removal, A dg, Ā ŵ, the A rebuild, A_prev dw, the symmetric rank-4 cotangent update:
     ≈ 20 d². Replays at document starts inside a chunk add ≈ 4 d² per replayed token
-    (data-dependent, not counted)."""
-    return {"forward": 8 * d * d + 4 * d, "backward": 20 * d * d + 10 * d}
+    (data-dependent, not counted).
+    ``chunk_rows`` = c: the chunked forward per tile row, for full tiles (a shorter chunk costs a whole tile):
+    X, Y, ŴᵀŴ 6 c d² and G, L⁻¹X, K̂Ŵᵀ, its product with Ŵ 8 c² d per tile, the elimination ≈ 4 c³
+    (c steps of two c × c rank-1 updates), the refresh add d²; divided by c."""
+    if chunk_rows is None:
+        forward = 8 * d * d + 4 * d
+    else:
+        c = chunk_rows
+        forward = (6 * c * d * d + 8 * c * c * d + 4 * c ** 3 + d * d) // c
+    return {"forward": forward, "backward": 20 * d * d + 10 * d}
 
 
 def _cost(cfg, kernel, batch_heads, n_tokens):
     d = cfg.key_dim
     vectors = {"forward": 4, "backward": 6}[kernel]  # per-token [d] f32 rows read + written
     anchors = (n_tokens // cfg.anchor_every + 1) * d * d * 4
-    return pl.CostEstimate(flops=int(batch_heads * n_tokens * flops_per_token(d)[kernel]),
+    rows = cfg.chunk_rows if cfg.forward == "chunked" else None
+    return pl.CostEstimate(flops=int(batch_heads * n_tokens * flops_per_token(d, rows)[kernel]),
                            transcendentals=int(batch_heads * n_tokens),  # one square root per token
                            bytes_accessed=int(batch_heads * (n_tokens * (vectors * d * 4 + 4) + anchors
                                                              + 2 * d * d * 4)))
