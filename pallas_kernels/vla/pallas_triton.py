@@ -364,11 +364,9 @@ def _forward(cfg, k_hat, u, a0, flags):
     b, t, h, d = k_hat.shape
     _, _, square, anchors, n = _specs(cfg, b, t, h)
     if cfg.forward == "chunked":  # tiles of chunk_rows from any token: chunk_rows rows of zeros past the end
-        k_hat, u = (common.pad_time(x, t + cfg.chunk_rows) for x in (k_hat, u))
-        flags = common.pad_time(flags, t + cfg.chunk_rows)
+        k_hat, u, flags = (common.pad_time(x, t + cfg.chunk_rows) for x in (k_hat, u, flags))
     tp = k_hat.shape[1]
-    token = pl.BlockSpec((None, tp, None, d), lambda b_, h_: (b_, 0, h_, 0))
-    flag_spec = pl.BlockSpec((None, tp), lambda b_, h_: (b_, 0))
+    token, flag_spec, _, _, _ = _specs(cfg, b, tp, h)  # the (padded) token axis; the anchors stay t's
     g, factors, anchor_states, a_final = pl.pallas_call(
         (_chunked_forward_kernel if cfg.forward == "chunked" else _forward_kernel)(cfg, n), grid=(b, h),
         in_specs=[token, token, flag_spec, square],
