@@ -188,44 +188,31 @@ def training_rows(sz, reps, impls=IMPLS):
     return rows
 
 
-def sweep_rows(sz, reps):
-    t = sz["lengths"][0]
-    b = max(sz["tokens"] // t, 1)
-    args = a_pass_case(b, t, sz, 1)
-    rows = []
-    for fwd, bwd in sz["sweep"]:
-
-        def measure(row, fwd=fwd, bwd=bwd):
-            fn = a_pass_fn("pallas_triton", warps_forward=fwd, warps_backward=bwd)
-            row["fwd_ms"], _ = timed(jax.jit(fn), args, reps)
-            row["fwd_bwd_ms"], _ = timed(with_grad(fn, (0, 1)), args, reps)
-
-        record(rows, dict(batch=b, length=t, warps_forward=fwd, warps_backward=bwd), measure)
-    return rows
-
-
 FORWARDS = (dict(forward="token"), dict(forward="chunked", chunk_rows=16),
             dict(forward="chunked", chunk_rows=16, warps_forward=8),
             dict(forward="chunked", chunk_rows=32, warps_forward=8))
 
 
-def forward_rows(sz, reps):
-    """The A-pass alone with each forward kernel (token by token, or by chunks: pallas_triton.Config), timed,
-    and its α̂ and gradients against the token form's (max |error| / max |token|)."""
+def a_pass_rows(sz, reps, configs, compare=False):
+    """The Triton A-pass alone at T = 4K, one row per ``pallas_triton.Config`` override dict, timed forward and
+    forward+backward; ``compare``: also α̂ and the gradients against the first configuration's
+    (max |error| / max |first|), from the same compiled functions the timing uses."""
     t = sz["lengths"][0]
     b = max(sz["tokens"] // t, 1)
     args = a_pass_case(b, t, sz, 1)
-    token = a_pass_fn("pallas_triton", forward="token")
-    want = (jax.jit(token)(*args), *with_grad(token, (0, 1))(*args))
-    rows = []
-    for overrides in FORWARDS:
+    rows, first = [], []
+
+    for overrides in configs:
 
         def measure(row, overrides=overrides):
             fn = a_pass_fn("pallas_triton", **overrides)
-            got = (jax.jit(fn)(*args), *with_grad(fn, (0, 1))(*args))
-            row.update((f"err_{name}", max_rel_err(g, w)) for name, g, w in zip(("alpha", "dk", "du"), got, want))
-            row["fwd_ms"], _ = timed(jax.jit(fn), args, reps)
-            row["fwd_bwd_ms"], _ = timed(with_grad(fn, (0, 1)), args, reps)
+            forward, grads = jax.jit(fn), with_grad(fn, (0, 1))
+            if compare:
+                got = (forward(*args), *grads(*args))
+                first.extend([] if first else got)
+                row.update((f"err_{name}", max_rel_err(g, w)) for name, g, w in zip(("alpha", "dk", "du"), got, first))
+            row["fwd_ms"], _ = timed(forward, args, reps)
+            row["fwd_bwd_ms"], _ = timed(grads, args, reps)
 
         record(rows, dict(batch=b, length=t, **overrides), measure)
     return rows
@@ -288,9 +275,9 @@ def main(argv=None):
         result["check"] = check(sz)
     result["training"] = training_rows(sz, reps, impls) if impls else []
     if a.sweep_warps:
-        result["sweep"] = sweep_rows(sz, reps)
+        result["sweep"] = a_pass_rows(sz, reps, [dict(warps_forward=f, warps_backward=b) for f, b in sz["sweep"]])
     if a.forwards:
-        result["forwards"] = forward_rows(sz, reps)
+        result["forwards"] = a_pass_rows(sz, reps, FORWARDS, compare=True)  # FORWARDS[0]: the token form
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as fh:
         json.dump(result, fh, indent=1)
