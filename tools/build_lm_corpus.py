@@ -354,6 +354,7 @@ def unpack(deb: Path, tree: Path) -> Path:
     if not tree.is_dir():
         tmp = tree.with_name(tree.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)  # dpkg-deb -x makes the folder, not its parents
         subprocess.run(["dpkg-deb", "-x", str(deb), str(tmp)], check=True)
         tmp.rename(tree)
     return tree
