@@ -19,9 +19,40 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mixerlab.pallas_kernels import dispatch
 from mixerlab.pallas_kernels.interdomain import api as ia_op  # the module, whatever the package re-exports
 from mixerlab.mixers.base import DynamicsParam, SSMParam
 from mixerlab.mixers.short_conv import ShortConv
+
+
+def add_channel_bias(y, bias):
+    """y + bias over the last axis. On a GPU the bias gradient is reduced apart (``_bias_reduced_apart``): left to
+    autodiff, XLA:GPU fuses that reduction over all tokens into the producer of the cotangent (in the interdomain
+    mixer, the rotary embedding's backward) as one multi-output fusion, which on the H200 took 0.84 ms per layer
+    at 8 × 4096 × 768, about ten times what the elementwise work and the reduction need apart (the 125M
+    interdomain step: 0.173 → 0.166 s). On a TPU the fused form is the cheaper one (apart, the cotangent is
+    written and read once more), so it stays."""
+    if dispatch.target_backend() == "gpu":
+        return _bias_reduced_apart(y, bias)
+    return y + bias
+
+
+@jax.custom_vjp
+def _bias_reduced_apart(y, bias):
+    return y + bias
+
+
+def _bias_apart_fwd(y, bias):
+    return y + bias, (bias, jnp.zeros((), y.dtype))  # the second: y's dtype, for its cotangent
+
+
+def _bias_apart_bwd(residuals, dy):
+    bias, y_dtype = residuals
+    apart = jax.lax.optimization_barrier(dy)  # materialised first, then reduced by a fusion of its own
+    return dy.astype(y_dtype.dtype), jnp.sum(apart, axis=tuple(range(dy.ndim - 1))).astype(bias.dtype)
+
+
+_bias_reduced_apart.defvjp(_bias_apart_fwd, _bias_apart_bwd)
 
 
 class BiasedShortConv(nnx.Module):
@@ -32,7 +63,7 @@ class BiasedShortConv(nnx.Module):
                      if use_bias else None)
 
     def _add_bias(self, y):
-        return y if self.bias is None else y + self.bias[...]
+        return y if self.bias is None else add_channel_bias(y, self.bias[...])
 
     def __call__(self, x_BTC, segment_ids_BT=None):
         return self._add_bias(self.conv(x_BTC, segment_ids_BT))

@@ -266,6 +266,10 @@ MUTANTS = [
       "\"auto\" leaves the Triton A-pass out on a GPU and runs the xla form (8x slower there)",
       (VLA_TRITON_AUTO,)),
     # ---- interdomain / s4d ---------------------------------------------------------------------------------------
+    M("ia_bias_gradient_fused_on_gpu", "mixers/s4d_core.py",
+      'if dispatch.target_backend() == "gpu":', 'if dispatch.target_backend() == "never":',
+      "the conv bias gradient stays fused with the rotary backward on a GPU (0.173 vs 0.166 s per 125M step)",
+      ("tests/mixers/test_interdomain_layer.py::test_bias_gradient_is_reduced_apart_only_on_gpu",)),
     M("ia_xla_carry_doc_unused", _IX,
       "doc, carry_doc = common.chunk_documents(", "doc, _ = common.chunk_documents(",
       "the interdomain chunked form ignores the carried document (its own first token instead)",

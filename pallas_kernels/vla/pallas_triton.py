@@ -15,9 +15,9 @@ final A, and A at the start of every ``anchor_every`` tokens ("anchors", [B, H, 
 one the final A) for the backward. The normalisation α̂ = g / max(‖g‖, ε) is left to XLA (autodiff of it is
 cheap and parallel), which keeps two reductions per token off the kernels' serial path.
 
-Chunked forward (``Config.forward="chunked"``, opt-in until timed on a GPU): the same outputs from chunks of
-at most ``chunk_rows`` tokens that share a start matrix, through a c × c factorisation and f32 dots
-(``_chunked_forward_kernel``; docs/kernels_gpu.md, 'Chunked forward').
+Chunked forward (``Config.forward="chunked"``, opt-in: slower than the token forward on the H200): the same
+outputs from chunks of at most ``chunk_rows`` tokens that share a start matrix, through a c × c factorisation
+and f32 dots (``_chunked_forward_kernel``; docs/kernels_gpu.md, 'Chunked forward').
 
 Backward kernel (grid (B, H)): reverse over the anchor chunks, each from its end anchor, reverse over its
 tokens. It walks A backwards exactly as the forward subtracted it: A_{t−1} = A_t − ρ_t I + ŵ_t ŵ_tᵀ (the
