@@ -2,9 +2,12 @@
 """Forward latency against the sequence length, one sequence at a time: the VLA paper's Figure 3 (VLA's
 sequential form, its kernel, linear attention and softmax attention against T, log-log), with our other ops
 beside them. One process, bf16 inputs, batch 1 (``--batch``), H 12, d 64 (the 125M shape), median of ``--reps``
-warm runs after a compile + warm-up call.
+warm runs after a compile + warm-up call. ``--grad`` times forward+backward instead (``jax.grad`` of a weighted
+output sum w.r.t. q, k and v), as a training step runs the op.
 
     python3 tools/bench_latency_vs_length.py --out $OUT/latency.json --png $OUT/latency.png
+    python3 tools/bench_latency_vs_length.py --grad --lengths 4096,16384,32768,65536 \
+        --ops vla/pallas_triton,interdomain/toeplitz,delta_rule,attention --out $OUT/train_latency.json
     JAX_PLATFORMS=cpu python tools/bench_latency_vs_length.py --smoke --out /tmp/lat.json   # tiny, on CPU
     python tools/bench_latency_vs_length.py --from_logs a.log b.log --device H200 --out lat.json --png lat.png
         # no timing: the table, JSON and figure from the per-cell lines of earlier runs (a later log wins for the
@@ -16,7 +19,9 @@ Rows (every op at every T in ``--lengths`` until one call of it takes longer tha
   vla/pallas_triton  the Sherman–Morrison A-pass kernel, then the S-pass (GPU; what "auto" takes there)
   linear_attention   the delta-rule op without erase or decay (``auto``)
   delta_rule         with erase and a per-head decay (``auto``)
-  interdomain/xla    M = 64 modes
+  interdomain/xla    M = 64 modes, the chunked form for any decay
+  interdomain/toeplitz  the same inputs (a static decay, as the paper's configs) through the Toeplitz form,
+                     which ``auto`` takes for them
   attention          ``jax.nn.dot_product_attention`` causal, cuDNN on the GPU, XLA elsewhere
 Prints a Markdown table (ms per T), the T where each op's latency crosses below attention's (log-log
 interpolation between the measured lengths; "none in range" if it does not), writes JSON and, with --png,
@@ -33,7 +38,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-from benchlib import timed  # noqa: E402  (tools/benchlib.py)
+from benchlib import timed, with_grad  # noqa: E402  (tools/benchlib.py)
 from bench_interdomain_gpu import (attention_case, attention_fn, delta_rule_case, interdomain_case,  # noqa: E402
                                    interdomain_fn)
 from bench_vla_gpu import vla_case, vla_fn  # noqa: E402
@@ -41,6 +46,9 @@ from bench_vla_gpu import vla_case, vla_fn  # noqa: E402
 FULL = dict(lengths=(1024, 2048, 4096, 8192, 16384, 32768, 65536), heads=12, key_dim=64, value_dim=64, modes=64,
             document=10 ** 9)
 SMOKE = dict(lengths=(16, 32), heads=2, key_dim=16, value_dim=16, modes=16, document=10 ** 9)
+
+
+PASSES = {False: "forward", True: "forward+backward"}
 
 
 def on_gpu():
@@ -73,6 +81,8 @@ def ops(sz):
         "linear_attention": (lambda b, t, s: _delta_case(b, t, sz, s, erase=False), _linear_attention),
         "delta_rule": (lambda b, t, s: _delta_case(b, t, sz, s, erase=True), _delta_rule),
         "interdomain/xla": (lambda b, t, s: interdomain_case(b, t, sz, jax.random.key(s)), interdomain_fn("xla")),
+        "interdomain/toeplitz": (lambda b, t, s: interdomain_case(b, t, sz, jax.random.key(s)),
+                                 interdomain_fn("toeplitz")),
         "attention": (lambda b, t, s: attention_case(b, t, sz, jax.random.key(s)),
                       attention_fn("cudnn" if on_gpu() else "xla")),
     }
@@ -81,14 +91,15 @@ def ops(sz):
     return table
 
 
-def measure(sz, batch, reps, max_ms, only=None):
-    """{op: {T: median ms or error string}}; an op stops at the first T whose median exceeds max_ms."""
+def measure(sz, batch, reps, max_ms, only=None, grad=False):
+    """{op: {T: median ms or error string}}; an op stops at the first T whose median exceeds max_ms. ``grad``:
+    forward+backward w.r.t. the first three inputs (q, k, v of every op)."""
     results = {}
     for name, (case, fn) in ops(sz).items():
         if only and name not in only:
             continue
         row = results.setdefault(name, {})
-        jitted = jax.jit(fn)
+        jitted = with_grad(fn, (0, 1, 2)) if grad else jax.jit(fn)
         for t in sz["lengths"]:
             try:
                 median, _ = timed(jitted, case(batch, t, 0), reps)
@@ -96,7 +107,7 @@ def measure(sz, batch, reps, max_ms, only=None):
             except Exception as exc:  # noqa: BLE001  (a failing cell is recorded, the run goes on)
                 row[t] = f"{type(exc).__name__}: {exc}"[:300]
                 break
-            print(json.dumps({"op": name, "T": t, "ms": median}), flush=True)
+            print(json.dumps({"op": name, "T": t, "ms": median, "pass": PASSES[grad]}), flush=True)
             if median > max_ms:
                 break
     return results
@@ -130,7 +141,7 @@ def markdown(results: dict, lengths) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict, path: str, title: str) -> None:
+def plot(results: dict, path: str, title: str, timed: str = "forward") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,7 +152,7 @@ def plot(results: dict, path: str, title: str) -> None:
         ts = [t for t in sorted(row) if isinstance(row[t], float)]
         if ts:
             ax.plot(ts, [row[t] for t in ts], marker="o", label=name, ls="--" if name == "attention" else "-")
-    ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="forward latency (ms, median)", title=title)
+    ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel=f"{timed} latency (ms, median)", title=title)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -149,14 +160,17 @@ def plot(results: dict, path: str, title: str) -> None:
     plt.close(fig)
 
 
-def results_from_logs(paths):
-    """{op: {T: ms}} from the JSON lines that :func:`measure` prints; a later file wins for the same cell."""
+def results_from_logs(paths, grad=False):
+    """{op: {T: ms}} from the JSON lines that :func:`measure` prints, of one pass (forward, or forward+backward
+    with ``grad``; lines without a pass are forward); a later file wins for the same cell."""
     results = {}
     for path in paths:
         with open(path) as fh:
             for line in fh:
                 if line.startswith("{"):
                     cell = json.loads(line)
+                    if cell.get("pass", PASSES[False]) != PASSES[grad]:
+                        continue
                     results.setdefault(cell["op"], {})[int(cell["T"])] = float(cell["ms"])
     return results
 
@@ -172,6 +186,7 @@ def main(argv=None):
     p.add_argument("--max_ms", type=float, default=2000.0, help="stop an op after a T slower than this")
     p.add_argument("--lengths", help="comma-separated T (default 1K … 64K; smoke 16, 32)")
     p.add_argument("--ops", help="comma-separated subset of the rows (default: all)")
+    p.add_argument("--grad", action="store_true", help="time forward+backward (w.r.t. q, k, v) instead of forward")
     p.add_argument("--from_logs", nargs="+", metavar="LOG", help="no timing: build the outputs from earlier logs")
     p.add_argument("--device", help="with --from_logs: the machine the logs were measured on (title, JSON)")
     a = p.parse_args(argv)
@@ -187,16 +202,16 @@ def main(argv=None):
         p.error(f"--ops: unknown {sorted(only - known)}; valid on this backend: {sorted(known)}")
     reps = a.reps if a.reps is not None else (2 if a.smoke else 10)
     if a.from_logs:
-        results = results_from_logs(a.from_logs)
+        results = results_from_logs(a.from_logs, a.grad)
         sz["lengths"] = tuple(sorted({t for row in results.values() for t in row}))
     else:
-        results = measure(sz, a.batch, reps, a.max_ms, only)
+        results = measure(sz, a.batch, reps, a.max_ms, only, a.grad)
     text = markdown(results, sz["lengths"])
     if a.from_logs:  # the cells were timed elsewhere: say where they came from, not where this ran
         measured_on = dict(device=a.device or "the machine of the logs", backend=None, jax=None, from_logs=a.from_logs)
     else:
         measured_on = dict(device=str(jax.devices()[0]), backend=jax.default_backend(), jax=jax.__version__)
-    payload = dict(**measured_on, batch=a.batch,
+    payload = dict(**measured_on, batch=a.batch, timed=PASSES[a.grad],
                    reps=reps, sizes={k: list(v) if isinstance(v, tuple) else v for k, v in sz.items()},
                    results={name: {str(t): x for t, x in row.items()} for name, row in results.items()},
                    crossover={name: crossover(row, results.get("attention", {})) for name, row in results.items()
@@ -205,8 +220,8 @@ def main(argv=None):
     with open(a.out, "w") as fh:
         json.dump(payload, fh, indent=1)
     if a.png:
-        plot(results, a.png, f"forward latency, batch {a.batch}, H {sz['heads']}, d {sz['key_dim']}, "
-                             f"{payload['device']}")
+        plot(results, a.png, f"{PASSES[a.grad]} latency, batch {a.batch}, H {sz['heads']}, d {sz['key_dim']}, "
+                             f"{payload['device']}", PASSES[a.grad])
     print(text)
     return 0
 

@@ -50,3 +50,27 @@ def test_from_logs_merges_cells_later_log_wins_and_times_nothing(tmp_path, capsy
     payload = json.loads(out.read_text())
     assert payload["device"] == "H200" and payload["backend"] is None
     assert payload["results"]["vla/xla"] == {"16": 3.0, "32": 5.0}
+
+
+def test_from_logs_keeps_the_requested_pass(tmp_path, capsys):
+    log = tmp_path / "a.log"
+    log.write_text('{"op": "attention", "T": 16, "ms": 1.0}\n'
+                   '{"op": "attention", "T": 16, "ms": 3.0, "pass": "forward+backward"}\n'
+                   '{"op": "attention", "T": 16, "ms": 2.0, "pass": "forward"}\n')
+    out = tmp_path / "m.json"
+    assert bench.main(["--from_logs", str(log), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["results"]["attention"] == {"16": 2.0}
+    assert bench.main(["--from_logs", str(log), "--grad", "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["results"]["attention"] == {"16": 3.0} and payload["timed"] == "forward+backward"
+    capsys.readouterr()
+
+
+def test_grad_smoke_times_forward_and_backward_on_cpu(tmp_path, capsys):
+    """--grad on CPU at tiny sizes: every cell is a time (the backward of the toeplitz form and attention run)."""
+    out = tmp_path / "g.json"
+    assert bench.main(["--smoke", "--grad", "--ops", "interdomain/toeplitz,attention", "--out", str(out)]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert {x["pass"] for x in lines} == {"forward+backward"} and len(lines) == 4
+    payload = json.loads(out.read_text())
+    assert all(isinstance(ms, float) for row in payload["results"].values() for ms in row.values())
