@@ -210,7 +210,7 @@ def main(argv=None):
     if a.from_logs:  # the cells were timed elsewhere: say where they came from, not where this ran
         measured_on = dict(device=a.device or "the machine of the logs", backend=None, jax=None, from_logs=a.from_logs)
     else:
-        measured_on = dict(device=str(jax.devices()[0]), backend=jax.default_backend(), jax=jax.__version__)
+        measured_on = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__)
     payload = dict(**measured_on, batch=a.batch, timed=PASSES[a.grad],
                    reps=reps, sizes={k: list(v) if isinstance(v, tuple) else v for k, v in sz.items()},
                    results={name: {str(t): x for t, x in row.items()} for name, row in results.items()},
