@@ -11,6 +11,10 @@ Calls:
   ``mixer.init_cache(batch_size, max_length) -> cache``   (a pytree of arrays)
   ``mixer.decode(x_B1D, cache, positions_B) -> (y_B1D, cache)``
       One token per row. Running ``decode`` over a sequence must equal the parallel forward.
+  ``mixer.extend(x_BCD, cache, positions_BC) -> (y_BCD, cache)``   (optional)
+      C tokens of one document per row continuing ``cache``, in parallel (chunked prefill): the same as C
+      ``decode`` steps. A row whose first position is 0 starts from an empty cache. The decoder runs
+      ``decode`` over the chunk for a mixer without it (``Decoder.prefill``).
 
 Parameter kinds (the optimizer reads them; see training/optim.py):
   * ``nnx.Param`` — ordinary weights, weight-decayed when they are matrices (ndim >= 2).
@@ -63,3 +67,10 @@ class Mixer(Protocol):
     def init_cache(self, batch_size: int, max_length: int): ...
 
     def decode(self, x_B1D, cache, positions_B): ...
+
+
+def reset_rows(cache: dict, positions_B) -> dict:
+    """The cache with every row whose position is 0 (a new document) zeroed: ``decode`` and ``extend`` start
+    a document there."""
+    reset = positions_B == 0
+    return {n: jnp.where(reset.reshape((-1,) + (1,) * (c.ndim - 1)), jnp.zeros_like(c), c) for n, c in cache.items()}

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mixerlab import pallas_kernels
-from mixerlab.mixers.base import MixerSpec
+from mixerlab.mixers.base import MixerSpec, reset_rows
 from mixerlab.mixers.gated_norm import GatedRMSNorm
 from mixerlab.mixers.gates import build_qkv, dense, split_heads
 
@@ -142,6 +142,10 @@ class DeltaMixer(nnx.Module):
             q, k, v = self.q_conv(q, segment_ids), self.k_conv(k, segment_ids), self.v_conv(v, segment_ids)
         else:
             q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
+        return self._mix(x, q, k, v, segment_ids, initial_state)
+
+    def _mix(self, x, q, k, v, segment_ids, initial_state):
+        """Post-conv q, k, v [B,T,H*D] -> (y, final state): the gates, the delta-rule op and the output."""
         q, k, v = self._finish_qkv(q, k, v)
         g = self._gates(x)
         q_hat, k_hat, v_hat = self._core_inputs(q, k, v, g)
@@ -183,10 +187,24 @@ class DeltaMixer(nnx.Module):
             cache["conv_v"] = self.v_conv.cache_from_sequence(v, segment_ids)
         return y, cache
 
+    def extend(self, x_BCD: jax.Array, cache: dict, positions_BC: jax.Array) -> tuple[jax.Array, dict]:
+        """C tokens of one document per row continuing ``cache``: the chunked kernel from the cached state."""
+        cache = reset_rows(cache, positions_BC[:, 0])
+        x = x_BCD.astype(self.dtype)
+        q, k, v = self._project(x)
+        new_cache = {}
+        if self.options.use_short_conv:
+            q, new_cache["conv_q"] = self.q_conv.extend(q, cache["conv_q"])
+            k, new_cache["conv_k"] = self.k_conv.extend(k, cache["conv_k"])
+            v, new_cache["conv_v"] = self.v_conv.extend(v, cache["conv_v"])
+        else:
+            q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
+        y, state = self._mix(x, q, k, v, None, cache["state"])
+        new_cache["state"] = state.astype(jnp.float32)
+        return y, new_cache
+
     def decode(self, x_B1D: jax.Array, cache: dict, positions_B: jax.Array) -> tuple[jax.Array, dict]:
-        reset = positions_B == 0
-        cache = {name: jnp.where(reset.reshape((-1,) + (1,) * (c.ndim - 1)), jnp.zeros_like(c), c)
-                 for name, c in cache.items()}
+        cache = reset_rows(cache, positions_B)
         x = x_B1D.astype(self.dtype)
         q, k, v = self._project(x[:, 0])
         new_cache = {}

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mixerlab.pallas_kernels.interdomain import api as ia_op  # the module, whatever the package re-exports
-from mixerlab.mixers.base import DynamicsParam, MixerSpec
+from mixerlab.mixers.base import DynamicsParam, MixerSpec, reset_rows
 from mixerlab.mixers.delta_common import l2_normalize
 from mixerlab.mixers.gates import dense, split_heads, zeros_like_linear
 from mixerlab.mixers.registry import register
@@ -199,6 +199,11 @@ class Interdomain(nnx.Module):
         qc, kc = self.q_conv(q, segment_ids), self.k_conv(k, segment_ids)
         if self.options.value_conv:
             v = jax.nn.silu(self.v_conv(v, segment_ids))
+        y, state = self._mix(x, qc, kc, v, segment_ids, positions, initial_state)
+        return y, state, (q, k, v)
+
+    def _mix(self, x, qc, kc, v, segment_ids, positions, initial_state):
+        """Post-conv q, k and v -> (y, final state): the op's inputs, the op and the output projection."""
         xi_q, k_t, v_t, v_h, log_mod, phase, gain = self._inputs(qc, kc, v, positions)
         # q, k, v enter the op in the activation dtype, like the delta-rule mixers': a bf16 model runs the op's data
         # GEMMs on bf16/TF32 tensor cores (float32 inputs would ask for float32-exact GEMMs); state and
@@ -208,7 +213,7 @@ class Interdomain(nnx.Module):
             phase=phase, input_gain=gain, readout=self._readout(),
             initial_state=initial_state, segment_ids=segment_ids, chunk_size=_chunk(self.options.chunk_size),
             implementation=self.options.implementation)
-        return self._finish(out, v_h, x), state, (q, k, v)
+        return self._finish(out, v_h, x), state
 
     # ---- mixer protocol ----------------------------------------------------------------------------------
     def __call__(self, x_BTD, *, segment_ids=None, positions=None):
@@ -234,10 +239,23 @@ class Interdomain(nnx.Module):
             cache["conv_v"] = self.v_conv.cache_from_sequence(self.v_proj(x_BTD.astype(self.dtype)), segment_ids)
         return y, cache
 
+    def extend(self, x_BCD, cache, positions_BC):
+        """C tokens of one document per row continuing ``cache``: the chunked op from the cached state."""
+        cache = reset_rows(cache, positions_BC[:, 0])
+        x = x_BCD.astype(self.dtype)
+        q, k, v = self._project(x)
+        new = {}
+        qc, new["conv_q"] = self.q_conv.extend(q, cache["conv_q"])
+        kc, new["conv_k"] = self.k_conv.extend(k, cache["conv_k"])
+        if self.options.value_conv:
+            v, new["conv_v"] = self.v_conv.extend(v, cache["conv_v"])
+            v = jax.nn.silu(v)
+        y, state = self._mix(x, qc, kc, v, None, positions_BC, ia_op.InterdomainState(cache["key"], cache["value"]))
+        new["key"], new["value"] = state.key.astype(jnp.float32), state.value.astype(jnp.float32)
+        return y, new
+
     def decode(self, x_B1D, cache, positions_B):
-        reset = positions_B == 0
-        cache = {n: jnp.where(reset.reshape((-1,) + (1,) * (c.ndim - 1)), jnp.zeros_like(c), c)
-                 for n, c in cache.items()}
+        cache = reset_rows(cache, positions_B)
         x = x_B1D.astype(self.dtype)
         q, k, v = self._project(x[:, 0])
         new = {}

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mixerlab import pallas_kernels
-from mixerlab.mixers.base import MixerSpec
+from mixerlab.mixers.base import MixerSpec, reset_rows
 from mixerlab.mixers.gated_norm import GatedRMSNorm
 from mixerlab.mixers.gates import build_qkv, dense, split_heads
 from mixerlab.mixers.registry import register
@@ -141,9 +141,7 @@ class LinearAttention(nnx.Module):
         return y, cache
 
     def decode(self, x_B1D, cache, positions_B):
-        reset = positions_B == 0
-        cache = {name: jnp.where(reset.reshape((-1,) + (1,) * (c.ndim - 1)), jnp.zeros_like(c), c)
-                 for name, c in cache.items()}
+        cache = reset_rows(cache, positions_B)
         x = x_B1D.astype(self.dtype)
         q, k, v = self.q_proj(x[:, 0]), self.k_proj(x[:, 0]), self.v_proj(x[:, 0])
         new_cache = {}

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mixerlab.pallas_kernels.interdomain import api as ia_op  # the module, whatever the package re-exports
-from mixerlab.mixers.base import DynamicsParam, MixerSpec, SSMParam
+from mixerlab.mixers.base import DynamicsParam, MixerSpec, SSMParam, reset_rows
 from mixerlab.mixers.gates import dense, split_heads
 from mixerlab.mixers.registry import register
 from mixerlab.mixers.s4d_core import BiasedShortConv, HeadInputNorm, S4DCore
@@ -112,14 +112,18 @@ class S4DOnly(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         a, bb = self.a_proj(x), self.b_proj(x)
-        z, log_mod, phase, gain, readout = self._inputs(self.a_conv(a, segment_ids), self.b_conv(bb, segment_ids),
-                                                        positions)
+        y, state = self._mix(self.a_conv(a, segment_ids), self.b_conv(bb, segment_ids), segment_ids, positions)
+        return y, state, (a, bb)
+
+    def _mix(self, ac, bc, segment_ids, positions, initial_state=None):
+        """Post-conv a and b -> (y, final state)."""
+        z, log_mod, phase, gain, readout = self._inputs(ac, bc, positions)
         # z enters the op in the activation dtype, like the delta-rule mixers' q, k, v: a bf16 model runs the op's
         # data GEMMs on bf16/TF32 tensor cores (float32 inputs would ask for float32-exact GEMMs)
         out, state = ia_op.s4d(z.astype(self.dtype), log_modulus=log_mod, phase=phase, input_gain=gain, readout=readout,
-                               segment_ids=segment_ids, chunk_size=self.options.chunk_size or None,
-                               implementation=self.options.implementation)
-        return self._finish(out), state, (a, bb)
+                               initial_state=initial_state, segment_ids=segment_ids,
+                               chunk_size=self.options.chunk_size or None, implementation=self.options.implementation)
+        return self._finish(out), state
 
     def __call__(self, x_BTD, *, segment_ids=None, positions=None):
         return self._run(x_BTD, segment_ids, positions)[0]
@@ -135,10 +139,19 @@ class S4DOnly(nnx.Module):
         return y, {"state": state.astype(jnp.float32), "conv_a": self.a_conv.cache_from_sequence(a, segment_ids),
                    "conv_b": self.b_conv.cache_from_sequence(bb, segment_ids)}
 
+    def extend(self, x_BCD, cache, positions_BC):
+        """C tokens of one document per row continuing ``cache``: the chunked op from the cached state."""
+        cache = reset_rows(cache, positions_BC[:, 0])
+        x = x_BCD.astype(self.dtype)
+        new = {}
+        ac, new["conv_a"] = self.a_conv.extend(self.a_proj(x), cache["conv_a"])
+        bc, new["conv_b"] = self.b_conv.extend(self.b_proj(x), cache["conv_b"])
+        y, state = self._mix(ac, bc, None, positions_BC, cache["state"])
+        new["state"] = state.astype(jnp.float32)
+        return y, new
+
     def decode(self, x_B1D, cache, positions_B):
-        reset = positions_B == 0
-        cache = {n: jnp.where(reset.reshape((-1,) + (1,) * (c.ndim - 1)), jnp.zeros_like(c), c)
-                 for n, c in cache.items()}
+        cache = reset_rows(cache, positions_B)
         x = x_B1D.astype(self.dtype)[:, 0]
         new = {}
         ac, new["conv_a"] = self.a_conv.step(self.a_proj(x), cache["conv_a"])

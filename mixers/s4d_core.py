@@ -1,6 +1,6 @@
 """Pieces shared by the ``interdomain`` and ``s4d`` mixers (docs/math/interdomain.md, 'The layer').
 
-* ``BiasedShortConv``  causal depthwise conv (``mixers.short_conv.ShortConv``, segment resets, decode cache)
+* ``BiasedShortConv``  causal depthwise conv (``mixers.short_conv.ShortConv``, segment resets, decode cache, extend)
                        **with a bias** (the IA parameter counts need it, IA1 Table 3), activation left to the caller.
                        Bias init U(±1/√K) (PyTorch ``nn.Conv1d``).
 * ``HeadInputNorm``    Eq. 12: ``RMSNorm(x_h) * γ + β_h`` per head; γ ∈ R^{d_h} shared across heads, β_h per head
@@ -70,6 +70,10 @@ class BiasedShortConv(nnx.Module):
 
     def step(self, x_BC, cache):
         y, cache = self.conv.step(x_BC, cache)
+        return self._add_bias(y), cache
+
+    def extend(self, x_BTC, cache):
+        y, cache = self.conv.extend(x_BTC, cache)
         return self._add_bias(y), cache
 
     def init_cache(self, batch_size: int):

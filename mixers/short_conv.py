@@ -67,6 +67,14 @@ class ShortConv(nnx.Module):
         new_cache = window[:, 1:].astype(cache_BKC.dtype)
         return self._act(acc).astype(self.dtype), new_cache
 
+    def extend(self, x_BTC: jax.Array, cache_BKC: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """T tokens of one document continuing ``cache`` (the previous K-1 pre-conv inputs): the convolution of
+        [cache; x] without its first K-1 outputs, and the cache after the last token (chunked prefill)."""
+        km1 = self.kernel_size - 1
+        window = jnp.concatenate([cache_BKC.astype(x_BTC.dtype), x_BTC], axis=1)
+        y = self(window)[:, km1:]
+        return y, window[:, window.shape[1] - km1:].astype(cache_BKC.dtype)
+
     def cache_from_sequence(self, x_BTC: jax.Array, segment_ids_BT: jax.Array | None = None) -> jax.Array:
         """The decode cache after a prefill of ``x``: its last K-1 inputs of the last token's segment."""
         B, T, C = x_BTC.shape

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mixerlab.pallas_kernels.delta_rule.api import delta_rule, delta_rule_step
-from mixerlab.mixers.base import DynamicsParam, MixerSpec
+from mixerlab.mixers.base import DynamicsParam, MixerSpec, reset_rows
 from mixerlab.mixers.gated_norm import GatedRMSNorm
 from mixerlab.mixers.gates import build_qkv, dense, split_heads
 from mixerlab.mixers.registry import register
@@ -328,9 +328,7 @@ class PaperDeltaNet(_Projections):
         return y, cache
 
     def decode(self, x_B1D, cache, positions_B):
-        reset = positions_B == 0
-        cache = {name: jnp.where(reset.reshape((-1,) + (1,) * (c.ndim - 1)), jnp.zeros_like(c), c)
-                 for name, c in cache.items()}
+        cache = reset_rows(cache, positions_B)
         x = x_B1D.astype(self.dtype)[:, 0]
         new_cache = {}
         q, k, v = self._qkv_step(x, cache, new_cache)

@@ -46,6 +46,23 @@ class Block(nnx.Module):
         x = x + y
         return x + self.ffn(self.ffn_norm(x)), cache
 
+    def extend(self, x, cache, positions):
+        """C tokens per row continuing the cache: the mixer's parallel ``extend`` where it has one, else its
+        ``decode`` over the chunk (a scan; the same result, one token at a time)."""
+        h = self.mixer_norm(x)
+        if hasattr(self.mixer, "extend"):
+            y, cache = self.mixer.extend(h, cache, positions)
+        else:
+            def step(c, xs):
+                h_t, pos_t = xs
+                y_t, c = self.mixer.decode(h_t[:, None], c, pos_t)
+                return c, y_t[:, 0]
+
+            cache, y = jax.lax.scan(step, cache, (jnp.swapaxes(h, 0, 1), positions.T))
+            y = jnp.swapaxes(y, 0, 1)
+        x = x + y
+        return x + self.ffn(self.ffn_norm(x)), cache
+
 
 _kernels = jax.checkpoint_policies.save_only_these_names(KERNEL_RESIDUALS)
 # model.remat -> what a block keeps for its backward pass (the rest is recomputed there); "mixer" is handled in Block
@@ -129,6 +146,41 @@ class Decoder(nnx.Module):
             x, c = block.decode(x, c, positions_B)
             new_cache.append(c)
         return self._logits(x), new_cache
+
+
+@nnx.jit(donate_argnums=2)
+def _extend(model, tokens_BC, cache, positions_BC):
+    x = model.embed(tokens_BC).astype(model.dtype)
+    new_cache = []
+    for block, c in zip(model.blocks, cache):
+        x, c = block.extend(x, c, positions_BC)
+        new_cache.append(c)
+    return model._logits(x[:, -1:])[:, 0], new_cache
+
+
+def prefill(model: Decoder, tokens_BT, *, chunk: int = 2048, start=0, cache=None, max_length: int = 0):
+    """Chunked prefill: the prompt ``tokens_BT`` (one document per row, at positions ``start + t``) fed through
+    the model ``chunk`` tokens at a time, each chunk in parallel from the cache the previous one left (mixers
+    with ``extend``: the delta-rule family, interdomain, s4d; the others run ``decode`` over the chunk). Only
+    the last token's logits are computed, and the cache is donated from chunk to chunk, so the memory is the
+    model, the cache and one chunk's activations, whatever the prompt's length. Returns (logits of the last
+    prompt token [B, V] float32, the cache to continue with ``decode`` at position ``start + T``).
+    ``cache=None`` starts from ``model.init_cache(B, max_length or start + T)``."""
+    tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+    if tokens_BT.ndim != 2 or tokens_BT.shape[1] == 0:
+        raise ValueError(f"prefill: tokens must be a non-empty [batch, time] array, got shape {tokens_BT.shape}")
+    if chunk < 1:
+        raise ValueError(f"prefill: chunk must be >= 1, got {chunk}")
+    b, t = tokens_BT.shape
+    start_B = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,))
+    if cache is None:
+        cache = model.init_cache(b, max_length or int(jnp.max(start_B)) + t)
+    logits = None
+    for lo in range(0, t, chunk):
+        piece = tokens_BT[:, lo:lo + chunk]
+        positions = start_B[:, None] + lo + jnp.arange(piece.shape[1], dtype=jnp.int32)
+        logits, cache = _extend(model, piece, cache, positions)
+    return logits, cache
 
 
 def build_model(cfg, vocab_size: int, *, seed: int = 0) -> Decoder:

@@ -45,3 +45,14 @@ def test_smoke_run_writes_every_row(tmp_path):
     inter = {r["cache_bytes"] for r in result["decode"] if r["mixer"] == "interdomain"}
     assert len(inter) == 1
     assert "| interdomain/xla |" in run.stdout and "| B | prefix | interdomain | softmax |" in run.stdout
+
+
+@pytest.mark.extended  # ~40 s: four processes of tiny models; the prefill itself is tested in tests/models
+def test_bench_prefill_memory_smoke(tmp_path):
+    out = tmp_path / "prefill.json"
+    done = subprocess.run([sys.executable, "tools/bench_prefill_memory.py", "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert len(rows) == 8 and all("error" not in r for r in rows), rows
+    assert {r["mode"] for r in rows} == {"full", "chunked"}
