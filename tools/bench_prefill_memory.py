@@ -3,8 +3,10 @@
 pass computes them) against the chunked prefill (``models.decoder.prefill``: the cache built chunk by chunk,
 only the last token's logits) — the Interdomain Attention paper's Table 21 (Appendix F.2), for any config.
 
-    python3 tools/bench_prefill_memory.py \
-        --configs configs/paper/ia_interdomain_1p3b.yaml,configs/paper/ia_softmax_1p3b.yaml --batch 8 --lengths 4096,8192,16384 --chunk 2048 --out $OUT/prefill_memory.json
+    python3 tools/bench_prefill_memory.py --configs configs/paper/ia_interdomain_1p3b.yaml --batch 8 \\
+        --lengths 4096,16384 --chunk 2048 --out $OUT/prefill_ia.json
+    python3 tools/bench_prefill_memory.py --configs configs/paper/ia_softmax_1p3b.yaml --modes full --batch 8 \\
+        --lengths 4096,16384 --out $OUT/prefill_softmax.json
     JAX_PLATFORMS=cpu python tools/bench_prefill_memory.py --smoke --out /tmp/prefill.json   # tiny, checks the script
 
 Random weights, ``model.dtype`` from the config (bf16 for the paper configs), random tokens. Each (config, mode)
@@ -65,7 +67,9 @@ def child(config: str, mode: str, batch: int, lengths: list[int], chunk: int, ov
             del out
         except Exception as exc:  # noqa: BLE001  (out of memory is a result here)
             text = f"{type(exc).__name__}: {exc}"
-            row["error"] = "OOM" if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() else text[:300]
+            oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+            row["error"] = "OOM" if oom else text[:300]
+            row["message"] = text[:600]  # for an OOM: the allocation that failed
         rows.append(row)
         print(json.dumps(row), flush=True)
         if "error" in row:
@@ -76,7 +80,8 @@ def child(config: str, mode: str, batch: int, lengths: list[int], chunk: int, ov
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="configs/paper/ia_interdomain_1p3b.yaml,configs/paper/ia_softmax_1p3b.yaml")
+    p.add_argument("--configs", default="configs/paper/ia_interdomain_1p3b.yaml,configs/paper/ia_softmax_1p3b.yaml",
+                   help="comma-separated config paths")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lengths", default="4096,8192,16384")
