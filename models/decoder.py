@@ -165,7 +165,9 @@ def prefill(model: Decoder, tokens_BT, *, chunk: int = 2048, start=0, cache=None
     the last token's logits are computed, and the cache is donated from chunk to chunk, so the memory is the
     model, the cache and one chunk's activations, whatever the prompt's length. Returns (logits of the last
     prompt token [B, V] float32, the cache to continue with ``decode`` at position ``start + T``).
-    ``cache=None`` starts from ``model.init_cache(B, max_length or start + T)``."""
+    ``cache=None`` starts from ``model.init_cache(B, max_length or start + T)`` (a softmax KV cache must hold every
+    position that ``decode`` will write later: pass ``max_length``); a cache passed in is donated, so use the
+    returned one."""
     tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
     if tokens_BT.ndim != 2 or tokens_BT.shape[1] == 0:
         raise ValueError(f"prefill: tokens must be a non-empty [batch, time] array, got shape {tokens_BT.shape}")
