@@ -9,8 +9,12 @@ softmax attention, the recurrent state for every other mixer).
     Prompts of different lengths share one batch: they are left-aligned, every row starts at position 0 and
     all rows advance one position per step, so the positions of a step are the same for every row. A row is
     teacher-forced with its own prompt token while the step is inside its prompt, and fed back its own
-    prediction after that (the prefill and the generation are one ``lax.while_loop`` that ends once every row
-    is done). Rows with shorter prompts start generating earlier; no padding token ever enters a row's state.
+    prediction after that (one ``lax.while_loop`` that ends once every row is done). Rows with shorter prompts
+    start generating earlier; no padding token ever enters a row's state. Chunked prefill: the leading
+    positions that are prompt in every row (the shortest prompt minus one, rounded down to a power of two,
+    when that is at least 16) are fed first in parallel chunks of up to ``PREFILL_CHUNK`` tokens through
+    ``Decoder.extend`` (the chunked kernels for the recurrent mixers; softmax attention runs its decode step
+    over the chunk), and the loop starts after them; ``chunked_prefill=False`` turns that off.
     Shapes are bucketed (prompt length and ``max_new_tokens`` rounded up to powers of two, at least 16), so
     batches of similar sizes reuse one compiled loop. The KV cache of softmax layers holds
     ``bucket(max prompt) + bucket(max_new_tokens)`` positions; recurrent layers keep a constant-size state.
@@ -45,6 +49,7 @@ import numpy as np
 from flax import nnx
 
 MIN_BUCKET = 16
+PREFILL_CHUNK = 2048  # tokens per parallel prefill chunk (a power of two)
 
 
 def bucket(n: int) -> int:
@@ -105,12 +110,35 @@ def _choose(logits_BV, key, temperature, top_k: int, greedy: bool, top_p=1.0, nu
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 8, 9, 12))
+def prefill_span(shortest_prompt: int) -> int:
+    """How many leading prompt tokens every row shares as prompt before its first prediction, rounded down to a
+    power of two (so that prompts of similar lengths reuse one compiled loop); 0 below ``MIN_BUCKET``."""
+    span = int(shortest_prompt) - 1  # the step at the last prompt token predicts the first new token
+    return 1 << (span.bit_length() - 1) if span >= MIN_BUCKET else 0
+
+
+def _prefill_cache(model, tokens_BS, cache):
+    """The cache after ``tokens_BS`` (positions 0 … S − 1), chunk by chunk in parallel (``Decoder.extend``)."""
+    b, span = tokens_BS.shape
+    c = min(span, PREFILL_CHUNK)  # both powers of two: c divides span
+    pieces = jnp.swapaxes(tokens_BS.reshape(b, span // c, c), 0, 1)
+
+    def body(cache, xs):
+        piece, i = xs
+        positions = jnp.broadcast_to(i * c + jnp.arange(c, dtype=jnp.int32), (b, c))
+        return model.extend(piece, cache, positions)[1], None
+
+    cache, _ = jax.lax.scan(body, cache, (pieces, jnp.arange(span // c, dtype=jnp.int32)))
+    return cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 8, 9, 12, 13))
 def _generate(graphdef, state, tokens_BP, lengths_B, budget, n: int, key, stops, top_k: int, greedy: bool,
-              temperature, top_p, nucleus: bool):
+              temperature, top_p, nucleus: bool, span: int):
     """Rows of ``tokens_BP`` (prompt i = tokens_BP[i, :lengths_B[i]]) continued by up to ``budget`` tokens into
-    an [B, n] buffer (n = the bucketed budget); ``stops`` are the stop ids, padded with -1. Returns (buffer,
-    tokens written per row)."""
+    an [B, n] buffer (n = the bucketed budget); ``stops`` are the stop ids, padded with -1. The first ``span``
+    prompt tokens (inside every row's prompt, ``prefill_span``) are prefilled in parallel chunks, the rest of the
+    prompts and the generation run one position per step. Returns (buffer, tokens written per row)."""
     model = nnx.merge(graphdef, state)
     b, p = tokens_BP.shape
     rows = jnp.arange(b)
@@ -133,7 +161,10 @@ def _generate(graphdef, state, tokens_BP, lengths_B, budget, n: int, key, stops,
         prompt_next = tokens_BP[rows, jnp.minimum(t + 1, p - 1)]
         return t + 1, jnp.where(t + 1 < lengths_B, prompt_next, nxt), cache, out, n_out, done, key
 
-    init = (jnp.int32(0), tokens_BP[:, 0], model.init_cache(b, p + n), jnp.zeros((b, n), jnp.int32),
+    cache = model.init_cache(b, p + n)
+    if span:
+        cache = _prefill_cache(model, tokens_BP[:, :span], cache)
+    init = (jnp.int32(span), tokens_BP[:, span], cache, jnp.zeros((b, n), jnp.int32),
             jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), key)
     _, _, _, out, n_out, _, _ = jax.lax.while_loop(cond, body, init)
     return out, n_out
@@ -151,7 +182,8 @@ def _check_prompts(prompts, max_new_tokens) -> None:
                              f"eos_id as a start token)")
 
 
-def _prepare(model, prompts, max_new_tokens, stop_tokens, *, greedy, temperature=1.0, top_k=0, top_p=1.0, seed=0):
+def _prepare(model, prompts, max_new_tokens, stop_tokens, *, greedy, temperature=1.0, top_k=0, top_p=1.0, seed=0,
+             chunked_prefill=True):
     """The arguments of ``_generate`` for a batch of prompts (checked), and the stop ids."""
     lengths = np.array([len(p) for p in prompts], np.int32)
     p, n = bucket(lengths.max()), bucket(max_new_tokens)
@@ -174,13 +206,13 @@ def _prepare(model, prompts, max_new_tokens, stop_tokens, *, greedy, temperature
     nucleus = not greedy and float(top_p) < 1.0
     args = (graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), jnp.int32(max_new_tokens), n,
             jax.random.key(seed), jnp.asarray(stops), int(top_k), greedy, jnp.float32(temperature),
-            jnp.float32(top_p), nucleus)
+            jnp.float32(top_p), nucleus, prefill_span(lengths.min()) if chunked_prefill else 0)
     return args, stop
 
 
 def _dynamic(args) -> tuple:
     """The traced arguments of ``_generate`` (what a compiled ``_generate`` takes)."""
-    static = (0, 5, 8, 9, 12)
+    static = (0, 5, 8, 9, 12, 13)
     return tuple(a for i, a in enumerate(args) if i not in static)
 
 
@@ -195,19 +227,21 @@ def _finish(out, n_out, stop) -> list[list[int]]:
     return results
 
 
-def _run(model, prompts, max_new_tokens, stop_tokens, *, greedy, temperature=1.0, top_k=0, top_p=1.0, seed=0):
+def _run(model, prompts, max_new_tokens, stop_tokens, *, greedy, temperature=1.0, top_k=0, top_p=1.0, seed=0,
+         chunked_prefill=True):
     _check_prompts(prompts, max_new_tokens)
     if max_new_tokens == 0:
         return [[] for _ in prompts]
     args, stop = _prepare(model, prompts, max_new_tokens, stop_tokens, greedy=greedy, temperature=temperature,
-                          top_k=top_k, top_p=top_p, seed=seed)
+                          top_k=top_k, top_p=top_p, seed=seed, chunked_prefill=chunked_prefill)
     return _finish(*_generate(*args), stop)
 
 
 def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int,
-                    stop_tokens: tuple[int, ...] = ()) -> list[list[int]]:
-    """The argmax continuation of every prompt (new tokens only, stop token excluded)."""
-    return _run(model, prompts, max_new_tokens, stop_tokens, greedy=True)
+                    stop_tokens: tuple[int, ...] = (), *, chunked_prefill: bool = True) -> list[list[int]]:
+    """The argmax continuation of every prompt (new tokens only, stop token excluded). ``chunked_prefill=False``
+    feeds the prompts one position per step from the start (the module docstring says when it matters)."""
+    return _run(model, prompts, max_new_tokens, stop_tokens, greedy=True, chunked_prefill=chunked_prefill)
 
 
 def _check_sampling(temperature, top_k, top_p) -> None:
@@ -221,13 +255,14 @@ def _check_sampling(temperature, top_k, top_p) -> None:
 
 
 def sample(model, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
-           top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] = ()) -> list[list[int]]:
+           top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] = (),
+           chunked_prefill: bool = True) -> list[list[int]]:
     """Sampled continuations from ``filter_logits``: softmax(logits / temperature), restricted to the ``top_k``
     most likely tokens when ``top_k`` > 0 and then to the nucleus of mass ``top_p`` when ``top_p`` < 1;
     reproducible for a given ``seed`` and batch. ``temperature=0`` is greedy."""
     _check_sampling(temperature, top_k, top_p)
     return _run(model, prompts, max_new_tokens, stop_tokens, greedy=temperature == 0, temperature=temperature or 1.0,
-                top_k=top_k, top_p=top_p, seed=seed)
+                top_k=top_k, top_p=top_p, seed=seed, chunked_prefill=chunked_prefill)
 
 
 # ------------------------------------------------------------------------------------------ command line

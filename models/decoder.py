@@ -138,6 +138,16 @@ class Decoder(nnx.Module):
     def init_cache(self, batch_size: int, max_length: int):
         return [block.mixer.init_cache(batch_size, max_length) for block in self.blocks]
 
+    def extend(self, tokens_BC, cache, positions_BC):
+        """C tokens per row (one document) continuing ``cache`` at ``positions_BC``, each block in parallel where
+        its mixer has ``extend``: (the residual stream after the last block [B, C, d_model], the new cache)."""
+        x = self.embed(tokens_BC).astype(self.dtype)
+        new_cache = []
+        for block, c in zip(self.blocks, cache):
+            x, c = block.extend(x, c, positions_BC)
+            new_cache.append(c)
+        return x, new_cache
+
     def decode(self, tokens_B1, cache, positions_B):
         """One token per row at ``positions_B``; returns float32 logits [B,1,V] and the new cache."""
         x = self.embed(tokens_B1).astype(self.dtype)
@@ -150,12 +160,8 @@ class Decoder(nnx.Module):
 
 @nnx.jit(donate_argnums=2)
 def _extend(model, tokens_BC, cache, positions_BC):
-    x = model.embed(tokens_BC).astype(model.dtype)
-    new_cache = []
-    for block, c in zip(model.blocks, cache):
-        x, c = block.extend(x, c, positions_BC)
-        new_cache.append(c)
-    return model._logits(x[:, -1:])[:, 0], new_cache
+    x, cache = model.extend(tokens_BC, cache, positions_BC)
+    return model._logits(x[:, -1:])[:, 0], cache
 
 
 def prefill(model: Decoder, tokens_BT, *, chunk: int = 2048, start=0, cache=None, max_length: int = 0):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mixerlab import mixers
-from mixerlab.eval.generate import bucket, decode_scan, greedy_generate, sample
+from mixerlab.eval.generate import bucket, decode_scan, greedy_generate, prefill_span, sample
 from mixerlab.models.decoder import build_model
 from mixerlab.training.config import load_config
 
@@ -129,3 +129,32 @@ def test_bad_arguments_name_the_argument():
 
 def test_bucket_is_a_power_of_two_of_at_least_16():
     assert [bucket(n) for n in (0, 1, 16, 17, 100, 4096, 4097)] == [16, 16, 16, 32, 128, 4096, 8192]
+
+
+def test_prefill_span_is_the_shared_prompt_rounded_down_to_a_power_of_two():
+    assert [prefill_span(n) for n in (1, 16, 17, 18, 33, 34, 4097, 5000)] == [0, 0, 16, 16, 32, 32, 4096, 4096]
+
+
+@pytest.mark.parametrize("mixer", ["gdn2", "interdomain", pytest.param("softmax", marks=pytest.mark.extended),
+                                   pytest.param("vla", marks=pytest.mark.extended)])
+def test_chunked_prefill_generates_what_one_position_per_step_generates(mixer):
+    """Prompts of 41 and 23 tokens: the first 16 positions are prefilled in one parallel chunk (the shortest
+    prompt minus one, rounded down to a power of two). The generated tokens must be the parallel forward's
+    argmax (ties within TIE either way), as without the chunked prefill."""
+    model = _model(mixer)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (41, 23)]
+    assert prefill_span(23) == 16
+    new = greedy_generate(model, prompts, NEW)
+    assert new == greedy_generate(model, prompts, NEW, chunked_prefill=False)
+    width = 64
+    forward = jax.jit(lambda t: model(t))
+    seqs = np.zeros((2, width), np.int32)
+    for i, p in enumerate(prompts):
+        seqs[i, :len(p)] = p
+    for k in range(NEW):
+        logits = np.asarray(forward(jnp.asarray(seqs)))
+        for i, p in enumerate(prompts):
+            row, got = logits[i, len(p) - 1 + k], new[i][k]
+            assert got == int(row.argmax()) or row.max() - row[got] <= TIE, (mixer, i, k)
+            seqs[i, len(p) + k] = got
