@@ -22,10 +22,10 @@ run's tokenizer and ends with EOS, as in training (``training.data``). T = the r
   tokens) feed the plot. A causal model's NLL at position p does not depend on L, so the curves of the
   multipliers coincide on their common positions; they differ in how far they reach.
 * streaming: documents concatenated (tokens + EOS each, positions never reset) into one stream of up to
-  ``--stream_tokens`` tokens, fed through ``Decoder.decode`` in chunks of ``--chunk`` tokens, carrying the cache
-  (``eval.generate.decode_scan``). Recurrent mixers carry a constant-size state; softmax attention's KV cache is
-  allocated for the whole stream, so its memory grows linearly with the stream length (reported as
-  ``cache_bytes``).
+  ``--stream_tokens`` tokens, fed in chunks of ``--chunk`` tokens, each in parallel from the cache the previous
+  one left (``models.decoder.extend_logits``). Recurrent mixers carry a constant-size state; softmax
+  attention's KV cache is allocated for the whole stream, so its memory grows linearly with the stream length
+  (reported as ``cache_bytes``).
 
 Outputs: a table on stdout, ``perplexity.json`` and ``perplexity.png`` in ``--out_dir`` (default
 ``<run>/eval``).
@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mixerlab.eval.generate import decode_scan
+from mixerlab.models.decoder import extend_logits
 from mixerlab.training import storage
 
 LN2 = math.log(2.0)
@@ -195,8 +195,10 @@ def cache_bytes(model, batch_size: int, max_length: int) -> int:
 
 
 def streaming_nll(model, tokens: np.ndarray, chunk: int) -> np.ndarray:
-    """NLL of tokens[1:] given everything before, computed by feeding the stream through ``decode`` in chunks
-    of ``chunk`` tokens, carrying the cache (the last chunk is right-padded; its padding is never scored)."""
+    """NLL of tokens[1:] given everything before, computed by feeding the stream in chunks of ``chunk`` tokens,
+    each in parallel from the cache the previous one left (``models.decoder.extend_logits``: the chunked kernels
+    for the recurrent mixers, the decode step over the chunk for the others); the last chunk is right-padded
+    and its padding is never scored."""
     tokens = np.asarray(tokens, np.int32)
     if tokens.ndim != 1 or len(tokens) < 2:
         raise ValueError(f"streaming: need a 1-D stream of >= 2 tokens, got shape {tokens.shape}")
@@ -210,7 +212,7 @@ def streaming_nll(model, tokens: np.ndarray, chunk: int) -> np.ndarray:
     nll = []
     for c in range(n_chunks):
         piece = padded[:, c * chunk:(c + 1) * chunk]
-        logits, cache = decode_scan(model, piece[:1], cache, c * chunk)
+        logits, cache = extend_logits(model, piece[:1], cache, c * chunk)
         nll.append(np.asarray(_picked_nll(logits[0], jnp.asarray(piece[1]))))
     return np.concatenate(nll)[:len(inputs)].astype(np.float64)
 

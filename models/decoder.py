@@ -164,6 +164,22 @@ def _extend(model, tokens_BC, cache, positions_BC):
     return model._logits(x[:, -1:])[:, 0], cache
 
 
+@nnx.jit(donate_argnums=2)
+def _extend_all(model, tokens_BC, cache, positions_BC):
+    x, cache = model.extend(tokens_BC, cache, positions_BC)
+    return model._logits(x), cache
+
+
+def extend_logits(model: Decoder, tokens_BC, cache, start):
+    """Every position's logits [B, C, V] (float32) of a chunk continuing ``cache`` at positions ``start + c``
+    (one document per row, ``Decoder.extend``), and the new cache (the one passed in is donated). The chunked
+    counterpart of ``eval.generate.decode_scan``: streaming evaluation feeds a long stream through it."""
+    tokens_BC = jnp.asarray(tokens_BC, jnp.int32)
+    b, c = tokens_BC.shape
+    positions = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,))[:, None] + jnp.arange(c, dtype=jnp.int32)
+    return _extend_all(model, tokens_BC, cache, positions)
+
+
 def prefill(model: Decoder, tokens_BT, *, chunk: int = 2048, start=0, cache=None, max_length: int = 0):
     """Chunked prefill: the prompt ``tokens_BT`` (one document per row, at positions ``start + t``) fed through
     the model ``chunk`` tokens at a time, each chunk in parallel from the cache the previous one left (mixers

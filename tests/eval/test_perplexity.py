@@ -48,8 +48,9 @@ def _docs(vocab, eos, lengths, seed=0):
 
 @pytest.mark.parametrize("mixer", ["softmax", "s4d"])
 def test_streaming_nll_equals_the_full_sequence_nll(mixer):
-    """Chunks of 16 through decode (the last one ragged), carrying the cache, give the parallel forward's NLL.
-    test_generate.py checks chunked decode against the parallel logits for every registered mixer."""
+    """Chunks of 16 (the last one ragged), each in parallel from the cache the previous one left (s4d: its
+    ``extend``; softmax: its decode step over the chunk), give the parallel forward's NLL. test_generate.py
+    checks chunked decode against the parallel logits for every registered mixer."""
     cfg = load_config("configs/tiny.yaml", ["model.d_model=32", "model.num_layers=2", "model.num_heads=2",
                                             "model.ffn_dim=64", f"model.mixer={mixer}"])
     model = build_model(cfg, 61, seed=1)
