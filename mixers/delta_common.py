@@ -187,18 +187,24 @@ class DeltaMixer(nnx.Module):
             cache["conv_v"] = self.v_conv.cache_from_sequence(v, segment_ids)
         return y, cache
 
+    def _cached_convs(self, q, k, v, cache, new_cache, advance: str):
+        """q, k, v through the short convolutions continuing their cached inputs (``advance``: "step" for one
+        token, "extend" for a chunk), the new conv caches written into ``new_cache``; SiLU alone without them."""
+        if not self.options.use_short_conv:
+            return jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
+        out = []
+        for name, conv, x in (("conv_q", self.q_conv, q), ("conv_k", self.k_conv, k), ("conv_v", self.v_conv, v)):
+            y, new_cache[name] = getattr(conv, advance)(x, cache[name])
+            out.append(y)
+        return tuple(out)
+
     def extend(self, x_BCD: jax.Array, cache: dict, positions_BC: jax.Array) -> tuple[jax.Array, dict]:
         """C tokens of one document per row continuing ``cache``: the chunked kernel from the cached state."""
         cache = reset_rows(cache, positions_BC[:, 0])
         x = x_BCD.astype(self.dtype)
         q, k, v = self._project(x)
         new_cache = {}
-        if self.options.use_short_conv:
-            q, new_cache["conv_q"] = self.q_conv.extend(q, cache["conv_q"])
-            k, new_cache["conv_k"] = self.k_conv.extend(k, cache["conv_k"])
-            v, new_cache["conv_v"] = self.v_conv.extend(v, cache["conv_v"])
-        else:
-            q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
+        q, k, v = self._cached_convs(q, k, v, cache, new_cache, "extend")
         y, state = self._mix(x, q, k, v, None, cache["state"])
         new_cache["state"] = state.astype(jnp.float32)
         return y, new_cache
@@ -208,12 +214,7 @@ class DeltaMixer(nnx.Module):
         x = x_B1D.astype(self.dtype)
         q, k, v = self._project(x[:, 0])
         new_cache = {}
-        if self.options.use_short_conv:
-            q, new_cache["conv_q"] = self.q_conv.step(q, cache["conv_q"])
-            k, new_cache["conv_k"] = self.k_conv.step(k, cache["conv_k"])
-            v, new_cache["conv_v"] = self.v_conv.step(v, cache["conv_v"])
-        else:
-            q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
+        q, k, v = self._cached_convs(q, k, v, cache, new_cache, "step")
         q, k, v = self._finish_qkv(q, k, v)  # [B, H, D]
         g = self._gates(x)
         g_step = Gates(*(None if a is None else (a[:, 0] if a.ndim >= 3 else a) for a in g))

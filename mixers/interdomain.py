@@ -239,17 +239,23 @@ class Interdomain(nnx.Module):
             cache["conv_v"] = self.v_conv.cache_from_sequence(self.v_proj(x_BTD.astype(self.dtype)), segment_ids)
         return y, cache
 
+    def _cached_convs(self, q, k, v, cache, new, advance: str):
+        """Post-conv q, k (and v with ``value_conv``) continuing the cached conv inputs (``advance``: "step" for one
+        token, "extend" for a chunk); the new conv caches go into ``new``."""
+        qc, new["conv_q"] = getattr(self.q_conv, advance)(q, cache["conv_q"])
+        kc, new["conv_k"] = getattr(self.k_conv, advance)(k, cache["conv_k"])
+        if self.options.value_conv:
+            v, new["conv_v"] = getattr(self.v_conv, advance)(v, cache["conv_v"])
+            v = jax.nn.silu(v)
+        return qc, kc, v
+
     def extend(self, x_BCD, cache, positions_BC):
         """C tokens of one document per row continuing ``cache``: the chunked op from the cached state."""
         cache = reset_rows(cache, positions_BC[:, 0])
         x = x_BCD.astype(self.dtype)
         q, k, v = self._project(x)
         new = {}
-        qc, new["conv_q"] = self.q_conv.extend(q, cache["conv_q"])
-        kc, new["conv_k"] = self.k_conv.extend(k, cache["conv_k"])
-        if self.options.value_conv:
-            v, new["conv_v"] = self.v_conv.extend(v, cache["conv_v"])
-            v = jax.nn.silu(v)
+        qc, kc, v = self._cached_convs(q, k, v, cache, new, "extend")
         y, state = self._mix(x, qc, kc, v, None, positions_BC, ia_op.InterdomainState(cache["key"], cache["value"]))
         new["key"], new["value"] = state.key.astype(jnp.float32), state.value.astype(jnp.float32)
         return y, new
@@ -259,11 +265,7 @@ class Interdomain(nnx.Module):
         x = x_B1D.astype(self.dtype)
         q, k, v = self._project(x[:, 0])
         new = {}
-        qc, new["conv_q"] = self.q_conv.step(q, cache["conv_q"])
-        kc, new["conv_k"] = self.k_conv.step(k, cache["conv_k"])
-        if self.options.value_conv:
-            v, new["conv_v"] = self.v_conv.step(v, cache["conv_v"])
-            v = jax.nn.silu(v)
+        qc, kc, v = self._cached_convs(q, k, v, cache, new, "step")
         xi_q, k_t, v_t, v_h, log_mod, phase, gain = self._inputs(qc[:, None], kc[:, None], v[:, None],
                                                                  positions_B[:, None])
         if log_mod.ndim == 4:
