@@ -32,6 +32,7 @@ CB_IA = CB + "::test_interdomain_and_s4d_xla_documents_on_chunk_boundaries"
 DR_XLA = _T + "test_delta_rule_xla.py"
 DR_GRAD = _T + "test_delta_rule_grad.py::test_custom_vjp_matches_reference_grad"
 DR_REF = _T + "test_delta_rule_reference.py"
+DR_TRITON = _T + "test_delta_rule_pallas_triton.py"
 TPU = _T + "test_delta_rule_pallas_tpu.py"
 TPU_SEG = TPU + "::test_float32_segments_odd_length_c64"
 TPU_EXTREME = TPU + "::test_extreme_decay_c64_every_head"
@@ -333,6 +334,18 @@ MUTANTS = [
       "d_x = d_x + jnp.pad(d_tap, ((0, 0), (i, 0), (0, 0)))[:, :d_tap.shape[1]] * w_KC[k - 1 - i]",
       "the conv's input gradient reads the output gradient i tokens back instead of i tokens ahead",
       (SHORT_CONV + "::test_custom_vjp_matches_autodiff_of_the_formula",)),
+    M("dr_triton_bounded_factor_sign", _DR + "pallas_triton.py",
+      "jnp.where(right_half, sums, -sums)", "jnp.where(right_half, -sums, sums)",
+      "the GPU kernel's factored pairs take e^{Λ_p − Λ_i} on the left and e^{Λ_i − Λ_p} on the right",
+      (DR_TRITON + "::test_interpret_bounded_and_tree_paths_agree_in_f32",)),
+    M("dr_triton_bounded_cut_ignores_span", _DR + "pallas_triton.py",
+      "< -cfg.bounded_span)", "< -1e30)",
+      "the GPU kernel factors the whole chunk through one pivot whatever the decay (overflow under strong decay)",
+      (DR_TRITON + "::test_interpret_strong_decay_is_finite_and_accurate",)),
+    M("dr_triton_bounded_pair_grad_factor", _DR + "pallas_triton.py",
+      "pair_grads = (_dot(d_a, kr, cfg, f32=wide) * left,", "pair_grads = (_dot(d_a, kr, cfg, f32=wide) * right,",
+      "the GPU key-gradient kernel scales the factored dk̂ pairs by e^{Λ_p − Λ_i} instead of e^{Λ_i − Λ_p}",
+      (DR_TRITON + "::test_interpret_bounded_and_tree_paths_agree_in_f32",)),
     M("short_conv_triton_fwd_segments_ignored", "pallas_kernels/short_conv/pallas_triton.py",
       "ok = ok & (_load_segments(seg_ref, b, src) == seg_here)", "ok = ok",
       "the GPU forward kernel's taps read across document boundaries",

@@ -39,6 +39,7 @@ VARIANTS = {  # name: (context-manager factory, Config overrides)
     "base": (contextlib.nullcontext, {}),
     "no_levels": (lambda: patched(ptr.Config, "levels", property(lambda self: 0)), {}),
     "no_inverse": (lambda: patched(ptr, "_inverse", lambda a, masks, cfg: a), {}),
+    "tree": (contextlib.nullcontext, {"bounded_span": None}),  # every pair through the exact pivot tree
     "sums_tf32x2": (contextlib.nullcontext, {"decay_sums": "tf32x2"}),
     "pair_grads_f32": (contextlib.nullcontext, {"pair_grads_f32": True}),
     "block_k16": (contextlib.nullcontext, {"block_k": 16}),

@@ -12,7 +12,11 @@ kernels in ``pallas_kernels/delta_rule/pallas_triton.py`` execute:
     and the matmul intermediates (M, P, U, Y, Q̂⊙π, K⊙E, Ũ, dŨ, dM, dA, S₀, dS_C), f32 for λ, dλ and π_C;
     the key-gradient kernel reads its per-chunk operands once per key block (an upper bound: L2 absorbs
     part of it);
-  * exps (``kernel_exps``); other elementwise work (masks, products) is not counted.
+  * exps (``kernel_exps``); other elementwise work (masks, products) is not counted;
+  * ``bounded=True`` (the kernels' default, ``bounded_span``): the path every key block takes when its
+    gates keep each half-chunk's decay within e^{−span} — one check, one factored product per matrix and
+    no exact pivot level; a key block that fails the check runs up to ``levels`` exact levels more (the
+    counts of ``bounded=False``). The declared estimate is this common path.
 The Triton kernels declare these counts as their ``pl.CostEstimate``.
 
     python -m mixerlab.pallas_kernels.delta_rule.flops_gpu [--chunk 64 --leaf 16 --dk 128 --dv 128 --block-k 32]
@@ -32,21 +36,24 @@ HBM_BYTES_S = 4.2e12  # measured device copy on the H200
 
 
 def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, save_matrices=True,
-                  operand_bytes=2):
+                  operand_bytes=2, bounded=True):
     """{kernel: (bf16 FLOPs, tf32 FLOPs, HBM bytes)} per chunk of one head. ``sum_passes``: 1 for
     decay_sums="tf32" (bf16 inputs), 2 for "tf32x2". ``operand_bytes``: 2 for bf16/f16 inputs, 4 for f32
-    (then the "bf16" FLOPs run as f32 matmuls; the inputs, matmul intermediates and states scale with it)."""
-    c, levels, ob = chunk, int(math.log2(chunk)), operand_bytes
+    (then the "bf16" FLOPs run as f32 matmuls; the inputs, matmul intermediates and states scale with it).
+    ``bounded``: the factored path (one pair product per matrix, one decay sum for the factors) instead of
+    the exact tree (one of each per level)."""
+    c, ob = chunk, operand_bytes
+    pair_passes = 1 if bounded else int(math.log2(chunk))  # pair products per matrix = decay sums for them
     mm = lambda m, k, n: 2 * m * k * n  # noqa: E731
     sums = lambda count: count * sum_passes * mm(c, c, dk)  # noqa: E731  (count decay-sum matmuls over all keys)
     inputs = c * (ob * (3 * dk + dv) + 4 * dk) + 4 * c  # q̂, k, k̂, v̂ (operand dtype), λ (f32), documents
     tile = lambda width: ob * c * width  # noqa: E731  an operand-dtype [C, width] tile
     state = ob * dk * dv  # S₀ / dS_C per chunk, operand dtype
-    n_inverse = 2 * (int(math.log2(leaf)) - 1) + 2 * (levels - int(math.log2(leaf)))
+    n_inverse = 2 * (int(math.log2(leaf)) - 1) + 2 * (int(math.log2(chunk)) - int(math.log2(leaf)))
     rhs_out = tile(dv) + 3 * tile(dk) + 4 * dk  # U, Y, Q̂⊙π, K⊙E, π_C
     out = {
-        "K1_intra": (levels * 2 * mm(c, dk, c) + mm(c, c, dv) + mm(c, c, dk),
-                     sums(levels + 3) + n_inverse * mm(c, c, c),
+        "K1_intra": (pair_passes * 2 * mm(c, dk, c) + mm(c, c, dv) + mm(c, c, dk),
+                     sums(pair_passes + 3) + n_inverse * mm(c, c, c),
                      inputs + tile(c) * (2 if save_matrices else 1) + rhs_out),
         "K2_scan": (2 * mm(c, dk, dv), 0, tile(dv) + 2 * tile(dk) + 4 * dk + state + tile(dv)),
         "K3_output": (mm(c, dk, dv) + mm(c, c, dv), 0, tile(dk) + state + tile(c) + 2 * tile(dv)),
@@ -62,24 +69,25 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
         "B2a_cotangents": (3 * mm(c, c, dv) + mm(c, dk, dv) + mm(c, dv, dk) + 2 * mm(c, c, dk), 0,
                            4 * c + tile(c) + tile(dv) + tile(dk) + state + 2 * tile(dv)
                            + tile(dv) + 2 * tile(c) + tile(dv)),
-        "B2b_key_grads": (3 * mm(c, dv, dk) + mm(c, c, dk) + levels * 4 * mm(c, c, dk), sums(levels + 2),
+        "B2b_key_grads": (3 * mm(c, dv, dk) + mm(c, c, dk) + pair_passes * 4 * mm(c, c, dk), sums(pair_passes + 2),
                           inputs - c * ob * dv + 2 * state
                           + nkb * (tile(c) + 3 * tile(dv) + 2 * tile(c)) + c * (ob * 3 * dk + 4 * dk)),
     }
     return out
 
 
-def kernel_exps(chunk=64, dk=128, save_matrices=True):
+def kernel_exps(chunk=64, dk=128, save_matrices=True, bounded=True):
     """{kernel: exponentials} per chunk of one head: one [C, Dk] e^{W λ} per decay-sum matmul (π, E, each
-    pivot level; K1 computes π twice) and π_C [Dk]; the other kernels take none."""
-    c, levels = chunk, int(math.log2(chunk))
-    k1 = (levels + 3) * c * dk + dk
+    pivot level; K1 computes π twice) and π_C [Dk]; the other kernels take none. ``bounded``: two [C, Dk]
+    factors (e^{±x}) instead of one per level."""
+    c, pair_exps = chunk, (2 if bounded else int(math.log2(chunk)))
+    k1 = (pair_exps + 3) * c * dk + dk
     out = {"K1_intra": k1, "K2_scan": 0, "K3_output": 0}
     if save_matrices:
         out["B0_rhs"] = 2 * c * dk + dk
     else:
         out["B0_intra_again"] = k1
-    out |= {"B1_scan_bwd": 0, "B2a_cotangents": 0, "B2b_key_grads": (levels + 2) * c * dk + dk}
+    out |= {"B1_scan_bwd": 0, "B2a_cotangents": 0, "B2b_key_grads": (pair_exps + 2) * c * dk + dk}
     return out
 
 

@@ -91,6 +91,10 @@ class Config:
     decay_sums: str = "auto"  # log-decay sums on the tensor cores: "tf32x2" | "tf32" | "auto" (see _split)
     pair_grads_f32: bool = False  # B2b's pivot-level matmuls with f32 operands (TF32 on the GPU): bf16 dλ error
     #                               6.3e-3 -> 2.5e-3 in interpret mode, +3.1 ms in B2b on the H200 (of 5.1)
+    bounded_span: Optional[float] = 60.0  # per key block, pairs inside the largest nodes whose half-node decay
+    #                                        sums all lie in [−span, 0] take one product through the node's pivot
+    #                                        (factors e^{±x}, x ≤ span) instead of one per pivot level; None:
+    #                                        always the exact tree (every exponent ≤ 0). See _bounded_cut.
     save_matrices: bool = True  # keep M and P (C×C per chunk, operand dtype) for the backward instead of
     #                             running K1 again (≈ 17 % more residual bytes at C 64, D 128, bf16, f32 λ)
     interpret: bool = False
@@ -143,6 +147,9 @@ def make_config(chunk, leaf, key_dim, value_dim, operand_dtype, *, batch_heads=1
     cfg = Config(**base)
     if cfg.decay_sums not in ("auto", "tf32", "tf32x2"):
         raise ValueError(f"pallas_triton: decay_sums={cfg.decay_sums!r}; expected 'auto', 'tf32' or 'tf32x2'")
+    if cfg.bounded_span is not None and not 0 < cfg.bounded_span <= 80:
+        raise ValueError(f"pallas_triton: bounded_span={cfg.bounded_span!r}; expected None (the exact pivot tree) "
+                         "or a number in (0, 80] (factors e^{±span} stay normal f32 / bf16 numbers)")
     if cfg.key_dim % cfg.block_k or cfg.block_k < _MIN_DIM or not pow2(cfg.block_k):
         raise ValueError(f"pallas_triton: block_k={cfg.block_k} must be a power of two ≥ {_MIN_DIM} dividing "
                          f"key_dim={cfg.key_dim}")
@@ -231,14 +238,56 @@ def _split(log_decay, cfg):
     return hi, log_decay - hi
 
 
-def _decay(weights, log_decay_parts, cfg):
-    """e^{W λ} (W a 0/1 [C, C] matrix, λ as parts from :func:`_split`): every entry is e^{a sum of λ ≤ 0}
-    ≤ 1. [C, BK] f32."""
+def _decay_sums(weights, log_decay_parts, cfg):
+    """W λ (W a 0/1 [C, C] matrix, λ as parts from :func:`_split`): sums of λ ≤ 0. [C, BK] f32."""
     precision = jax.lax.Precision.HIGHEST if cfg.interpret else jax.lax.Precision.DEFAULT
     sums = _matmul(weights, log_decay_parts[0], False, False, precision)
     for part in log_decay_parts[1:]:
         sums += _matmul(weights, part, False, False, precision)
-    return jnp.exp(sums)
+    return sums
+
+
+def _decay(weights, log_decay_parts, cfg):
+    """e^{W λ}: every entry is e^{a sum of λ ≤ 0} ≤ 1. [C, BK] f32."""
+    return jnp.exp(_decay_sums(weights, log_decay_parts, cfg))
+
+
+def _bounded_cut(log_decay_parts, cfg):
+    """(cut, sums): the pivot levels below which this key block factors every pair through one pivot per
+    node (int32), and the decay sums of that cut (:func:`_level`'s W λ at half size 2^(cut − 1)).
+
+    With cut = c, a node of 2^c tokens has its pivot p at the left half's last token, and every pair
+    i > j inside it has e^{Λ_i − Λ_j} = e^{Λ_i − Λ_p} · e^{Λ_p − Λ_j} (Λ the inclusive cumsum of λ): one
+    masked product per node instead of one per level 0 … c − 1. Each factor is e^{±(a sum of λ over part
+    of one half-node)}, so it is a normal f32 / bf16 number when every half-node sum lies in [−span, 0]
+    (span = ``bounded_span`` ≤ 80 < log(f32 max) = 88.7); that is what selects c: the largest c ≤ levels
+    for which it holds — the whole chunk for gates of ordinary size (one check), fewer levels for strong
+    decays, 0 (the exact tree) when single tokens decay by more than e^{−span}. The entries are as accurate
+    as the tree's: both factors read the same rounded λ, so their exponents add up to Σ_{j<s≤i} λ up to the
+    f32 rounding of the two sums (≈ 2⁻²⁴·span each; the tree has none of it). Pairs above the diagonal
+    (e^{positive}, possibly inf in f32) are masked by a select, never multiplied."""
+    def sums_at(cut):
+        return _decay_sums(_level(cfg, jnp.maximum(cut - 1, 0))[1], log_decay_parts, cfg)
+
+    def too_wide(carry):
+        cut, sums = carry
+        return (cut > 0) & (jnp.min(jnp.min(sums, axis=1), axis=0) < -cfg.bounded_span)
+
+    top = jnp.int32(cfg.levels)
+    return jax.lax.while_loop(too_wide, lambda carry: (carry[0] - 1, sums_at(carry[0] - 1)), (top, sums_at(top)))
+
+
+def _pivot_factors(cut, sums, cfg):
+    """For (cut, sums) from :func:`_bounded_cut`: (pairs [C, C] bool: i > j inside one node of 2^cut
+    tokens, left = e^{Λ_i − Λ_p}, right = e^{Λ_p − Λ_i} [C, BK] f32). The exponents are clipped to ±span,
+    which changes nothing when the cut holds and keeps the factors finite when cut = 0 (no pair selected)."""
+    c = cfg.chunk
+    right_half = (jax.lax.shift_right_logical(iota((c, cfg.block_k), 0), jnp.maximum(cut - 1, 0)) & 1) == 1
+    span = cfg.bounded_span
+    exponent = jnp.clip(jnp.where(right_half, sums, -sums), -span, span)  # Λ_i − Λ_p
+    i, j = iota((c, c), 0), iota((c, c), 1)
+    pairs = (jax.lax.shift_right_logical(i, cut) == jax.lax.shift_right_logical(j, cut)) & (i > j)
+    return pairs, jnp.exp(exponent), jnp.exp(-exponent)
 
 
 def _key_block(b, cfg):
@@ -325,7 +374,14 @@ def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_st
             return (acc[0] + jnp.where(pairs, _dot(e * f, kf, cfg, trans_b=True), 0.0),
                     acc[1] + jnp.where(pairs, _dot(q * f, kf, cfg, trans_b=True), 0.0))
 
-        a, m = jax.lax.fori_loop(0, cfg.levels, level, (a, m))
+        cut = 0  # the exact tree for every pair
+        if cfg.bounded_span is not None:
+            cut, sums = _bounded_cut(log_decay_split, cfg)
+            pairs, left, right = _pivot_factors(cut, sums, cfg)
+            kr = k * right
+            a = a + jnp.where(pairs, _dot(e * left, kr, cfg, trans_b=True), 0.0)
+            m = m + jnp.where(pairs, _dot(q * left, kr, cfg, trans_b=True), 0.0)
+        a, m = jax.lax.fori_loop(cut, cfg.levels, level, (a, m))
         return a, m, diag + jnp.sum(q.astype(F32) * k.astype(F32), axis=1)
 
     zeros = jnp.zeros((c, c), F32)
@@ -507,7 +563,19 @@ def _key_grads_kernel(cfg):
                               + _dot(dm_l, q * f, cfg, trans_a=True, f32=wide)) * f)
 
         zeros = jnp.zeros((c, cfg.block_k), F32)
-        d_e_pair, d_q_pair, d_k_pair = jax.lax.fori_loop(0, cfg.levels, level, (zeros, zeros, zeros))
+        pair_grads = (zeros, zeros, zeros)
+        cut = 0
+        if cfg.bounded_span is not None:  # the forward's one product per node, transposed
+            cut, sums = _bounded_cut(log_decay_split, cfg)
+            pairs, left, right = _pivot_factors(cut, sums, cfg)
+            d_a = jnp.where(pairs, d_strict_ref[...], jnp.zeros_like(d_strict_ref[...]))
+            d_m = jnp.where(pairs, d_readout_ref[...], jnp.zeros_like(d_readout_ref[...]))
+            kr = k * right
+            wide = cfg.pair_grads_f32
+            pair_grads = (_dot(d_a, kr, cfg, f32=wide) * left, _dot(d_m, kr, cfg, f32=wide) * left,
+                          (_dot(d_a, e * left, cfg, trans_a=True, f32=wide)
+                           + _dot(d_m, q * left, cfg, trans_a=True, f32=wide)) * right)
+        d_e_pair, d_q_pair, d_k_pair = jax.lax.fori_loop(cut, cfg.levels, level, pair_grads)
         # the state terms after the level loop: nothing [C, BK] extra stays live across it
         s0 = starts_ref[...]
         d_ends = d_ends_ref[...]
@@ -547,9 +615,10 @@ def _cost(cfg, kernel, batch_heads, n_chunks, save_matrices=True):
     from mixerlab.pallas_kernels.delta_rule import flops_gpu
     operand_bytes = jnp.dtype(cfg.operand_dtype).itemsize
     sum_passes = 2 if cfg.resolved_decay_sums == "tf32x2" and not cfg.interpret else 1  # as _split
+    bounded = cfg.bounded_span is not None
     counts = flops_gpu.kernel_counts(cfg.chunk, cfg.leaf, cfg.key_dim, cfg.value_dim, cfg.block_k, sum_passes,
-                                     save_matrices, operand_bytes)
-    exps = flops_gpu.kernel_exps(cfg.chunk, cfg.key_dim, save_matrices)
+                                     save_matrices, operand_bytes, bounded)
+    exps = flops_gpu.kernel_exps(cfg.chunk, cfg.key_dim, save_matrices, bounded)
     bf, tf, nbytes = counts[kernel]
     chunks = batch_heads * n_chunks
     return pl.CostEstimate(flops=int(chunks * (bf + tf)), transcendentals=int(chunks * exps[kernel]),

@@ -96,6 +96,50 @@ def test_interpret_strong_decay_is_finite_and_accurate():
     _check(got, _reference(args, document, weights), tol=1e-4, grad_tol=1e-4)
 
 
+@pytest.mark.parametrize("per_token, span, cut", [
+    (-1.0, 60.0, 6),  # half-chunk sums ≥ −32: the whole chunk through token 31
+    (-2.5, 60.0, 5),  # −80 over 32 tokens, −40 over 16: nodes of 32
+    (-20.0, 60.0, 2),  # −40 over 2 tokens: nodes of 4
+    (-100.0, 60.0, 0),  # a single token decays by e^−100: the exact tree throughout
+    (-1.0, None, 0),
+])
+def test_bounded_cut_is_the_largest_node_whose_half_sums_fit_the_span(per_token, span, cut):
+    cfg = pallas_triton.make_config(64, 16, 32, 32, jnp.float32, interpret=True, bounded_span=span)
+    lam = jnp.full((64, 32), per_token, jnp.float32)
+    if span is None:
+        assert cfg.bounded_span is None
+        return
+    got, sums = jax.jit(lambda x: pallas_triton._bounded_cut(pallas_triton._split(x, cfg), cfg))(lam)
+    assert int(got) == cut
+    if cut:
+        pairs, left, right = pallas_triton._pivot_factors(got, sums, cfg)
+        cum = np.cumsum(np.full(64, per_token))
+        i, j = np.tril_indices(64, -1)
+        same_node = (i >> cut) == (j >> cut)
+        np.testing.assert_array_equal(np.asarray(pairs)[i, j], same_node)
+        decay = np.asarray(left)[i, 0] * np.asarray(right)[j, 0]  # e^{Λ_i − Λ_p} e^{Λ_p − Λ_j}
+        np.testing.assert_allclose(decay[same_node], np.exp(cum[i] - cum[j])[same_node], rtol=1e-5, atol=1e-30)
+
+
+def test_bad_bounded_span_names_the_valid_range():
+    with pytest.raises(ValueError, match="bounded_span=100.*0, 80"):
+        pallas_triton.make_config(64, 16, 32, 32, jnp.float32, bounded_span=100.0)
+
+
+def test_interpret_bounded_and_tree_paths_agree_in_f32():
+    """The factored path (default) and the exact tree on the same inputs, mixed cuts (one head with strong
+    decay, one with ordinary gates): both within f32 rounding of the float64 reference."""
+    b, t, h, dk, dv = 1, 128, 2, 32, 16
+    inputs = gdn2_inputs(8, b, t, h, dk, dv, dtype=np.float32, strong_decay_heads=1)
+    args = _args(inputs, jnp.float32)
+    document = _documents(b, t, [5, 40, 64, 100])
+    weights = _weights(9, b, t, h, dk, dv)
+    want = _reference(args, document, weights)
+    for span in (60.0, None):
+        got = _kernel(args, document, weights, chunk_size=64, leaf_size=8, bounded_span=span)
+        _check(got, want, tol=2e-6, grad_tol=1e-5)  # observed ≤ 1e-6 on both paths
+
+
 def test_interpret_bf16_operands():
     b, t, h, dk, dv = 1, 64, 1, 32, 32
     inputs = gdn2_inputs(4, b, t, h, dk, dv, dtype=np.float32)

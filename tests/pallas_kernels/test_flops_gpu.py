@@ -18,15 +18,23 @@ RAW = ROOT / "docs/benchmarks/raw/delta_rule_h200_2026-11-30.json"
 
 def test_counts_by_hand():
     c, d = 64, 128
-    counts = flops_gpu.kernel_counts(chunk=c, leaf=16, dk=d, dv=d, block_k=32, sum_passes=1)
+    counts = flops_gpu.kernel_counts(chunk=c, leaf=16, dk=d, dv=d, block_k=32, sum_passes=1, bounded=False)
     bf16, tf32, _ = counts["K1_intra"]
     # 6 pivot levels × (A and M: C×Dk×C each) + U = P V̂ and Y = P (K̂⊙π)
     assert bf16 == 6 * 2 * (2 * c * d * c) + 2 * (2 * c * c * d)
     # decay sums: 6 levels + π, E + π again for Y (one TF32 pass each); inverse: 2·(log2 16 − 1) Neumann
     # products and 2·(6 − 4) merge products of C×C×C
     assert tf32 == 9 * (2 * c * c * d) + (6 + 4) * (2 * c ** 3)
-    two_pass = flops_gpu.kernel_counts(chunk=c, leaf=16, dk=d, dv=d, block_k=32, sum_passes=2)["K1_intra"][1]
+    two_pass = flops_gpu.kernel_counts(chunk=c, leaf=16, dk=d, dv=d, block_k=32, sum_passes=2,
+                                       bounded=False)["K1_intra"][1]
     assert two_pass - tf32 == 9 * (2 * c * c * d)
+    # the factored path: one product each for A and M, one decay sum for the factors (plus π, E, π)
+    bf16_b, tf32_b, bytes_b = flops_gpu.kernel_counts(chunk=c, leaf=16, dk=d, dv=d, block_k=32)["K1_intra"]
+    assert bf16_b == 2 * (2 * c * d * c) + 2 * (2 * c * c * d)
+    assert tf32_b == 4 * (2 * c * c * d) + (6 + 4) * (2 * c ** 3)
+    assert bytes_b == counts["K1_intra"][2]
+    assert flops_gpu.kernel_exps(c, d)["K1_intra"] == 5 * c * d + d
+    assert flops_gpu.kernel_exps(c, d, bounded=False)["K1_intra"] == 9 * c * d + d
     scan = counts["K2_scan"]
     assert scan[0] == 2 * (2 * c * d * d) and scan[2] == 2 * c * d * 4 + 4 * d + 2 * d * d  # U, Y, K⊙E, Ũ; π_C; S₀
     assert "B0_intra_again" in flops_gpu.kernel_counts(save_matrices=False)
@@ -51,7 +59,9 @@ def test_cli_with_measured_times(capsys):
 
 
 def _executed(jaxpr, scale=1):
-    """(matmul FLOPs, exp elements) of one program of a kernel jaxpr; scan bodies count ``length`` times."""
+    """(matmul FLOPs, exp elements) of one program of a kernel jaxpr; scan bodies count ``length`` times.
+    A while loop (the bounded-cut search, and the exact levels from a traced cut) counts as on the factored
+    path the estimates declare: its condition once, its body never."""
     flops = exps = 0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
@@ -61,8 +71,12 @@ def _executed(jaxpr, scale=1):
             flops += scale * 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
         elif name == "exp":
             exps += scale * math.prod(eqn.outvars[0].aval.shape)
-        assert name not in ("while", "cond"), f"{name}: trip count unknown to this counter"
+        assert name != "cond", f"{name}: branch unknown to this counter"
         inner = scale * (eqn.params["length"] if name == "scan" else 1)
+        if name == "while":
+            f, e = _executed(eqn.params["cond_jaxpr"].jaxpr, scale)
+            flops, exps = flops + f, exps + e
+            continue
         for value in eqn.params.values():
             sub = getattr(value, "jaxpr", value)
             if hasattr(sub, "eqns"):
@@ -75,14 +89,16 @@ def _pallas_calls(fn, *args):
     return [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == "pallas_call"]
 
 
-@pytest.mark.parametrize("dtype_name, leaf, block_k, save", [("bfloat16", 16, 32, True), ("float32", 8, 64, True),
-                                                              ("bfloat16", 16, 32, False)])
-def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save):
+@pytest.mark.parametrize("dtype_name, leaf, block_k, save, span", [
+    ("bfloat16", 16, 32, True, 60.0), ("float32", 8, 64, True, 60.0), ("bfloat16", 16, 32, False, 60.0),
+    ("bfloat16", 16, 32, True, None)])
+def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save, span):
     """Each of the seven Triton pallas_calls declares the FLOPs and exps its body executes (traced, not run:
     interpret=False, nothing is lowered on the CPU), and the bytes of flops_gpu.kernel_counts."""
     dtype = jnp.dtype(dtype_name)
     b, t, h, dk, dv, c = 2, 192, 3, 128, 64, 64
-    cfg = ptr.make_config(c, leaf, dk, dv, dtype, batch_heads=b * h, block_k=block_k, save_matrices=save)
+    cfg = ptr.make_config(c, leaf, dk, dv, dtype, batch_heads=b * h, block_k=block_k, save_matrices=save,
+                          bounded_span=span)
     rng = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, e = (jax.random.normal(r, (b, t, h, dk), dtype) for r in rng[:3])
     v = jax.random.normal(rng[3], (b, t, h, dv), dtype)
@@ -112,5 +128,6 @@ def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save)
         flops, exps = _executed(eqn.params["jaxpr"])
         assert (est.flops, est.transcendentals) == (programs * flops, programs * exps), eqn.params["name"]
         # bytes: flops_gpu's count; K1 writes P when the backward keeps it (save) or recomputes it (call 3)
-        counts = flops_gpu.kernel_counts(c, leaf, dk, dv, block_k, passes, save or i == 3, dtype.itemsize)
+        counts = flops_gpu.kernel_counts(c, leaf, dk, dv, block_k, passes, save or i == 3, dtype.itemsize,
+                                         span is not None)
         assert est.bytes_accessed == chunks * counts[kernel_of[eqn.params["name"]]][2], eqn.params["name"]
