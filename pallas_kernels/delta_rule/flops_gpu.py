@@ -69,7 +69,8 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
         "B2a_cotangents": (3 * mm(c, c, dv) + mm(c, dk, dv) + mm(c, dv, dk) + 2 * mm(c, c, dk), 0,
                            4 * c + tile(c) + tile(dv) + tile(dk) + state + 2 * tile(dv)
                            + tile(dv) + 2 * tile(c) + tile(dv)),
-        "B2b_key_grads": (3 * mm(c, dv, dk) + mm(c, c, dk) + pair_passes * 4 * mm(c, c, dk), sums(pair_passes + 2),
+        "B2b_key_grads": (3 * mm(c, dv, dk) + mm(c, c, dk) + pair_passes * 4 * mm(c, c, dk),
+                          sums(pair_passes + 3 if bounded else pair_passes + 2),  # bounded: check, factors, π, E
                           inputs - c * ob * dv + 2 * state
                           + nkb * (tile(c) + 3 * tile(dv) + 2 * tile(c)) + c * (ob * 3 * dk + 4 * dk)),
     }

@@ -109,10 +109,12 @@ def test_bounded_cut_is_the_largest_node_whose_half_sums_fit_the_span(per_token,
     if span is None:
         assert cfg.bounded_span is None
         return
-    got, sums = jax.jit(lambda x: pallas_triton._bounded_cut(pallas_triton._split(x, cfg), cfg))(lam)
-    assert int(got) == cut
+    parts = pallas_triton._split(lam, cfg)
+    got, sums = jax.jit(lambda p: pallas_triton._bounded_cut(p, cfg, keep_sums=True))(parts)
+    assert int(got) == cut == int(jax.jit(lambda p: pallas_triton._bounded_cut(p, cfg, keep_sums=False)[0])(parts))
     if cut:
-        pairs, left, right = pallas_triton._pivot_factors(got, sums, cfg)
+        pairs, left, right = pallas_triton._pivot_factors(got, sums, parts, cfg)
+        np.testing.assert_array_equal(right, pallas_triton._pivot_factors(got, None, parts, cfg)[2])
         cum = np.cumsum(np.full(64, per_token))
         i, j = np.tril_indices(64, -1)
         same_node = (i >> cut) == (j >> cut)
