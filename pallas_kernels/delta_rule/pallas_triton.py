@@ -7,7 +7,7 @@ o_t = q̂_t S_t.  Entry point: :func:`run` with the op's ``impl.run`` contract, 
 Structure (FLA-like: the state-independent work runs for every chunk in parallel, only the small
 S-dependent products are sequential):
 
-  forward   K1 ``intra``      grid (B, H, N)       per chunk: A and M by the pivot tree, P = (I + A)⁻¹ (Neumann
+  forward   K1 ``intra``      grid (B, H, N)       per chunk: A, M (factored pairs, pivot tree), P = (I + A)⁻¹ (Neumann
                                                    leaves + 2×2 merges), U = P V̂, Y = P (K̂⊙π), Q̂⊙π, K⊙E, π_C
                                                    (and M, P for the backward)
             K2 ``scan``       grid (B, H, Dv/BV)   sequential over chunks: S₀ saved, Ũ = U − Y S₀,
@@ -26,7 +26,8 @@ S-dependent products are sequential):
 Everything inside a kernel is a 2-D tile ([C, C], [C, BK], [C, Dv]) so that Triton never reshapes or
 converts layouts; K1, B0 and B2b walk the key channels in blocks of BK (``block_k``) to bound registers.
 
-Numerics (every exponent ≤ 0, docs/math/delta_rule.md, 'Boundary pivots'):
+Numerics (every exponent ≤ 0, docs/math/delta_rule.md, 'Boundary pivots'; or, per key block where the gates
+allow it, factors within e^{±bounded_span}: :func:`_bounded_cut`, docs/kernels_gpu.md, 'Factored pairs'):
   * A and M by the pivot tree all the way down to single tokens. A pair (i > j) belongs to exactly one
     level: the node of size 2h whose left half holds j and right half holds i, pivot p = the left half's
     last token. Its decay e^{Σ_{j<s≤i} λ} = ρ_i κ_j with ρ_i = e^{Σ_{p<s≤i} λ} and κ_j = e^{Σ_{j<s≤p} λ},
@@ -256,7 +257,7 @@ def _bounded_cut(log_decay_parts, cfg, keep_sums):
     """(cut, sums): the pivot levels below which this key block factors every pair through one pivot per
     node (int32), and the decay sums of that cut (:func:`_level`'s W λ at half size 2^(cut − 1)) when
     ``keep_sums``, else None (:func:`_pivot_factors` computes them again: on the H200 that is faster in the
-    key-gradient kernel, 3.47 against 3.95 ms, and slower in K1, 1.99 against 1.80 ms).
+    key-gradient kernel, 3.47 against 3.95 ms, and slower in K1, 1.99 against 1.80 ms, two H200 calls).
 
     With cut = c, a node of 2^c tokens has its pivot p at the left half's last token, and every pair
     i > j inside it has e^{Λ_i − Λ_j} = e^{Λ_i − Λ_p} · e^{Λ_p − Λ_j} (Λ the inclusive cumsum of λ): one
