@@ -95,7 +95,8 @@ class Config:
     bounded_span: Optional[float] = 60.0  # per key block, pairs inside the largest nodes whose half-node decay
     #                                        sums all lie in [−span, 0] take one product through the node's pivot
     #                                        (factors e^{±x}, x ≤ span) instead of one per pivot level; None:
-    #                                        always the exact tree (every exponent ≤ 0). See _bounded_cut.
+    #                                        always the exact tree (every exponent ≤ 0; the default for float16
+    #                                        operands, whose range ends at e^11). See _bounded_cut.
     save_matrices: bool = True  # keep M and P (C×C per chunk, operand dtype) for the backward instead of
     #                             running K1 again (≈ 17 % more residual bytes at C 64, D 128, bf16, f32 λ)
     interpret: bool = False
@@ -143,11 +144,15 @@ def make_config(chunk, leaf, key_dim, value_dim, operand_dtype, *, batch_heads=1
     base = dict(chunk=chunk, leaf=leaf, key_dim=key_dim, value_dim=value_dim, operand_dtype=operand_dtype,
                 inverse_precision="highest" if interpret else "tf32",
                 scan_block_v=default_block_v(batch_heads, value_dim), block_k=min(32, key_dim),
-                interpret=interpret)
+                bounded_span=None if operand_dtype == jnp.dtype(jnp.float16) else 60.0, interpret=interpret)
     base.update(overrides)
     cfg = Config(**base)
     if cfg.decay_sums not in ("auto", "tf32", "tf32x2"):
         raise ValueError(f"pallas_triton: decay_sums={cfg.decay_sums!r}; expected 'auto', 'tf32' or 'tf32x2'")
+    if cfg.bounded_span is not None and operand_dtype == jnp.dtype(jnp.float16):
+        raise ValueError(f"pallas_triton: bounded_span={cfg.bounded_span!r} with float16 operands; the factors "
+                         "e^{±span} need an 8-bit exponent (float32, bfloat16): float16 overflows above e^11. "
+                         "Use bounded_span=None (the default for float16)")
     if cfg.bounded_span is not None and not 0 < cfg.bounded_span <= 80:
         raise ValueError(f"pallas_triton: bounded_span={cfg.bounded_span!r}; expected None (the exact pivot tree) "
                          "or a number in (0, 80] (factors e^{±span} stay normal f32 / bf16 numbers)")

@@ -128,6 +128,22 @@ def test_bad_bounded_span_names_the_valid_range():
         pallas_triton.make_config(64, 16, 32, 32, jnp.float32, bounded_span=100.0)
 
 
+def test_interpret_float16_keeps_the_exact_tree():
+    """float16 operands end at e^11: factors e^{±60} would overflow (NaN everywhere), so float16 runs the exact
+    tree by default and refuses a span; forward and gradients stay within float16 error of the reference."""
+    with pytest.raises(ValueError, match="float16"):
+        pallas_triton.make_config(64, 16, 32, 32, jnp.float16, bounded_span=60.0)
+    assert pallas_triton.make_config(64, 16, 32, 32, jnp.float16).bounded_span is None
+    b, t, h, dk, dv = 1, 128, 2, 32, 32
+    inputs = gdn2_inputs(4, b, t, h, dk, dv, dtype=np.float32)
+    inputs["log_decay"] = 2.0 * inputs["log_decay"]  # half-chunk sums ≈ −50: the factored path would overflow
+    args = _args(inputs, jnp.float16)
+    document = _documents(b, t, [70])
+    weights = _weights(5, b, t, h, dk, dv)
+    got = _kernel(args, document, weights, chunk_size=64, leaf_size=16)
+    _check(got, _reference(args, document, weights), tol=2e-3, grad_tol=5e-3)  # observed ≤ 9.3e-4
+
+
 def test_interpret_bounded_and_tree_paths_agree_in_f32():
     """The factored path (default) and the exact tree on the same inputs, mixed cuts (one head with strong
     decay, one with ordinary gates): both within f32 rounding of the float64 reference."""
