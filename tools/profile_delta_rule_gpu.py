@@ -40,6 +40,10 @@ VARIANTS = {  # name: (context-manager factory, Config overrides)
     "no_levels": (lambda: patched(ptr.Config, "levels", property(lambda self: 0)), {}),
     "no_inverse": (lambda: patched(ptr, "_inverse", lambda a, masks, cfg: a), {}),
     "tree": (contextlib.nullcontext, {"bounded_span": None}),  # every pair through the exact pivot tree
+    # the factored pairs with no cut search and no exact levels compiled beside them (wrong numbers where a
+    # key block needs the tree; what a kernel specialised to the factored path could gain)
+    "factored_only": (lambda: patched(ptr, "_bounded_cut", lambda parts, cfg, keep_sums: (
+        cfg.levels, ptr._cut_sums(cfg.levels, parts, cfg) if keep_sums else None)), {}),
     "sums_tf32x2": (contextlib.nullcontext, {"decay_sums": "tf32x2"}),
     "pair_grads_f32": (contextlib.nullcontext, {"pair_grads_f32": True}),
     "block_k16": (contextlib.nullcontext, {"block_k": 16}),
