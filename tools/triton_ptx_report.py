@@ -66,7 +66,7 @@ def short_conv_modules(overrides, shape=(32, 4096, 1024, 4)):
     return _capture_triton_modules(trace), {"fwd": cfg.warps, "bwd": cfg.bwd_warps}
 
 
-def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128)):
+def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128), dtype="bfloat16"):
     """{kernel name: Triton IR text} of forward + backward, captured from the Pallas lowering."""
     import jax
     import jax.numpy as jnp
@@ -75,7 +75,7 @@ def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128)):
 
     b, t, h, dk, dv = shape
     s = jax.ShapeDtypeStruct
-    specs = [s((b, t, h, dk), jnp.bfloat16)] * 3 + [s((b, t, h, dv), jnp.bfloat16), s((b, t, h, dk), jnp.float32),
+    specs = [s((b, t, h, dk), dtype)] * 3 + [s((b, t, h, dv), dtype), s((b, t, h, dk), jnp.float32),
                                                    s((b, h, dk, dv), jnp.float32), s((b, t), jnp.int32)]
 
     def loss(*a):
@@ -84,7 +84,7 @@ def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128)):
 
     captured = _capture_triton_modules(
         lambda: jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(*specs).lower(lowering_platforms=("cuda",)))
-    cfg = pallas_triton.make_config(chunk, leaf, dk, dv, jnp.bfloat16, batch_heads=b * h, **overrides)
+    cfg = pallas_triton.make_config(chunk, leaf, dk, dv, dtype, batch_heads=b * h, **overrides)
     warps = {name: getattr(cfg, f"warps_{name}", 4) for name in ("intra", "rhs", "scan", "output", "cotangents",
                                                                   "key_grads")}
     warps["scan_bwd"] = cfg.warps_scan
@@ -166,6 +166,7 @@ def main():
     ap.add_argument("--leaf", type=int, default=16)
     ap.add_argument("--overrides", default="{}", help="JSON dict of pallas_triton.Config fields")
     ap.add_argument("--kernels", default="", help="comma list of kernel names (default: all)")
+    ap.add_argument("--dtype", default="bfloat16", help="delta rule: q, k, k̂, v̂ dtype (bfloat16, float32, float16)")
     a = ap.parse_args()
     try:
         import triton  # noqa: F401
@@ -178,7 +179,7 @@ def main():
     elif a.op == "interdomain":
         modules, warps = interdomain_modules(a.chunk, json.loads(a.overrides))
     else:
-        modules, warps = triton_modules(a.chunk, a.leaf, json.loads(a.overrides))
+        modules, warps = triton_modules(a.chunk, a.leaf, json.loads(a.overrides), dtype=a.dtype)
     wanted = set(filter(None, a.kernels.split(",")))
     print("| kernel | warps | registers | spill stores B | spill loads B | shared KB | wgmma | bar.sync |")
     print("|---|---|---|---|---|---|---|---|")
