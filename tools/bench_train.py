@@ -96,6 +96,7 @@ def measure(config: str, overrides: list[str], steps: int, warmup: int, depth: i
     return {"config": config, "overrides": overrides, "mixers": sorted(set(cfg.layer_mixers)),
             "params_M": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract_params)) / 1e6,
             "batch": cfg.train.batch_size, "seq_len": cfg.data.seq_len, "devices": jax.device_count(),
+            "remat": trainer.cfg.model.remat,  # model.remat=auto resolved
             "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
             "compile_s": compile_s, "step_s": pipeline, "device_step_s": device, "synced_step_s": synced,
             "tokens_per_s": tokens / pipeline, "mfu": mfu(pipeline), "synced_mfu": mfu(synced),
@@ -111,7 +112,7 @@ def _row(name: str, r: dict) -> str:
     peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
     return (f"| {name} | {r['batch']}×{r['seq_len']} | {r['step_s']:.3f} s | {r['tokens_per_s'] / 1e3:,.0f}K | "
             f"{pct(r['mfu'])} | {pct(r['device_idle'])} | {peak} | synced loop {r['synced_step_s']:.3f} s "
-            f"({pct(r['synced_mfu'])}, idle {pct(r['synced_device_idle'])}) |")
+            f"({pct(r['synced_mfu'])}, idle {pct(r['synced_device_idle'])}); remat {r.get('remat', '?')} |")
 
 
 def main(argv=None) -> None:

@@ -61,9 +61,10 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     dtype: Literal["float32", "bfloat16"] = "float32"  # activation/compute dtype; parameters stay float32
-    remat: Literal["none", "block", "kernels", "dots", "mixer"] = "none"  # activation checkpointing, per block:
+    remat: Literal["none", "block", "kernels", "dots", "mixer", "auto"] = "none"  # activation checkpointing, per
     #   block: keep only its input; kernels: + the mixer kernels' outputs/residuals; dots: + every matmul output;
-    #   mixer: recompute only the token mixer
+    #   mixer: recompute only the token mixer; auto: the fastest of none/dots/kernels/block whose compiled train
+    #   step fits the device (training/remat_auto.py)
 
     @property
     def key_head_dim(self) -> int:

@@ -23,7 +23,7 @@ from mixerlab.training import data as data_lib
 from mixerlab.training import storage
 from mixerlab.training import run_dir as run_dir_lib
 from mixerlab.training.checkpoint import Checkpointer
-from mixerlab.training import flop_model, mesh as mesh_lib
+from mixerlab.training import flop_model, mesh as mesh_lib, remat_auto
 from mixerlab.training.prefetch import DevicePrefetcher
 from mixerlab.training import tracking
 from mixerlab.training.metrics import MetricsWriter, plot_loss_curve
@@ -58,8 +58,9 @@ class Trainer:
     """
 
     def __init__(self, cfg, vocab_size: int, mesh=None):
-        self.cfg = cfg
         self.mesh = mesh if mesh is not None else mesh_lib.make_mesh(cfg)
+        cfg = remat_auto.resolve(cfg, vocab_size, self.mesh)  # model.remat=auto: the fastest policy that fits
+        self.cfg = cfg
         seed = cfg.train.seed
         abstract = nnx.eval_shape(lambda: Decoder(cfg.model, vocab_size, mixer_options=cfg.mixers,
                                                   rngs=nnx.Rngs(seed)))

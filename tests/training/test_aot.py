@@ -83,3 +83,12 @@ def test_a_program_that_does_not_fit_says_so_and_what_to_try():
     assert out.returncode == 1, out.stdout + out.stderr
     assert "does not fit on v5e:2x2" in out.stderr and "exceeds available HBM" in out.stderr, out.stderr
     assert "train.loss_chunk" in out.stderr and "train.microbatches" in out.stderr and "mesh.fsdp" in out.stderr
+
+
+def test_remat_auto_picks_a_policy_for_the_topology_hbm():
+    """model.remat=auto on an abstract TPU topology: the chip's HBM is the limit (v5e: 16 GiB), and the tiny
+    model's step fits without recomputation."""
+    out = _compile_only("configs/tiny.yaml", "v5e:2x2", "mesh.data=1", "mesh.fsdp=-1", "model.remat=auto")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "model.remat=auto -> 'none'" in out.stdout + out.stderr
+    assert "of 12.8 GiB (80% of 16.0 GiB)" in out.stdout + out.stderr

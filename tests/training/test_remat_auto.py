@@ -1,0 +1,64 @@
+"""model.remat=auto (training/remat_auto.py): the fastest policy whose compiled train step fits the device."""
+import pytest
+
+from mixerlab.training import remat_auto
+
+GIB = 2**30
+SIZES = {"none": 91 * GIB, "dots": 61 * GIB, "kernels": 36 * GIB, "block": 28 * GIB}  # GDN-2 166M on the H200
+
+
+def _choose(limit, sizes=SIZES, fail=()):
+    tried, said = [], []
+
+    def compile_bytes(policy):
+        tried.append(policy)
+        if policy in fail:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+        return sizes[policy]
+
+    return remat_auto.choose(compile_bytes, limit, said.append), tried, said
+
+
+@pytest.mark.parametrize("limit_gib, want", [(141, "none"), (80, "dots"), (50, "kernels"), (35, "block")])
+def test_the_first_policy_within_the_headroom_wins(limit_gib, want):
+    got, tried, said = _choose(limit_gib * GIB)
+    assert got == want
+    assert tried == list(remat_auto.CANDIDATES[:remat_auto.CANDIDATES.index(want) + 1])  # fastest first, no more
+    assert f"-> {want!r}" in said[-1]
+
+
+def test_a_compiler_refusal_means_try_the_next_and_no_limit_means_it_compiles():
+    got, tried, said = _choose(None, fail=("none", "dots"))
+    assert (got, tried) == ("kernels", ["none", "dots", "kernels"])
+    assert "does not compile" in said[0]
+
+
+def test_nothing_fits_falls_back_to_block_with_advice():
+    got, _, said = _choose(10 * GIB)
+    assert got == "block" and "train.batch_size" in said[-1]
+
+
+def test_other_compile_errors_are_not_swallowed():
+    def broken(policy):
+        raise ValueError("a shape error")
+
+    with pytest.raises(ValueError, match="shape error"):
+        remat_auto.choose(broken, 100 * GIB, print)
+
+
+def test_trainer_resolves_auto_on_the_cpu():
+    """A real compile of the tiny model: the host has room, so 'none' (the fastest) is kept, and the model the
+    trainer builds is the one for that policy."""
+    from mixerlab.training import mesh as mesh_lib
+    from mixerlab.training.config import load_config
+    from mixerlab.training.loop import Trainer
+
+    cfg = load_config("configs/tiny.yaml", ["model.d_model=64", "model.num_layers=1", "train.batch_size=2",
+                                            "model.remat=auto"])
+    mesh = mesh_lib.make_mesh(cfg)
+    said = []
+    resolved = remat_auto.resolve(cfg, 256, mesh, said.append)
+    assert resolved.model.remat == "none" and cfg.model.remat == "auto"
+    assert "-> 'none'" in said[-1] and "GiB" in said[-1]
+    assert Trainer(cfg, 256, mesh=mesh).cfg.model.remat == "none"
+    assert remat_auto.device_memory_limit(mesh.devices.flat[0]) > GIB

@@ -1,0 +1,102 @@
+"""``model.remat: auto``: the fastest activation-checkpointing policy whose compiled train step fits the device.
+
+Recomputation trades time for memory. On an H200 at 32 × 4096 tokens (GDN-2 166M, docs/benchmarks/train_h200.md)
+the policies order as none (fastest, 91.5 GiB) < dots (61.1 GiB) < kernels (36.0 GiB) < block (28.0 GiB), so
+``auto`` compiles the train step with each in that order and keeps the first whose per-device program (the
+compiler's memory analysis: arguments + outputs − donated aliases + temporaries + code) fits in ``HEADROOM`` of
+the device's memory. The choice is printed, and the compiled candidates land in JAX's compilation cache when one
+is configured, so the run's own compile of the chosen step is then a cache hit.
+
+Where the device reports no memory limit (an abstract TPU topology for ``--compile_only``), a candidate counts as
+fitting when the compiler accepts it (TPU compiles refuse programs larger than HBM).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+from mixerlab.training import flop_model
+from mixerlab.training.aot import HBM_BYTES
+
+CANDIDATES = ("none", "dots", "kernels", "block")  # fastest first
+HEADROOM = 0.8  # of the limit: the allocator also holds what compiling took (autotuning) and fragments
+
+
+def program_bytes(compiled) -> float:
+    """Per-device bytes of a compiled program: arguments + outputs − donated aliases + temporaries + code."""
+    mem = compiled.memory_analysis()
+    field = lambda name: float(getattr(mem, name, 0) or 0)  # noqa: E731
+    return (field("argument_size_in_bytes") + field("output_size_in_bytes") - field("alias_size_in_bytes")
+            + field("temp_size_in_bytes") + field("generated_code_size_in_bytes"))
+
+
+def device_memory_limit(device) -> Optional[float]:
+    """Bytes one device may allocate: the runtime's limit (GPU, TPU; on GPU JAX's allocator limit, a share of
+    the memory set by XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 by default), the HBM of a known TPU generation (the
+    abstract devices of ``--compile_only``), the host's RAM for the CPU, else None."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - abstract topology devices have no runtime
+        stats = {}
+    if stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    if device.platform == "cpu":
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    chip = flop_model.peak_flops(device)
+    return float(HBM_BYTES[chip[0]]) if chip and chip[0] in HBM_BYTES else None
+
+
+def _out_of_memory(err: Exception) -> bool:
+    text = str(err)
+    return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text or "out of memory" in text.lower()
+
+
+def choose(compile_bytes: Callable[[str], float], limit: Optional[float], say=print) -> str:
+    """The first of :data:`CANDIDATES` whose program fits ``HEADROOM · limit`` (``compile_bytes(policy)``: the
+    compiled step's bytes; it may raise the compiler's out-of-memory error). When none fits, the most frugal
+    policy, "block", with a warning (the run then fails with the compiler's or the allocator's own message)."""
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    budget = None if limit is None else HEADROOM * limit
+    for policy in CANDIDATES:
+        try:
+            need = compile_bytes(policy)
+        except Exception as err:  # noqa: BLE001 - only the compiler's out-of-memory refusal means "try the next"
+            if not _out_of_memory(err):
+                raise
+            say(f"model.remat=auto: {policy!r} does not compile within the device's memory; trying the next")
+            continue
+        if budget is None or need <= budget:
+            where = "" if budget is None else f" of {gib(budget)} ({HEADROOM:.0%} of {gib(limit)})"
+            say(f"model.remat=auto -> {policy!r}: the train step needs {gib(need)}{where}")
+            return policy
+        say(f"model.remat=auto: {policy!r} needs {gib(need)}, more than {gib(budget)}; trying the next")
+    say("model.remat=auto: no policy fits; using 'block' (the most frugal). Lower train.batch_size, raise "
+        "train.microbatches or set train.loss_chunk")
+    return CANDIDATES[-1]
+
+
+def resolve(cfg, vocab_size: int, mesh, say=print):
+    """``cfg`` with ``model.remat`` "auto" replaced by :func:`choose`'s policy for this mesh's devices (cfg
+    unchanged otherwise). Each candidate is compiled on abstract arguments (no parameters are drawn)."""
+    if cfg.model.remat != "auto":
+        return cfg
+    from mixerlab.training.loop import Trainer
+
+    def with_policy(policy):
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=policy))
+
+    def compile_bytes(policy):
+        trainer = Trainer(with_policy(policy), vocab_size, mesh=mesh)
+        abstract = lambda tree, shardings: jax.tree.map(  # noqa: E731
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
+        params = abstract(trainer.abstract_params, trainer.param_shardings)
+        opt = abstract(jax.eval_shape(trainer.tx.init, trainer.abstract_params), trainer.opt_shardings)
+        batch = trainer.abstract_batch(cfg.train.batch_size, cfg.data.seq_len)
+        trainer.rest = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), trainer.abstract_rest)
+        return program_bytes(trainer.train_step.lower(params, opt, batch).compile())
+
+    return with_policy(choose(compile_bytes, device_memory_limit(mesh.devices.flat[0]), say))
