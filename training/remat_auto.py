@@ -4,11 +4,13 @@ Recomputation trades time for memory. On an H200 at 32 × 4096 tokens (GDN-2 166
 the policies order as none (fastest, 91.5 GiB) < dots (61.1 GiB) < kernels (36.0 GiB) < block (28.0 GiB), so
 ``auto`` compiles the train step with each in that order and keeps the first whose per-device program (the
 compiler's memory analysis: arguments + outputs − donated aliases + temporaries + code) fits in ``HEADROOM`` of
-the device's memory. The choice is printed, and the compiled candidates land in JAX's compilation cache when one
-is configured, so the run's own compile of the chosen step is then a cache hit.
+the device's memory limit. 80 %, not 90 %: on the H200 a GDN-2 step estimated within 90 % ran out of memory at
+its first step, the allocator having grown while the candidates compiled. The choice is printed. Each policy
+tried is one compile; the chosen one is compiled again for the run unless JAX's persistent compilation cache
+is configured.
 
-Where the device reports no memory limit (an abstract TPU topology for ``--compile_only``), a candidate counts as
-fitting when the compiler accepts it (TPU compiles refuse programs larger than HBM).
+Where the limit is unknown (an accelerator that reports none and is not a TPU generation we know), a candidate
+counts as fitting when the compiler accepts it.
 """
 from __future__ import annotations
 
