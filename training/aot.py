@@ -116,20 +116,14 @@ def compile_train_step(cfg, topology: str, vocab_size: int):
     topo = topologies.get_topology_desc(topology, "tpu")
     mesh = mesh_lib.make_mesh(cfg, list(topo.devices))
     trainer = Trainer(cfg, vocab_size, mesh=mesh)
-    params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                          trainer.abstract_params, trainer.param_shardings)
     opt_abstract = jax.eval_shape(trainer.tx.init, trainer.abstract_params)
-    opt = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), opt_abstract,
-                       trainer.opt_shardings)
-    batch = trainer.abstract_batch(cfg.train.batch_size, cfg.data.seq_len)
-    # Non-parameter state (none in our models today) is a compile-time constant of the step.
-    trainer.rest = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), trainer.abstract_rest)
     try:
         # The step traces its ops under the topology's mesh, so they pick their TPU kernels (dispatch.target_backend).
-        compiled = trainer.train_step.lower(params, opt, batch).compile()
+        compiled = trainer.lower_abstract_step().compile()
     except Exception as e:  # the TPU compiler refuses programs that cannot fit in HBM
         if "RESOURCE_EXHAUSTED" in str(e) or "Ran out of memory" in str(e):
-            remat = "" if cfg.model.remat == "block" else f", model.remat=block (now {cfg.model.remat!r})"
+            remat = trainer.cfg.model.remat  # model.remat=auto resolved
+            remat = "" if remat == "block" else f", model.remat=block (now {remat!r})"
             raise MemoryError(f"does not fit on {topology} with mesh {dict(mesh.shape)}: {e}. Try "
                               f"train.loss_chunk=512 (now {cfg.train.loss_chunk}), more chips, "
                               f"train.microbatches (gradient accumulation; now {cfg.train.microbatches}){remat}, "

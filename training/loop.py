@@ -158,6 +158,19 @@ class Trainer:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(local[k]))
                 for k in BATCH_KEYS}
 
+    def lower_abstract_step(self):
+        """The train step lowered on abstract, sharded arguments (nothing drawn or placed): for compile-time
+        questions (does it fit, what does it cost). Non-parameter state (none in our models today) becomes a
+        compile-time constant of zeros unless the trainer was initialized."""
+        abstract = lambda tree, shardings: jax.tree.map(  # noqa: E731
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
+        params = abstract(self.abstract_params, self.param_shardings)
+        opt = abstract(jax.eval_shape(self.tx.init, self.abstract_params), self.opt_shardings)
+        batch = self.abstract_batch(self.cfg.train.batch_size, self.cfg.data.seq_len)
+        if self.rest is None:
+            self.rest = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), self.abstract_rest)
+        return self.train_step.lower(params, opt, batch)
+
     def abstract_batch(self, global_batch_size: int, seq_len: int) -> dict:
         shape = (global_batch_size, seq_len)
         dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32,

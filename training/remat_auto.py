@@ -18,9 +18,6 @@ import dataclasses
 import os
 from typing import Callable, Optional
 
-import jax
-import numpy as np
-
 from mixerlab.training import flop_model
 from mixerlab.training.aot import HBM_BYTES
 
@@ -54,7 +51,7 @@ def device_memory_limit(device) -> Optional[float]:
 
 def _out_of_memory(err: Exception) -> bool:
     text = str(err)
-    return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text or "out of memory" in text.lower()
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
 def choose(compile_bytes: Callable[[str], float], limit: Optional[float], say=print) -> str:
@@ -92,13 +89,6 @@ def resolve(cfg, vocab_size: int, mesh, say=print):
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=policy))
 
     def compile_bytes(policy):
-        trainer = Trainer(with_policy(policy), vocab_size, mesh=mesh)
-        abstract = lambda tree, shardings: jax.tree.map(  # noqa: E731
-            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
-        params = abstract(trainer.abstract_params, trainer.param_shardings)
-        opt = abstract(jax.eval_shape(trainer.tx.init, trainer.abstract_params), trainer.opt_shardings)
-        batch = trainer.abstract_batch(cfg.train.batch_size, cfg.data.seq_len)
-        trainer.rest = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), trainer.abstract_rest)
-        return program_bytes(trainer.train_step.lower(params, opt, batch).compile())
+        return program_bytes(Trainer(with_policy(policy), vocab_size, mesh=mesh).lower_abstract_step().compile())
 
     return with_policy(choose(compile_bytes, device_memory_limit(mesh.devices.flat[0]), say))
