@@ -9,7 +9,8 @@ the step the device waits for the host, peak device memory.
 
 Each RUN is ``name=config.yaml[,section.key=value,...]``; ``--set`` overrides apply to every run. Each run
 goes in its own process (``--in_process`` to change that): peak memory is per run, and an out-of-memory run
-is reported as such instead of ending the benchmark.
+is reported as such instead of ending the benchmark. Like train.py, each run applies ``train.gpu_memory_fraction``
+before it touches the GPU (with ``--in_process`` only the first run's share can take effect).
 
 Three timings per run, all after ``--warmup`` compiled steps:
   * pipeline — the trainer's way: host batches assembled and put on the device by a background thread
@@ -58,11 +59,13 @@ def measure(config: str, overrides: list[str], steps: int, warmup: int, depth: i
     from mixerlab.training import config as config_lib
     from mixerlab.training import data as data_lib
     from mixerlab.training import flop_model
+    from mixerlab.training.distributed import gpu_memory_share
     from mixerlab.training.loop import Trainer
     from mixerlab.training.prefetch import DevicePrefetcher
     from mixerlab.training.tokenizer import load_tokenizer
 
     cfg = config_lib.load_config(config, overrides)
+    gpu_share = gpu_memory_share(cfg.train.gpu_memory_fraction)  # as train.py does, before the devices are touched
     tokenizer = load_tokenizer(cfg.data.tokenizer.kind, cfg.data.tokenizer.path)
     vocab = cfg.model.vocab_size or tokenizer.vocab_size
     trainer = Trainer(cfg, vocab)
@@ -97,6 +100,7 @@ def measure(config: str, overrides: list[str], steps: int, warmup: int, depth: i
             "params_M": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract_params)) / 1e6,
             "batch": cfg.train.batch_size, "seq_len": cfg.data.seq_len, "devices": jax.device_count(),
             "remat": trainer.cfg.model.remat,  # model.remat=auto resolved
+            "gpu_memory_fraction": gpu_share,
             "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
             "compile_s": compile_s, "step_s": pipeline, "device_step_s": device, "synced_step_s": synced,
             "tokens_per_s": tokens / pipeline, "mfu": mfu(pipeline), "synced_mfu": mfu(synced),

@@ -2,10 +2,10 @@
 # The training-throughput measurements of docs/benchmarks/train_h200.md, on the GPU machine (one H200, JAX 0.11.2,
 # Python 3.12): the paper configs on the embedded corpus (the output layer keeps its 32K vocabulary: step
 # time does not depend on which token ids occur).
-#   usage: bash tools/h200_train.sh {bench166|bench166_noremat|bench125|bench125_ia|bench125_vla|bench125_ratios|loop|losses|
+#   usage: bash tools/h200_train.sh {bench166|bench166_paper|bench166_noremat|bench125|bench125_ia|bench125_vla|bench125_ratios|loop|losses|
 #          losses_packed} OUT_DIR
 set -euo pipefail
-what=${1:?bench166, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses or losses_packed}
+what=${1:?bench166, bench166_paper, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses or losses_packed}
 out=${2:?output directory}
 mkdir -p "$out"
 if ! python3 -c "import grain" 2>/dev/null; then  # the GPU machine lacks these; wheels carried in .whl/
@@ -21,6 +21,11 @@ case $what in
       transformer_166m=configs/paper/transformer_166m.yaml,train.batch_size=32 \
       gdn2_166m=configs/paper/gdn2_166m.yaml,train.batch_size=32 \
       muir_166m=configs/paper/muir_166m.yaml,train.batch_size=32 ;;
+  bench166_paper)  # the paper configs at 32x4096 with model.remat=auto (train.gpu_memory_fraction 0.9)
+    python3 tools/bench_train.py --steps 10 --warmup 3 --out "$out/bench166_paper.json" $sets --set model.remat=auto \
+      gdn2_166m=configs/paper/gdn2_166m.yaml,train.batch_size=32 \
+      muir_166m=configs/paper/muir_166m.yaml,train.batch_size=32 \
+      transformer_166m=configs/paper/transformer_166m.yaml,train.batch_size=32 ;;
   bench166_noremat)  # the recurrent 166M models without recomputation (≈ 92 GiB), and auto under a 95 % allocator share
     python3 tools/bench_train.py --steps 10 --warmup 3 --out "$out/bench166_noremat.json" $sets \
       gdn2_166m_none=configs/paper/gdn2_166m.yaml,train.batch_size=32,model.remat=none \
@@ -61,5 +66,5 @@ case $what in
         train.log_every=10 train.eval_every=0 checkpoint.every=0 optim.warmup_steps=20 \
         mixers.softmax.implementation=$impl train.output_dir="$out/losses_$impl"
     done ;;
-  *) echo "unknown '$what' (valid: bench166, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed)" >&2; exit 2 ;;
+  *) echo "unknown '$what' (valid: bench166, bench166_paper, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed)" >&2; exit 2 ;;
 esac

@@ -54,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_only:
         return _compile_only(cfg, args.topology)
 
-    from .distributed import initialize
+    from .distributed import gpu_memory_share, initialize
 
+    gpu_memory_share(cfg.train.gpu_memory_fraction)
     initialize(distributed=args.distributed, coordinator_address=args.coordinator_address,
                num_processes=args.num_processes, process_id=args.process_id)
     from .loop import train

@@ -136,6 +136,9 @@ class TrainConfig:
     resume: bool = True  # continue from the newest checkpoint in output_dir if there is one
     max_consecutive_skips: int = 5  # stop after this many non-finite steps in a row (each is skipped)
     prefetch: int = 2  # batches built and put on the devices ahead of the step; 0: built after each step
+    gpu_memory_fraction: float | None = 0.9  # share of each GPU's memory JAX's allocator may take (its default:
+    #                                          0.75); XLA_PYTHON_CLIENT_MEM_FRACTION in the environment wins; null:
+    #                                          JAX's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,6 +409,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.min_lr_ratio: got {o.min_lr_ratio}; must be in [0, 1]")
     if o.warmup_steps > t.steps:
         raise ConfigError(f"optim.warmup_steps: got {o.warmup_steps}; must be <= train.steps ({t.steps})")
+    if t.gpu_memory_fraction is not None and not 0.0 < t.gpu_memory_fraction <= 1.0:
+        raise ConfigError(f"train.gpu_memory_fraction: got {t.gpu_memory_fraction}; must be in (0, 1] or null "
+                          "(JAX's default share, 0.75)")
     if o.ssm_lr_cap is not None and o.ssm_lr_cap <= 0:
         raise ConfigError(f"optim.ssm_lr_cap: got {o.ssm_lr_cap}; must be > 0 or null")
     if m.head_dim is None and m.d_model % m.num_heads:

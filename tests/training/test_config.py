@@ -50,6 +50,8 @@ def test_layer_pattern_tiles_layers():
     (["model.init_std=-1"], ["model.init_std", "-1", "> 0"]),
     (["model.norm_eps=-1"], ["model.norm_eps", "-1", "> 0"]),
     (["train.seed=-1"], ["train.seed", "-1", "[0, 2**32)"]),
+    (["train.gpu_memory_fraction=1.5"], ["train.gpu_memory_fraction", "1.5", "(0, 1]", "null"]),
+    (["train.gpu_memory_fraction=0"], ["train.gpu_memory_fraction", "0", "(0, 1]"]),
 ])
 def test_bad_config_is_one_clear_error(override, fragments):
     with pytest.raises(ConfigError) as err:
