@@ -1,7 +1,6 @@
 """train.gpu_memory_fraction: the share of GPU memory JAX's allocator gets, set before the devices are touched."""
 from __future__ import annotations
 
-
 from mixerlab.training import distributed
 from mixerlab.training.config import load_config
 
