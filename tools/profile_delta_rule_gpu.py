@@ -39,7 +39,7 @@ VARIANTS = {  # name: (context-manager factory, Config overrides)
     "base": (contextlib.nullcontext, {}),
     # no pair products at all (neither the exact levels nor the factored pairs)
     "no_levels": (lambda: patched(ptr.Config, "levels", property(lambda self: 0)), {"bounded_span": None}),
-    "no_inverse": (lambda: patched(ptr, "_inverse", lambda a, masks, cfg: a), {}),
+    "no_inverse": (lambda: patched(ptr, "_inverse", lambda a, cfg: a), {}),
     "tree": (contextlib.nullcontext, {"bounded_span": None}),  # every pair through the exact pivot tree
     # the factored pairs with no cut search and no exact levels compiled beside them (wrong numbers where a
     # key block needs the tree; what a kernel specialised to the factored path could gain)

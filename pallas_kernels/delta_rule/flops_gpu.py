@@ -36,12 +36,13 @@ HBM_BYTES_S = 4.2e12  # measured device copy on the H200
 
 
 def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, save_matrices=True,
-                  operand_bytes=2, bounded=True):
+                  operand_bytes=2, bounded=True, save_rhs=True):
     """{kernel: (bf16 FLOPs, tf32 FLOPs, HBM bytes)} per chunk of one head. ``sum_passes``: 1 for
     decay_sums="tf32" (bf16 inputs), 2 for "tf32x2". ``operand_bytes``: 2 for bf16/f16 inputs, 4 for f32
     (then the "bf16" FLOPs run as f32 matmuls; the inputs, matmul intermediates and states scale with it).
     ``bounded``: the factored path (one pair product per matrix, one decay sum for the factors) instead of
-    the exact tree (one of each per level)."""
+    the exact tree (one of each per level). ``save_rhs`` (with ``save_matrices``): the backward keeps K1's
+    U, Y, Q̂⊙π, K⊙E, π_C and runs no B0."""
     c, ob = chunk, operand_bytes
     pair_passes = 1 if bounded else int(math.log2(chunk))  # pair products per matrix = decay sums for them
     mm = lambda m, k, n: 2 * m * k * n  # noqa: E731
@@ -58,9 +59,9 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
         "K2_scan": (2 * mm(c, dk, dv), 0, tile(dv) + 2 * tile(dk) + 4 * dk + state + tile(dv)),
         "K3_output": (mm(c, dk, dv) + mm(c, c, dv), 0, tile(dk) + state + tile(c) + 2 * tile(dv)),
     }
-    if save_matrices:
+    if save_matrices and not save_rhs:
         out["B0_rhs"] = (mm(c, c, dv) + mm(c, c, dk), sums(2), inputs + tile(c) + rhs_out)
-    else:
+    elif not save_matrices:
         out["B0_intra_again"] = (out["K1_intra"][0], out["K1_intra"][1], out["K1_intra"][2] + tile(c))
     nkb = dk // block_k
     out |= {
@@ -77,16 +78,16 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
     return out
 
 
-def kernel_exps(chunk=64, dk=128, save_matrices=True, bounded=True):
+def kernel_exps(chunk=64, dk=128, save_matrices=True, bounded=True, save_rhs=True):
     """{kernel: exponentials} per chunk of one head: one [C, Dk] e^{W λ} per decay-sum matmul (π, E, each
     pivot level; K1 computes π twice) and π_C [Dk]; the other kernels take none. ``bounded``: two [C, Dk]
     factors (e^{±x}) instead of one per level."""
     c, pair_exps = chunk, (2 if bounded else int(math.log2(chunk)))
     k1 = (pair_exps + 3) * c * dk + dk
     out = {"K1_intra": k1, "K2_scan": 0, "K3_output": 0}
-    if save_matrices:
+    if save_matrices and not save_rhs:
         out["B0_rhs"] = 2 * c * dk + dk
-    else:
+    elif not save_matrices:
         out["B0_intra_again"] = k1
     out |= {"B1_scan_bwd": 0, "B2a_cotangents": 0, "B2b_key_grads": (pair_exps + 2) * c * dk + dk}
     return out
@@ -104,9 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                      chunk=64, leaf=16)
     p.add_argument("--block-k", type=int, default=32)
     p.add_argument("--sum-passes", type=int, default=1, choices=(1, 2))
+    p.add_argument("--no-save-rhs", action="store_true", help="count B0 (save_rhs=False)")
     p.add_argument("--measured", help="bench JSON of tools/bench_delta_rule_gpu.py (per-kernel breakdown)")
     a = p.parse_args(argv)
-    counts = kernel_counts(a.chunk, a.leaf, a.dk, a.dv, a.block_k, a.sum_passes)
+    counts = kernel_counts(a.chunk, a.leaf, a.dk, a.dv, a.block_k, a.sum_passes, save_rhs=not a.no_save_rhs)
     n = a.batch * a.seq * a.heads
     roof = roofline_ms(counts, n, a.chunk)
     measured = {}

@@ -13,15 +13,16 @@ S-dependent products are sequential):
             K2 ``scan``       grid (B, H, Dv/BV)   sequential over chunks: S₀ saved, Ũ = U − Y S₀,
                                                    S ← Diag(π_C) S + (K⊙E)ᵀ Ũ
             K3 ``output``     grid (B, H, N)       O = (Q̂⊙π) S₀ + M Ũ
-  backward  B0 ``rhs``        grid (B, H, N)       U, Y, Q̂⊙π, K⊙E, π_C from the saved P (``save_matrices``;
-                                                   otherwise K1 runs again)
+  backward  B0 ``rhs``        grid (B, H, N)       U, Y, Q̂⊙π, K⊙E, π_C from the saved P — only with
+                                                   ``save_rhs=False`` (by default the forward's are kept);
+                                                   without ``save_matrices`` K1 runs again
             B1 ``scan_bwd``   grid (B, H, Dv/BV)   reverse over chunks: dŨ = Mᵀ dO + (K⊙E) dS,
                                                    dS ← (Q̂⊙π)ᵀ dO + Diag(π_C) dS − Yᵀ dŨ   (dS_C saved)
             B2a ``cotangents`` grid (B, H, N)      Ũ, dM, dV̂ = Pᵀ dŨ, dA (the transposed solve of the backward pass)
             B2b ``key_grads`` grid (B, H, N·Dk/BK) per chunk and key block: dq̂, dk, dk̂, dλ
-  Saved for the backward: the (padded) inputs, the chunk-start states S₀, and M and P (C × C per chunk) —
-  all in the operand dtype (every consumer is a matmul operand in that dtype); the carried state and the
-  final state are f32.
+  Saved for the backward: the (padded) inputs, the chunk-start states S₀, M and P (C × C per chunk), and
+  U, Y, Q̂⊙π, K⊙E (C × D per chunk) — all in the operand dtype (every consumer is a matmul operand in that
+  dtype); π_C, the carried state and the final state are f32.
 
 Everything inside a kernel is a 2-D tile ([C, C], [C, BK], [C, Dv]) so that Triton never reshapes or
 converts layouts; K1, B0 and B2b walk the key channels in blocks of BK (``block_k``) to bound registers.
@@ -97,6 +98,8 @@ class Config:
     #                                        (factors e^{±x}, x ≤ span) instead of one per pivot level; None:
     #                                        always the exact tree (every exponent ≤ 0; the default for float16
     #                                        operands, whose range ends at e^11). See _bounded_cut.
+    save_rhs: bool = True  # keep the forward's U, Y, Q̂⊙π, K⊙E, π_C for the backward instead of running B0
+    #                        (with save_matrices; 3·Dk + Dv operand-dtype numbers more per token and head)
     save_matrices: bool = True  # keep M and P (C×C per chunk, operand dtype) for the backward instead of
     #                             running K1 again (≈ 17 % more residual bytes at C 64, D 128, bf16, f32 λ)
     interpret: bool = False
@@ -368,7 +371,7 @@ def _end_decays(log_decay, log_decay_split, masks, cfg):
 
 
 def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out, key_eff_out, chunk_decay_out):
-    """M (lower incl. diagonal) and P = (I + A)⁻¹, both [C, C] f32; writes Q̂⊙π, K⊙E and π_C on the way."""
+    """M (lower incl. diagonal) and A (strictly lower), both [C, C] f32; writes Q̂⊙π, K⊙E and π_C on the way."""
     c = cfg.chunk
 
     def key_block(b, acc):
@@ -404,13 +407,13 @@ def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_st
     a, m, diag = jax.lax.fori_loop(0, cfg.key_dim // cfg.block_k, key_block, (zeros, zeros, jnp.zeros((c,), F32)))
     a = jnp.where(masks.strict & masks.same_doc, a, 0.0)
     m = jnp.where(masks.strict & masks.same_doc, m, 0.0) + jnp.where(masks.eye, diag[:, None], 0.0)
-    return m, _inverse(a, masks, cfg)
+    return m, a
 
 
-def _inverse(a, masks, cfg):
+def _inverse(a, cfg):
     """(I + A)⁻¹ for strictly lower A: Neumann product on the leaf blocks, then P ← P − P A_ℓ P per level."""
     c = cfg.chunk
-    eye = jnp.where(masks.eye, 1.0, 0.0).astype(F32)
+    eye = jnp.where(iota((c, c), 0) == iota((c, c), 1), 1.0, 0.0).astype(F32)
     a_diag = jnp.where((iota((c, c), 0) // cfg.leaf) == (iota((c, c), 1) // cfg.leaf), a, 0.0)
     inverse = eye - a_diag
     power = a_diag
@@ -432,8 +435,9 @@ def _intra_kernel(cfg, with_inverse):
                readout_out, pseudo_values_out, state_reads_out, query_start_out, key_eff_out, chunk_decay_out,
                *maybe_inverse_out):
         masks = _chunk_masks(document_ref, carried_document_ref, cfg)
-        m, p = _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out, key_eff_out,
+        m, a = _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out, key_eff_out,
                                chunk_decay_out)
+        p = _inverse(a, cfg)
         od = cfg.operand_dtype
         readout_out[...] = m.astype(readout_out.dtype)
         pseudo_values_out[...] = _dot(p, v_ref[...], cfg).astype(od)
@@ -633,8 +637,8 @@ def _cost(cfg, kernel, batch_heads, n_chunks, save_matrices=True):
     sum_passes = 2 if cfg.resolved_decay_sums == "tf32x2" and not cfg.interpret else 1  # as _split
     bounded = cfg.bounded_span is not None
     counts = flops_gpu.kernel_counts(cfg.chunk, cfg.leaf, cfg.key_dim, cfg.value_dim, cfg.block_k, sum_passes,
-                                     save_matrices, operand_bytes, bounded)
-    exps = flops_gpu.kernel_exps(cfg.chunk, cfg.key_dim, save_matrices, bounded)
+                                     save_matrices, operand_bytes, bounded, cfg.save_rhs)
+    exps = flops_gpu.kernel_exps(cfg.chunk, cfg.key_dim, save_matrices, bounded, cfg.save_rhs)
     bf, tf, nbytes = counts[kernel]
     chunks = batch_heads * n_chunks
     return pl.CostEstimate(flops=int(chunks * (bf + tf)), transcendentals=int(chunks * exps[kernel]),
@@ -695,7 +699,8 @@ def _rhs(cfg, q, k, erase, v, log_decay, document, carried, inverse):
     return pl.pallas_call(_rhs_kernel(cfg), out_shape=tuple(shapes), grid=grid,
                           in_specs=in_specs + [_chunk_spec(cfg.chunk, cfg.chunk)], out_specs=tuple(specs),
                           interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_rhs),
-                          cost_estimate=_cost(cfg, "B0_rhs", grid[0] * grid[1], grid[2]),
+                          cost_estimate=_cost(dataclasses.replace(cfg, save_rhs=False), "B0_rhs", grid[0] * grid[1],
+                                              grid[2]),  # B0 runs when the forward's tiles are not kept
                           name="delta_rule_rhs")(q, k, erase, v, log_decay, document, carried, inverse)
 
 
@@ -816,7 +821,8 @@ def _grads(cfg, q, k, erase, log_decay, document, carried, inverse, pseudo_value
 
 
 def _forward(cfg, q, k, erase, v, log_decay, state, document, carried, for_backward=False):
-    """o, S_T, and what the backward keeps: S₀, plus M and P when ``cfg.save_matrices``."""
+    """o, S_T, and what the backward keeps: S₀, plus M and P when ``cfg.save_matrices``, plus U, Y, Q̂⊙π, K⊙E,
+    π_C when ``cfg.save_rhs`` as well."""
     keep = for_backward and cfg.save_matrices
     readout, pseudo_values, state_reads, query_start, key_eff, chunk_decay, *inverse = _intra(cfg, q, k, erase, v,
                                                                                               log_decay, document,
@@ -824,7 +830,10 @@ def _forward(cfg, q, k, erase, v, log_decay, state, document, carried, for_backw
                                                                                               with_inverse=keep)
     starts, true_pseudo, final = _scan(cfg, state_reads, pseudo_values, key_eff, chunk_decay, state)
     out = _output(cfg, query_start, starts, readout, true_pseudo, v.dtype)
-    return out, final, (starts, readout, inverse[0]) if keep else (starts, None, None)
+    if not keep:
+        return out, final, (starts, None, None, None)
+    rhs = (pseudo_values, state_reads, query_start, key_eff, chunk_decay) if cfg.save_rhs else None
+    return out, final, (starts, readout, inverse[0], rhs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -840,9 +849,11 @@ def _delta_rule_fwd(cfg, q, k, erase, v, log_decay, state, document, carried):
 
 
 def _delta_rule_bwd(cfg, residuals, cotangents):
-    q, k, erase, v, log_decay, state, document, carried, starts, readout, inverse = residuals
+    q, k, erase, v, log_decay, state, document, carried, starts, readout, inverse, rhs = residuals
     d_out, d_final = cotangents
-    if inverse is None:  # recompute the chunk matrices (save_matrices=False: less memory, one more K1)
+    if rhs is not None:  # save_rhs: the forward's own U, Y, Q̂⊙π, K⊙E, π_C
+        pseudo_values, state_reads, query_start, key_eff, chunk_decay = rhs
+    elif inverse is None:  # recompute the chunk matrices (save_matrices=False: less memory, one more K1)
         readout, pseudo_values, state_reads, query_start, key_eff, chunk_decay, inverse = _intra(cfg, q, k, erase, v,
                                                                                                  log_decay, document,
                                                                                                  carried,

@@ -38,6 +38,7 @@ def test_counts_by_hand():
     scan = counts["K2_scan"]
     assert scan[0] == 2 * (2 * c * d * d) and scan[2] == 2 * c * d * 4 + 4 * d + 2 * d * d  # U, Y, K⊙E, Ũ; π_C; S₀
     assert "B0_intra_again" in flops_gpu.kernel_counts(save_matrices=False)
+    assert "B0_rhs" in flops_gpu.kernel_counts(save_rhs=False) and "B0_rhs" not in flops_gpu.kernel_counts()
 
 
 def test_roofline_and_names_match_the_benchmark():
@@ -89,16 +90,16 @@ def _pallas_calls(fn, *args):
     return [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == "pallas_call"]
 
 
-@pytest.mark.parametrize("dtype_name, leaf, block_k, save, span", [
-    ("bfloat16", 16, 32, True, 60.0), ("float32", 8, 64, True, 60.0), ("bfloat16", 16, 32, False, 60.0),
-    ("bfloat16", 16, 32, True, None)])
-def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save, span):
-    """Each of the seven Triton pallas_calls declares the FLOPs and exps its body executes (traced, not run:
-    interpret=False, nothing is lowered on the CPU), and the bytes of flops_gpu.kernel_counts."""
+@pytest.mark.parametrize("dtype_name, leaf, block_k, save, span, save_rhs", [
+    ("bfloat16", 16, 32, True, 60.0, True), ("float32", 8, 64, True, 60.0, False),
+    ("bfloat16", 16, 32, False, 60.0, True), ("bfloat16", 16, 32, True, None, False)])
+def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save, span, save_rhs):
+    """Each of the six or seven Triton pallas_calls declares the FLOPs and exps its body executes (traced, not
+    run: interpret=False, nothing is lowered on the CPU), and the bytes of flops_gpu.kernel_counts."""
     dtype = jnp.dtype(dtype_name)
     b, t, h, dk, dv, c = 2, 192, 3, 128, 64, 64
     cfg = ptr.make_config(c, leaf, dk, dv, dtype, batch_heads=b * h, block_k=block_k, save_matrices=save,
-                          bounded_span=span)
+                          bounded_span=span, save_rhs=save_rhs)
     rng = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, e = (jax.random.normal(r, (b, t, h, dk), dtype) for r in rng[:3])
     v = jax.random.normal(rng[3], (b, t, h, dv), dtype)
@@ -113,8 +114,8 @@ def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save,
 
     calls = _pallas_calls(jax.grad(fwd_bwd, argnums=(0, 1, 2, 3, 4, 5)), q, k, e, v, lam, state)
     names = [eqn.params["name"] for eqn in calls]
-    expected = ["delta_rule_intra", "delta_rule_scan", "delta_rule_output",
-                "delta_rule_rhs" if save else "delta_rule_intra", "delta_rule_scan_bwd",
+    backward_rhs = [] if save and save_rhs else ["delta_rule_rhs" if save else "delta_rule_intra"]
+    expected = ["delta_rule_intra", "delta_rule_scan", "delta_rule_output", *backward_rhs, "delta_rule_scan_bwd",
                 "delta_rule_cotangents", "delta_rule_key_grads"]
     assert names == expected
     kernel_of = {"delta_rule_intra": "K1_intra", "delta_rule_scan": "K2_scan", "delta_rule_output": "K3_output",
@@ -129,5 +130,5 @@ def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save,
         assert (est.flops, est.transcendentals) == (programs * flops, programs * exps), eqn.params["name"]
         # bytes: flops_gpu's count; K1 writes P when the backward keeps it (save) or recomputes it (call 3)
         counts = flops_gpu.kernel_counts(c, leaf, dk, dv, block_k, passes, save or i == 3, dtype.itemsize,
-                                         span is not None)
+                                         span is not None, save_rhs)
         assert est.bytes_accessed == chunks * counts[kernel_of[eqn.params["name"]]][2], eqn.params["name"]
