@@ -402,6 +402,14 @@ class _Loop:
         self.window_start = time.perf_counter()
 
     def run(self, stop_at_step: int | None) -> None:
+        try:
+            self._run(stop_at_step)
+        except Exception as err:  # noqa: BLE001 - only the device's out-of-memory error gets advice
+            if not remat_auto.out_of_memory(err):
+                raise
+            raise MemoryError(remat_auto.advice_after_oom(self.trainer.cfg, self.cfg.model.remat)) from err
+
+    def _run(self, stop_at_step: int | None) -> None:
         t_cfg, c_cfg = self.cfg.train, self.cfg.checkpoint
         for step in range(self.start_step + 1, t_cfg.steps + 1):
             self._step(step)

@@ -49,9 +49,28 @@ def device_memory_limit(device) -> Optional[float]:
     return float(HBM_BYTES[chip[0]]) if chip and chip[0] in HBM_BYTES else None
 
 
-def _out_of_memory(err: Exception) -> bool:
+def out_of_memory(err: Exception) -> bool:
     text = str(err)
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def advice_after_oom(cfg, requested: str) -> str:
+    """What to change after a train step under ``cfg`` (its remat policy resolved; ``requested`` is what the
+    config asked for) ran out of device memory: the next more frugal policy, then smaller live batches."""
+    policy, t, seq = cfg.model.remat, cfg.train, cfg.data.seq_len
+    frugal = CANDIDATES[CANDIDATES.index(policy) + 1:] if policy in CANDIDATES else ()
+    tries = [f"model.remat={frugal[0]}"] if frugal else []
+    if t.batch_size % (2 * t.microbatches) == 0:
+        tries.append(f"train.microbatches={2 * t.microbatches}")
+    if not t.loss_chunk and seq % 1024 == 0 and seq > 1024:
+        tries.append("train.loss_chunk=1024")
+    if t.batch_size > 1:
+        tries.append(f"train.batch_size={t.batch_size // 2}")
+    how = (" (chosen by model.remat=auto from the compiler's estimate, which the runtime exceeded)"
+           if requested == "auto" else "")
+    return (f"the train step ran out of device memory with model.remat={policy}{how}, "
+            f"train.batch_size={t.batch_size}, train.microbatches={t.microbatches}, data.seq_len={seq}; try "
+            + (", or ".join(tries) if tries else "a device with more memory or more devices"))
 
 
 def choose(compile_bytes: Callable[[str], float], limit: Optional[float], say=print) -> str:
@@ -64,7 +83,7 @@ def choose(compile_bytes: Callable[[str], float], limit: Optional[float], say=pr
         try:
             need = compile_bytes(policy)
         except Exception as err:  # noqa: BLE001 - only the compiler's out-of-memory refusal means "try the next"
-            if not _out_of_memory(err):
+            if not out_of_memory(err):
                 raise
             say(f"model.remat=auto: {policy!r} does not compile within the device's memory; trying the next")
             continue

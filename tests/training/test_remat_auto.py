@@ -62,3 +62,31 @@ def test_trainer_resolves_auto_on_the_cpu():
     assert "-> 'none'" in said[-1] and "GiB" in said[-1]
     assert Trainer(cfg, 256, mesh=mesh).cfg.model.remat == "none"
     assert remat_auto.device_memory_limit(mesh.devices.flat[0]) > GIB
+
+
+def test_out_of_memory_advice_names_the_policy_and_the_next_steps():
+    from mixerlab.training.config import load_config
+
+    cfg = load_config("configs/tiny.yaml", ["model.remat=none", "train.batch_size=8", "data.seq_len=2048"])
+    text = remat_auto.advice_after_oom(cfg, "auto")
+    assert "model.remat=none (chosen by model.remat=auto" in text
+    for change in ("model.remat=dots", "train.microbatches=2", "train.loss_chunk=1024", "train.batch_size=4"):
+        assert change in text, change
+    frugal = load_config("configs/tiny.yaml", ["model.remat=block", "train.batch_size=1"])
+    tries = remat_auto.advice_after_oom(frugal, "block").split("; try ")[1]
+    assert "model.remat" not in tries and "auto" not in tries and "batch_size" not in tries
+
+
+def test_a_train_step_out_of_memory_raises_the_advice(tmp_path, monkeypatch):
+    from mixerlab.training import loop
+    from mixerlab.training.config import load_config
+
+    def oom(self, step):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 72.24GiB")
+
+    monkeypatch.setattr(loop._Loop, "_step", oom)
+    cfg = load_config("configs/tiny.yaml", [f"train.output_dir={tmp_path / 'run'}", "train.eval_every=0",
+                                            "train.steps=6", "model.remat=kernels"])
+    with pytest.raises(MemoryError, match=r"model.remat=kernels, train.batch_size=\d+.*try model.remat=block") as err:
+        loop.train(cfg, progress=False)
+    assert "72.24GiB" in str(err.value.__cause__)
