@@ -27,6 +27,12 @@ FLA_ANCHORS = {"8x4096": 11.56, "2x16384": 12.68, "1x32768": 14.44}
 # fla fwd+bwd ms, earlier H200 run (delta_rule_h200.md)
 
 
+def _median(section, key):
+    """The median ms of ``section[key]`` ([median, ...] in the bench JSON), or None when it was not measured."""
+    value = section.get(key) if isinstance(section, dict) else None
+    return value[0] if isinstance(value, list) and value and value[0] is not None else None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ours", default=f"{RAW}/delta_rule_h200_2026-11-30.json")
@@ -40,19 +46,22 @@ def main():
     for path in a.fla.split(","):
         with open(path) as f:
             fla_run.update(json.load(f)["timings"])
-    shapes = list(timings)
+    shapes = [s for s in timings if _median(timings[s].get("ours", {}), "core_fwd_bwd") is not None]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [1.1, 1]})
 
-    series = [("ours (Pallas→Triton)", "tab:blue", lambda s: timings[s]["ours"]["core_fwd_bwd"][0], None),
+    series = [("ours (Pallas→Triton)", "tab:blue", lambda s: _median(timings[s]["ours"], "core_fwd_bwd"), None),
               ("fla-core 0.6.0 chunk_gdn2", "tab:orange",
                lambda s: fla_run.get(s, {}).get("fla", {}).get("fwd_bwd", [FLA_ANCHORS[s]])[0],
                lambda s: s not in fla_run),
-              ("jax-linear-attention gdn2", "tab:green", lambda s: timings[s]["jla"]["fwd_bwd"][0], None),
-              ("cuDNN flash attention", "tab:gray", lambda s: timings[s]["cudnn"]["fwd_bwd"][0], None)]
+              ("jax-linear-attention gdn2", "tab:green", lambda s: _median(timings[s].get("jla", {}), "fwd_bwd"),
+               None),
+              ("cuDNN flash attention", "tab:gray", lambda s: _median(timings[s].get("cudnn", {}), "fwd_bwd"), None)]
     width = 0.2
     for i, (label, color, value, is_anchor) in enumerate(series):
         for j, s in enumerate(shapes):
             v = value(s)
+            if v is None:  # not measured in this file (a skipped section)
+                continue
             hatch = "//" if is_anchor and is_anchor(s) else None
             left.bar(j + (i - 1.5) * width, v, width, color=color, hatch=hatch, edgecolor="white",
                      label=label if j == 0 else None)
