@@ -209,17 +209,40 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
     for note in notes:
         _say(note)
     try:
-        loop = _Loop(cfg, run_dir, ckpt_dir, staging, run_log)
-        try:
-            loop.setup(tokenizer, vocab_size, progress=progress)
-            loop.run(stop_at_step)
-        finally:
-            loop.close()
+        requested = cfg.model.remat
+        while True:
+            loop = _Loop(cfg, run_dir, ckpt_dir, staging, run_log)
+            try:
+                loop.setup(tokenizer, vocab_size, progress=progress)
+                loop.run(stop_at_step)
+            except remat_auto.OutOfDeviceMemory:
+                policy = _more_frugal_after_oom(requested, loop)
+                if policy is None:
+                    raise
+                _say(f"model.remat=auto: {loop.trainer.cfg.model.remat!r} ran out of device memory before its first "
+                     f"step finished (the compiler's estimate fit); starting again with {policy!r}")
+                cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=policy))
+                continue
+            finally:
+                loop.close()
+            break
         result = loop.result()
     finally:
         run_log.close()
         staging.cleanup()
     return result
+
+
+def _more_frugal_after_oom(requested: str, loop) -> str | None:
+    """After an out-of-memory stop: the next policy of ``model.remat=auto`` when auto chose the one that failed
+    and no step finished (nothing logged or saved, so starting again loses nothing), else None."""
+    trainer = getattr(loop, "trainer", None)
+    if requested != "auto" or trainer is None or getattr(loop, "train_losses", None):
+        return None
+    candidates = remat_auto.CANDIDATES
+    policy = trainer.cfg.model.remat
+    later = candidates[candidates.index(policy) + 1:] if policy in candidates else ()
+    return later[0] if later else None
 
 
 def _check_run_dir(cfg) -> tuple[str, str, list[str]]:
@@ -407,7 +430,8 @@ class _Loop:
         except Exception as err:  # noqa: BLE001 - only the device's out-of-memory error gets advice
             if not remat_auto.out_of_memory(err):
                 raise
-            raise MemoryError(remat_auto.advice_after_oom(self.trainer.cfg, self.cfg.model.remat)) from err
+            raise remat_auto.OutOfDeviceMemory(remat_auto.advice_after_oom(self.trainer.cfg, self.cfg.model.remat)) \
+                from err
 
     def _run(self, stop_at_step: int | None) -> None:
         t_cfg, c_cfg = self.cfg.train, self.cfg.checkpoint

@@ -87,6 +87,36 @@ def test_a_train_step_out_of_memory_raises_the_advice(tmp_path, monkeypatch):
     monkeypatch.setattr(loop._Loop, "_step", oom)
     cfg = load_config("configs/tiny.yaml", [f"train.output_dir={tmp_path / 'run'}", "train.eval_every=0",
                                             "train.steps=6", "model.remat=kernels"])
-    with pytest.raises(MemoryError, match=r"model.remat=kernels, train.batch_size=\d+.*try model.remat=block") as err:
+    advice = r"model.remat=kernels, train.batch_size=\d+.*try model.remat=block"
+    with pytest.raises(remat_auto.OutOfDeviceMemory, match=advice) as err:
         loop.train(cfg, progress=False)
     assert "72.24GiB" in str(err.value.__cause__)
+
+
+def test_auto_starts_again_with_the_next_policy_when_its_choice_runs_out_of_memory(tmp_path, monkeypatch, capsys):
+    """auto chose 'none' (the CPU host has room); the first step 'runs out of memory' under 'none' and 'dots'
+    only: the run starts again with 'kernels' and finishes, and it says so. An explicit policy is not retried."""
+    from mixerlab.training import loop
+    from mixerlab.training.config import load_config
+
+    real_step, failed = loop._Loop._step, []
+
+    def step(self, n):
+        policy = self.trainer.cfg.model.remat
+        if policy in ("none", "dots"):
+            failed.append(policy)
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 72.24GiB")
+        real_step(self, n)
+
+    monkeypatch.setattr(loop._Loop, "_step", step)
+    base = [f"train.output_dir={tmp_path / 'run'}", "train.eval_every=0", "train.steps=6", "checkpoint.every=0",
+            "model.d_model=64", "model.num_layers=1", "train.batch_size=2"]
+    run = loop.train(load_config("configs/tiny.yaml", base + ["model.remat=auto"]), progress=False)
+    assert failed == ["none", "dots"] and run.final_step == 6 and len(run.train_losses) == 6
+    said = "".join(capsys.readouterr())
+    assert "'none' ran out of device memory" in said and "starting again with 'kernels'" in said
+    failed.clear()
+    with pytest.raises(remat_auto.OutOfDeviceMemory, match="try model.remat=kernels"):
+        loop.train(load_config("configs/tiny.yaml", base + ["model.remat=dots", "train.resume=false"]),
+                   progress=False)
+    assert failed == ["dots"]
