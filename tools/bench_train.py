@@ -52,13 +52,45 @@ def _timed(fn, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+class _PolicyOutOfMemory(Exception):
+    def __init__(self, policy):
+        super().__init__(policy)
+        self.policy = policy
+
+
 def measure(config: str, overrides: list[str], steps: int, warmup: int, depth: int) -> dict:
+    """One run's numbers. Under ``model.remat=auto`` a chosen policy whose steps run out of device memory is
+    replaced by the next more frugal one, as train.py does; the row lists the failed ones (``remat_out_of_memory``)."""
+    import gc
+
+    from mixerlab.training import config as config_lib
+    from mixerlab.training import remat_auto
+
+    auto = config_lib.load_config(config, overrides).model.remat == "auto"
+    failed, policy = [], []
+    while True:
+        try:
+            row = _measure(config, overrides + policy, steps, warmup, depth, fallback=auto)
+            return {**row, "remat_out_of_memory": failed} if failed else row
+        except _PolicyOutOfMemory as err:
+            failed.append(err.policy)
+        later = remat_auto.CANDIDATES[remat_auto.CANDIDATES.index(failed[-1]) + 1:]
+        if not later:
+            raise RuntimeError(f"model.remat=auto: every policy ran out of device memory ({', '.join(failed)})")
+        print(f"bench_train: model.remat=auto: {failed[-1]!r} ran out of device memory; trying {later[0]!r}",
+              file=sys.stderr, flush=True)
+        policy = [f"model.remat={later[0]}"]
+        gc.collect()  # the failed attempt's arrays
+
+
+def _measure(config: str, overrides: list[str], steps: int, warmup: int, depth: int, fallback: bool) -> dict:
     import jax
     import numpy as np
 
     from mixerlab.training import config as config_lib
     from mixerlab.training import data as data_lib
     from mixerlab.training import flop_model
+    from mixerlab.training import remat_auto
     from mixerlab.training.distributed import gpu_memory_share
     from mixerlab.training.loop import Trainer
     from mixerlab.training.prefetch import DevicePrefetcher
@@ -77,19 +109,25 @@ def measure(config: str, overrides: list[str], steps: int, warmup: int, depth: i
         state["params"], state["opt"], metrics = trainer.train_step(state["params"], state["opt"], batch)
         return metrics["loss"]
 
-    with DevicePrefetcher(host, trainer.global_batch, depth=depth) as batches:
-        compile_start = time.perf_counter()
-        jax.block_until_ready(step(next(batches)))
-        compile_s = time.perf_counter() - compile_start
-        for _ in range(max(warmup - 1, 0)):
+    try:
+        with DevicePrefetcher(host, trainer.global_batch, depth=depth) as batches:
+            compile_start = time.perf_counter()
             jax.block_until_ready(step(next(batches)))
-        pipeline = _timed(lambda: step(next(batches)), steps)
-        fixed = next(batches)
-        device = _timed(lambda: step(fixed), steps)
-    synced = _timed(lambda: float(step(trainer.global_batch(next(host)))), steps)
-    loss = float(step(fixed))
-    if hasattr(host, "close"):
-        host.close()
+            compile_s = time.perf_counter() - compile_start
+            for _ in range(max(warmup - 1, 0)):
+                jax.block_until_ready(step(next(batches)))
+            pipeline = _timed(lambda: step(next(batches)), steps)
+            fixed = next(batches)
+            device = _timed(lambda: step(fixed), steps)
+        synced = _timed(lambda: float(step(trainer.global_batch(next(host)))), steps)
+        loss = float(step(fixed))
+    except Exception as err:  # noqa: BLE001 - only the device's out-of-memory error under auto is retried
+        if not (fallback and remat_auto.out_of_memory(err)):
+            raise
+        raise _PolicyOutOfMemory(trainer.cfg.model.remat) from None
+    finally:
+        if hasattr(host, "close"):
+            host.close()
 
     tokens = cfg.train.batch_size * cfg.data.seq_len
     flops = flop_model.training_flops(cfg, trainer.abstract_params, vocab)
