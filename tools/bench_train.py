@@ -74,12 +74,12 @@ def measure(config: str, overrides: list[str], steps: int, warmup: int, depth: i
             return {**row, "remat_out_of_memory": failed} if failed else row
         except _PolicyOutOfMemory as err:
             failed.append(err.policy)
-        later = remat_auto.CANDIDATES[remat_auto.CANDIDATES.index(failed[-1]) + 1:]
-        if not later:
+        later = remat_auto.more_frugal(failed[-1])
+        if later is None:
             raise RuntimeError(f"model.remat=auto: every policy ran out of device memory ({', '.join(failed)})")
-        print(f"bench_train: model.remat=auto: {failed[-1]!r} ran out of device memory; trying {later[0]!r}",
+        print(f"bench_train: model.remat=auto: {failed[-1]!r} ran out of device memory; trying {later!r}",
               file=sys.stderr, flush=True)
-        policy = [f"model.remat={later[0]}"]
+        policy = [f"model.remat={later}"]
         gc.collect()  # the failed attempt's arrays
 
 

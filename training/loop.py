@@ -239,10 +239,7 @@ def _more_frugal_after_oom(requested: str, loop) -> str | None:
     trainer = getattr(loop, "trainer", None)
     if requested != "auto" or trainer is None or getattr(loop, "train_losses", None):
         return None
-    candidates = remat_auto.CANDIDATES
-    policy = trainer.cfg.model.remat
-    later = candidates[candidates.index(policy) + 1:] if policy in candidates else ()
-    return later[0] if later else None
+    return remat_auto.more_frugal(trainer.cfg.model.remat)
 
 
 def _check_run_dir(cfg) -> tuple[str, str, list[str]]:

@@ -64,12 +64,19 @@ def out_of_memory(err: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
+def more_frugal(policy: str) -> Optional[str]:
+    """The policy after ``policy`` in :data:`CANDIDATES` (slower, less memory); None after "block" or for a policy
+    outside the list ("mixer")."""
+    later = CANDIDATES[CANDIDATES.index(policy) + 1:] if policy in CANDIDATES else ()
+    return later[0] if later else None
+
+
 def advice_after_oom(cfg, requested: str) -> str:
     """What to change after a train step under ``cfg`` (its remat policy resolved; ``requested`` is what the
     config asked for) ran out of device memory: the next more frugal policy, then smaller live batches."""
     policy, t, seq = cfg.model.remat, cfg.train, cfg.data.seq_len
-    frugal = CANDIDATES[CANDIDATES.index(policy) + 1:] if policy in CANDIDATES else ()
-    tries = [f"model.remat={frugal[0]}"] if frugal else []
+    frugal = more_frugal(policy)
+    tries = [f"model.remat={frugal}"] if frugal else []
     if t.batch_size % (2 * t.microbatches) == 0:
         tries.append(f"train.microbatches={2 * t.microbatches}")
     if not t.loss_chunk and seq % 1024 == 0 and seq > 1024:
