@@ -87,7 +87,7 @@ def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128), dtype=
     cfg = pallas_triton.make_config(chunk, leaf, dk, dv, dtype, batch_heads=b * h, **overrides)
     warps = {name: getattr(cfg, f"warps_{name}", 4) for name in ("intra", "rhs", "scan", "output", "cotangents",
                                                                   "key_grads")}
-    warps["scan_bwd"] = cfg.warps_scan
+    warps["scan_bwd"] = warps["scan_output"] = cfg.warps_scan
     return captured, warps
 
 
@@ -166,6 +166,7 @@ def main():
     ap.add_argument("--leaf", type=int, default=16)
     ap.add_argument("--overrides", default="{}", help="JSON dict of pallas_triton.Config fields")
     ap.add_argument("--kernels", default="", help="comma list of kernel names (default: all)")
+    ap.add_argument("--scan-stages", type=int, default=2, help="num_stages of the sequential kernels (stages_scan)")
     ap.add_argument("--dtype", default="bfloat16", help="delta rule: q, k, k̂, v̂ dtype (bfloat16, float32, float16)")
     a = ap.parse_args()
     try:
@@ -189,7 +190,8 @@ def main():
         if wanted and short not in wanted:
             continue
         w = warps.get(short, 4)
-        stages = 1 if a.op in ("short_conv", "vla", "interdomain") else 2 if "scan" in short else 3  # CompilerParams
+        sequential = a.scan_stages if "scan" in short else 3  # as CompilerParams
+        stages = 1 if a.op in ("short_conv", "vla", "interdomain") else sequential
         r = ptxas_report(ttir, w, num_stages=stages)
         print(f"| {short} | {w} | {r['registers']} | {r['spill_stores']} | {r['spill_loads']} | "
               f"{r['shared_bytes'] / 1024:.0f} | {r['wgmma']} | {r['barriers']} |", flush=True)

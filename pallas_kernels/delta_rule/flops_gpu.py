@@ -31,18 +31,21 @@ from typing import Sequence
 
 from mixerlab.pallas_kernels.delta_rule.flops import shape_parser
 
+FORWARD_ALONE = ("K2_scan_output",)  # runs only in a forward without backward, in place of K2_scan + K3_output
 BF16_FLOPS = 790e12  # a large bf16 matmul measured on the H200; TF32 charged at half of it
 HBM_BYTES_S = 4.2e12  # measured device copy on the H200
 
 
 def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, save_matrices=True,
-                  operand_bytes=2, bounded=True, save_rhs=True):
+                  operand_bytes=2, bounded=True, save_rhs=True, fuse_output=True):
     """{kernel: (bf16 FLOPs, tf32 FLOPs, HBM bytes)} per chunk of one head. ``sum_passes``: 1 for
     decay_sums="tf32" (bf16 inputs), 2 for "tf32x2". ``operand_bytes``: 2 for bf16/f16 inputs, 4 for f32
     (then the "bf16" FLOPs run as f32 matmuls; the inputs, matmul intermediates and states scale with it).
     ``bounded``: the factored path (one pair product per matrix, one decay sum for the factors) instead of
     the exact tree (one of each per level). ``save_rhs`` (with ``save_matrices``): the backward keeps K1's
-    U, Y, Q̂⊙π, K⊙E, π_C and runs no B0."""
+    U, Y, Q̂⊙π, K⊙E, π_C and runs no B0. ``fuse_output``: a forward without backward runs K2_scan_output (K2
+    and K3 in one kernel; S₀ and Ũ never reach HBM) instead of K2_scan and K3_output — listed as well, outside
+    the training kernels (:data:`FORWARD_ALONE`)."""
     c, ob = chunk, operand_bytes
     pair_passes = 1 if bounded else int(math.log2(chunk))  # pair products per matrix = decay sums for them
     mm = lambda m, k, n: 2 * m * k * n  # noqa: E731
@@ -59,6 +62,9 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
         "K2_scan": (2 * mm(c, dk, dv), 0, tile(dv) + 2 * tile(dk) + 4 * dk + state + tile(dv)),
         "K3_output": (mm(c, dk, dv) + mm(c, c, dv), 0, tile(dk) + state + tile(c) + 2 * tile(dv)),
     }
+    if fuse_output:  # reads U, Y, K⊙E, π_C, Q̂⊙π, M; writes O
+        out["K2_scan_output"] = (3 * mm(c, dk, dv) + mm(c, c, dv), 0,
+                                 tile(dv) + 3 * tile(dk) + 4 * dk + tile(c) + tile(dv))
     if save_matrices and not save_rhs:
         out["B0_rhs"] = (mm(c, c, dv) + mm(c, c, dk), sums(2), inputs + tile(c) + rhs_out)
     elif not save_matrices:
@@ -78,13 +84,13 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
     return out
 
 
-def kernel_exps(chunk=64, dk=128, save_matrices=True, bounded=True, save_rhs=True):
+def kernel_exps(chunk=64, dk=128, save_matrices=True, bounded=True, save_rhs=True, fuse_output=True):
     """{kernel: exponentials} per chunk of one head: one [C, Dk] e^{W λ} per decay-sum matmul (π, E, each
     pivot level; K1 computes π twice) and π_C [Dk]; the other kernels take none. ``bounded``: two [C, Dk]
     factors (e^{±x}) instead of one per level."""
     c, pair_exps = chunk, (2 if bounded else int(math.log2(chunk)))
     k1 = (pair_exps + 3) * c * dk + dk
-    out = {"K1_intra": k1, "K2_scan": 0, "K3_output": 0}
+    out = {"K1_intra": k1, "K2_scan": 0, "K3_output": 0, **({"K2_scan_output": 0} if fuse_output else {})}
     if save_matrices and not save_rhs:
         out["B0_rhs"] = 2 * c * dk + dk
     elif not save_matrices:
@@ -106,9 +112,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--block-k", type=int, default=32)
     p.add_argument("--sum-passes", type=int, default=1, choices=(1, 2))
     p.add_argument("--no-save-rhs", action="store_true", help="count B0 (save_rhs=False)")
+    p.add_argument("--no-fuse-output", action="store_true", help="count K2 and K3 apart (fuse_output=False)")
     p.add_argument("--measured", help="bench JSON of tools/bench_delta_rule_gpu.py (per-kernel breakdown)")
     a = p.parse_args(argv)
-    counts = kernel_counts(a.chunk, a.leaf, a.dk, a.dv, a.block_k, a.sum_passes, save_rhs=not a.no_save_rhs)
+    counts = kernel_counts(a.chunk, a.leaf, a.dk, a.dv, a.block_k, a.sum_passes, save_rhs=not a.no_save_rhs,
+                           fuse_output=not a.no_fuse_output)
     n = a.batch * a.seq * a.heads
     roof = roofline_ms(counts, n, a.chunk)
     measured = {}
@@ -135,11 +143,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"| {name} | {chunks * bf / 1e9:.1f} | {chunks * tf / 1e9:.1f} | {chunks * nb / 1e9:.2f} | "
               f"{t_f:.3f} | {t_b:.3f} | {got if got is None else f'{got:.3f}'} | {ratio} |".replace("| None |",
                                                                                                     "| — |"))
+        if name in FORWARD_ALONE:  # not part of a training step's kernels
+            continue
         for i, x in enumerate((chunks * bf / 1e9, chunks * tf / 1e9, chunks * nb / 1e9, t_f, t_b, got or 0.0)):
             tot[i] += x
-    print(f"| total | {tot[0]:.1f} | {tot[1]:.1f} | {tot[2]:.2f} | {tot[3]:.3f} | {tot[4]:.3f} | "
+    print(f"| total (forward + backward) | {tot[0]:.1f} | {tot[1]:.1f} | {tot[2]:.2f} | {tot[3]:.3f} | {tot[4]:.3f} | "
           f"{tot[5]:.3f} | {tot[5] / max(tot[3], tot[4]):.1f}× |" if measured else
-          f"| total | {tot[0]:.1f} | {tot[1]:.1f} | {tot[2]:.2f} | {tot[3]:.3f} | {tot[4]:.3f} | — | — |")
+          f"| total (forward + backward) | {tot[0]:.1f} | {tot[1]:.1f} | {tot[2]:.2f} | {tot[3]:.3f} | "
+          f"{tot[4]:.3f} | — | — |")
     return 0
 
 

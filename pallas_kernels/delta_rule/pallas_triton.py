@@ -13,6 +13,8 @@ S-dependent products are sequential):
             K2 ``scan``       grid (B, H, Dv/BV)   sequential over chunks: S₀ saved, Ũ = U − Y S₀,
                                                    S ← Diag(π_C) S + (K⊙E)ᵀ Ũ
             K3 ``output``     grid (B, H, N)       O = (Q̂⊙π) S₀ + M Ũ
+            (a forward without backward, ``fuse_output``: K2 ``scan_output`` does both in its loop and writes
+            neither S₀ nor Ũ)
   backward  B0 ``rhs``        grid (B, H, N)       U, Y, Q̂⊙π, K⊙E, π_C from the saved P — only with
                                                    ``save_rhs=False`` (by default the forward's are kept);
                                                    without ``save_matrices`` K1 runs again
@@ -100,6 +102,8 @@ class Config:
     #                                        operands, whose range ends at e^11). See _bounded_cut.
     save_rhs: bool = True  # keep the forward's U, Y, Q̂⊙π, K⊙E, π_C for the backward instead of running B0
     #                        (with save_matrices; 3·Dk + Dv operand-dtype numbers more per token and head)
+    fuse_output: bool = True  # a forward without backward (inference, evaluation) runs K2 and K3 as one kernel
+    #                           that writes no S₀ or Ũ (the training forward keeps S₀ and runs them apart)
     save_matrices: bool = True  # keep M and P (C×C per chunk, operand dtype) for the backward instead of
     #                             running K1 again (≈ 17 % more residual bytes at C 64, D 128, bf16, f32 λ)
     interpret: bool = False
@@ -495,6 +499,24 @@ def _scan_kernel(cfg, n_chunks):
     return kernel
 
 
+def _scan_output_kernel(cfg, n_chunks):
+    """K2 with K3 folded in, for a forward without backward: each chunk's output O = (Q̂⊙π) S₀ + M Ũ while S₀
+    and Ũ are at hand (the same products and roundings as K3's, which reads them back from HBM)."""
+    c = cfg.chunk
+
+    def kernel(state_reads_ref, pseudo_values_ref, key_eff_ref, chunk_decay_ref, query_start_ref, readout_ref,
+               s_init_ref, o_out, s_final_out):
+        def body(n, state):
+            true_pseudo = pseudo_values_ref[n].astype(F32) - _dot(state_reads_ref[n], state, cfg)
+            o = _dot(query_start_ref[n], state, cfg) + _dot(readout_ref[n], true_pseudo, cfg)
+            o_out[pl.ds(n * c, c), :] = o.astype(o_out.dtype)
+            return chunk_decay_ref[n][:, None] * state + _dot(key_eff_ref[n], true_pseudo, cfg, trans_a=True)
+
+        s_final_out[...] = jax.lax.fori_loop(0, n_chunks, body, s_init_ref[...].astype(F32))
+
+    return kernel
+
+
 def _output_kernel(cfg):
     def kernel(query_start_ref, starts_ref, readout_ref, true_pseudo_ref, o_ref):
         o = _dot(query_start_ref[...], starts_ref[...], cfg) + _dot(readout_ref[...], true_pseudo_ref[...], cfg)
@@ -637,8 +659,8 @@ def _cost(cfg, kernel, batch_heads, n_chunks, save_matrices=True):
     sum_passes = 2 if cfg.resolved_decay_sums == "tf32x2" and not cfg.interpret else 1  # as _split
     bounded = cfg.bounded_span is not None
     counts = flops_gpu.kernel_counts(cfg.chunk, cfg.leaf, cfg.key_dim, cfg.value_dim, cfg.block_k, sum_passes,
-                                     save_matrices, operand_bytes, bounded, cfg.save_rhs)
-    exps = flops_gpu.kernel_exps(cfg.chunk, cfg.key_dim, save_matrices, bounded, cfg.save_rhs)
+                                     save_matrices, operand_bytes, bounded, cfg.save_rhs, cfg.fuse_output)
+    exps = flops_gpu.kernel_exps(cfg.chunk, cfg.key_dim, save_matrices, bounded, cfg.save_rhs, cfg.fuse_output)
     bf, tf, nbytes = counts[kernel]
     chunks = batch_heads * n_chunks
     return pl.CostEstimate(flops=int(chunks * (bf + tf)), transcendentals=int(chunks * exps[kernel]),
@@ -657,6 +679,16 @@ def _token_spec(cfg, width):
 def _chunk_spec(*tail):
     """[B, H, N, *tail] per chunk."""
     return pl.BlockSpec((None, None, None, *tail), lambda b, h, n: (b, h, n, *([0] * len(tail))))
+
+
+def _per_head(*tail):
+    """[B, H, *tail] read whole by each program of a (B, H, Dv/BV) grid (the sequential kernels)."""
+    return pl.BlockSpec((None, None, *tail), lambda b, h, j: (b, h, *([0] * len(tail))))
+
+
+def _per_head_v_block(*tail):
+    """[B, H, ..., Dv] in blocks of BV along the last axis, one per program of a (B, H, Dv/BV) grid."""
+    return pl.BlockSpec((None, None, *tail), lambda b, h, j: (b, h, *([0] * (len(tail) - 1)), j))
 
 
 def _rhs_blocks(cfg, q, v):
@@ -708,20 +740,34 @@ def _scan(cfg, state_reads, pseudo_values, key_eff, chunk_decay, state):
     b, h, n, c, dk = state_reads.shape
     dv = pseudo_values.shape[-1]
     bv = cfg.scan_block_v
-    per_bh = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b_, h_, j: (b_, h_, *([0] * len(tail))))  # noqa
-    per_bhv = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b_, h_, j: (b_, h_, *([0] * (len(tail) - 1)), j))
-    # noqa
     return pl.pallas_call(
         _scan_kernel(cfg, n),
         out_shape=(jax.ShapeDtypeStruct((b, h, n, dk, dv), cfg.operand_dtype),
                    jax.ShapeDtypeStruct((b, h, n, c, dv), pseudo_values.dtype), jax.ShapeDtypeStruct((b, h, dk, dv),
                                         F32)),
         grid=(b, h, dv // bv),
-        in_specs=[per_bh(n, c, dk), per_bhv(n, c, bv), per_bh(n, c, dk), per_bh(n, dk), per_bhv(dk, bv)],
-        out_specs=(per_bhv(n, dk, bv), per_bhv(n, c, bv), per_bhv(dk, bv)),
+        in_specs=[_per_head(n, c, dk), _per_head_v_block(n, c, bv), _per_head(n, c, dk), _per_head(n, dk),
+                  _per_head_v_block(dk, bv)],
+        out_specs=(_per_head_v_block(n, dk, bv), _per_head_v_block(n, c, bv), _per_head_v_block(dk, bv)),
         interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_scan, cfg.stages_scan),
-        cost_estimate=_cost(cfg, "K2_scan", b * h, n), name="delta_rule_scan")(state_reads, pseudo_values, key_eff,
-                            chunk_decay, state)
+        cost_estimate=_cost(cfg, "K2_scan", b * h, n),
+        name="delta_rule_scan")(state_reads, pseudo_values, key_eff, chunk_decay, state)
+
+
+def _scan_output(cfg, state_reads, pseudo_values, key_eff, chunk_decay, query_start, readout, state, out_dtype):
+    """K2 with K3 folded in (``fuse_output``, a forward without backward): (o [B, T, H, Dv], S_T)."""
+    b, h, n, c, dk = state_reads.shape
+    dv = pseudo_values.shape[-1]
+    bv = cfg.scan_block_v
+    return pl.pallas_call(
+        _scan_output_kernel(cfg, n), grid=(b, h, dv // bv),
+        out_shape=(jax.ShapeDtypeStruct((b, n * c, h, dv), out_dtype), jax.ShapeDtypeStruct((b, h, dk, dv), F32)),
+        in_specs=[_per_head(n, c, dk), _per_head_v_block(n, c, bv), _per_head(n, c, dk), _per_head(n, dk),
+                  _per_head(n, c, dk), _per_head(n, c, c), _per_head_v_block(dk, bv)],
+        out_specs=(pl.BlockSpec((None, n * c, None, bv), lambda b_, h_, j: (b_, 0, h_, j)), _per_head_v_block(dk, bv)),
+        interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_scan, cfg.stages_scan),
+        cost_estimate=_cost(cfg, "K2_scan_output", b * h, n), name="delta_rule_scan_output")(
+        state_reads, pseudo_values, key_eff, chunk_decay, query_start, readout, state)
 
 
 def _output(cfg, query_start, starts, readout, true_pseudo, out_dtype):
@@ -730,7 +776,8 @@ def _output(cfg, query_start, starts, readout, true_pseudo, out_dtype):
     return pl.pallas_call(
         _output_kernel(cfg), out_shape=jax.ShapeDtypeStruct((b, n * c, h, dv), out_dtype), grid=(b, h, n),
         in_specs=[_chunk_spec(c, dk), _chunk_spec(dk, dv), _chunk_spec(c, c), _chunk_spec(c, dv)],
-        out_specs=_token_spec(cfg, dv), interpret=cfg.interpret, cost_estimate=_cost(cfg, "K3_output", b * h, n),
+        out_specs=_token_spec(cfg, dv), interpret=cfg.interpret,
+        cost_estimate=_cost(cfg, "K3_output", b * h, n),
         compiler_params=_params(cfg, cfg.warps_output), name="delta_rule_output")(query_start, starts, readout,
                                 true_pseudo)
 
@@ -739,9 +786,6 @@ def _scan_bwd(cfg, readout, d_out, key_eff, query_start, state_reads, chunk_deca
     b, h, n, c, dk = state_reads.shape
     dv = d_out.shape[-1]
     bv = cfg.scan_block_v
-    per_bh = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b_, h_, j: (b_, h_, *([0] * len(tail))))  # noqa
-    per_bhv = lambda *tail: pl.BlockSpec((None, None, *tail), lambda b_, h_, j: (b_, h_, *([0] * (len(tail) - 1)), j))
-    # noqa
     do_spec = pl.BlockSpec((None, n * c, None, bv), lambda b_, h_, j: (b_, 0, h_, j))
     return pl.pallas_call(
         _scan_bwd_kernel(cfg, n),
@@ -749,9 +793,9 @@ def _scan_bwd(cfg, readout, d_out, key_eff, query_start, state_reads, chunk_deca
                    jax.ShapeDtypeStruct((b, h, n, c, dv), state_reads.dtype), jax.ShapeDtypeStruct((b, h, dk, dv),
                                         F32)),
         grid=(b, h, dv // bv),
-        in_specs=[per_bh(n, c, c), do_spec, per_bh(n, c, dk), per_bh(n, c, dk), per_bh(n, c, dk), per_bh(n, dk),
-                  per_bhv(dk, bv)],
-        out_specs=(per_bhv(n, dk, bv), per_bhv(n, c, bv), per_bhv(dk, bv)),
+        in_specs=[_per_head(n, c, c), do_spec, _per_head(n, c, dk), _per_head(n, c, dk), _per_head(n, c, dk),
+                  _per_head(n, dk), _per_head_v_block(dk, bv)],
+        out_specs=(_per_head_v_block(n, dk, bv), _per_head_v_block(n, c, bv), _per_head_v_block(dk, bv)),
         interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_scan, cfg.stages_scan),
         cost_estimate=_cost(cfg, "B1_scan_bwd", b * h, n),
         name="delta_rule_scan_bwd")(readout, d_out, key_eff, query_start, state_reads, chunk_decay, d_final)
@@ -828,6 +872,10 @@ def _forward(cfg, q, k, erase, v, log_decay, state, document, carried, for_backw
                                                                                               log_decay, document,
                                                                                               carried,
                                                                                               with_inverse=keep)
+    if cfg.fuse_output and not for_backward:  # S₀ is not needed: one sequential kernel writes the output
+        out, final = _scan_output(cfg, state_reads, pseudo_values, key_eff, chunk_decay, query_start, readout, state,
+                                  v.dtype)
+        return out, final, None
     starts, true_pseudo, final = _scan(cfg, state_reads, pseudo_values, key_eff, chunk_decay, state)
     out = _output(cfg, query_start, starts, readout, true_pseudo, v.dtype)
     if not keep:

@@ -84,6 +84,25 @@ def test_interpret_matches_reference_f32(chunk_size, leaf_size, boundaries, opti
     _check(got, _reference(args, document, weights), tol=2e-6, grad_tol=1e-5)  # observed ≤ 1e-6
 
 
+def _forward_alone_and_trained(interpret, dtype, b, t, h, dk, dv):
+    """(o, S_T) of a forward without backward (K2 ``scan_output``) and of the training forward (K2 + K3)."""
+    args = _args(gdn2_inputs(3, b, t, h, dk, dv, dtype=np.float32), dtype)
+    document = _documents(b, t, [17, 64, 300])
+    run = lambda *a: pallas_triton.run(*a, document, chunk_size=32 if interpret else 64, leaf_size=8,  # noqa
+                                       interpret=interpret)
+    alone = jax.jit(run)(*args)
+    trained = jax.jit(lambda *a: jax.vjp(run, *a)[0])(*args)
+    return alone, trained
+
+
+def test_interpret_forward_alone_equals_the_training_forward():
+    """The fused K2 of a forward alone computes K3's products with K3's roundings: the same output and final
+    state, bit for bit (the training forward is checked against the float64 reference above)."""
+    alone, trained = _forward_alone_and_trained(True, jnp.float32, 2, 100, 2, 32, 32)
+    for x, y in zip(alone, trained):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_interpret_strong_decay_is_finite_and_accurate():
     """λ ≈ −20 per token and channel (chunk-end Λ ≈ −1300): every exponent stays ≤ 0
     (docs/math/delta_rule.md, 'Boundary pivots')."""
@@ -219,6 +238,8 @@ def test_lowers_for_cuda_on_cpu(chunk_size, leaf_size):
     text = jax.jit(grad).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 6
     # forward: intra, scan, output; backward (save_rhs: no rhs kernel): scan_bwd, cotangents, key_grads
+    alone = jax.jit(loss).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert alone.count("__gpu$xla.gpu.triton") == 2  # a forward alone: intra, scan_output
 
 
 @pytest.mark.parametrize("mode", ["tf32", "tf32x2"])
@@ -273,3 +294,11 @@ def test_gpu_matches_reference(dtype, tol, grad_tol, precision, leaf, options):
     got = _kernel(args, document, weights, interpret=False, chunk_size=64, leaf_size=leaf,
                   inverse_precision=precision, **options)
     _check(got, _reference(args, document, weights), tol=tol, grad_tol=grad_tol)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_forward_alone_matches_the_training_forward():
+    alone, trained = _forward_alone_and_trained(False, jnp.bfloat16, 2, 512, 4, 128, 128)
+    for x, y in zip(alone, trained):
+        assert rel_rms_err(x, y) <= 1e-6, rel_rms_err(x, y)

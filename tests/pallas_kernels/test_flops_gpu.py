@@ -37,6 +37,12 @@ def test_counts_by_hand():
     assert flops_gpu.kernel_exps(c, d, bounded=False)["K1_intra"] == 9 * c * d + d
     scan = counts["K2_scan"]
     assert scan[0] == 2 * (2 * c * d * d) and scan[2] == 2 * c * d * 4 + 4 * d + 2 * d * d  # U, Y, K⊙E, Ũ; π_C; S₀
+    # a forward alone: Ũ = U − Y S₀, O = (Q̂⊙π) S₀ + M Ũ, S ← … + (K⊙E)ᵀ Ũ in one kernel; reads U, Y, K⊙E,
+    # Q̂⊙π, M, π_C, writes O (no S₀, no Ũ)
+    fused = counts["K2_scan_output"]
+    assert fused[0] == scan[0] + counts["K3_output"][0]
+    assert fused[2] == 2 * c * d * 5 + 2 * c * c + 4 * d
+    assert "K2_scan_output" not in flops_gpu.kernel_counts(fuse_output=False)
     assert "B0_intra_again" in flops_gpu.kernel_counts(save_matrices=False)
     assert "B0_rhs" in flops_gpu.kernel_counts(save_rhs=False) and "B0_rhs" not in flops_gpu.kernel_counts()
 
@@ -45,13 +51,14 @@ def test_roofline_and_names_match_the_benchmark():
     roof = flops_gpu.roofline_ms(flops_gpu.kernel_counts(), 8 * 4096 * 16, 64)
     assert all(t_f > 0 and t_b > 0 for t_f, t_b in roof.values())
     measured = json.loads(RAW.read_text())["timings"]["8x4096"]["ours"]["breakdown"]
-    assert set(flops_gpu.kernel_counts()) <= set(measured)
+    assert set(flops_gpu.kernel_counts(fuse_output=False)) <= set(measured)
+    assert set(flops_gpu.kernel_counts()) - set(measured) == set(flops_gpu.FORWARD_ALONE)  # timed since
 
 
 def test_cli_with_measured_times(capsys):
     assert flops_gpu.main(["--measured", str(RAW)]) == 0
     out = capsys.readouterr().out
-    assert "| B2b_key_grads |" in out and "| total |" in out
+    assert "| B2b_key_grads |" in out and "| total (forward + backward) |" in out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -87,19 +94,31 @@ def _executed(jaxpr, scale=1):
 
 
 def _pallas_calls(fn, *args):
-    return [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == "pallas_call"]
+    """The pallas_call equations of ``fn``'s jaxpr in order, inside nested jaxprs (custom_vjp calls) too."""
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn
+                continue
+            for value in eqn.params.values():
+                sub = getattr(value, "jaxpr", value)
+                if hasattr(sub, "eqns"):
+                    yield from walk(sub)
+
+    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
 
 
-@pytest.mark.parametrize("dtype_name, leaf, block_k, save, span, save_rhs", [
-    ("bfloat16", 16, 32, True, 60.0, True), ("float32", 8, 64, True, 60.0, False),
-    ("bfloat16", 16, 32, False, 60.0, True), ("bfloat16", 16, 32, True, None, False)])
-def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save, span, save_rhs):
-    """Each of the six or seven Triton pallas_calls declares the FLOPs and exps its body executes (traced, not
-    run: interpret=False, nothing is lowered on the CPU), and the bytes of flops_gpu.kernel_counts."""
+@pytest.mark.parametrize("dtype_name, leaf, block_k, save, span, save_rhs, fuse", [
+    ("bfloat16", 16, 32, True, 60.0, True, True), ("float32", 8, 64, True, 60.0, False, True),
+    ("bfloat16", 16, 32, False, 60.0, True, False), ("bfloat16", 16, 32, True, None, False, False)])
+def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save, span, save_rhs, fuse):
+    """Each Triton pallas_call of forward+backward (six or seven) and of a forward alone (two or three)
+    declares the FLOPs and exps its body executes (traced, not run: interpret=False, nothing is lowered on the
+    CPU), and the bytes of flops_gpu.kernel_counts."""
     dtype = jnp.dtype(dtype_name)
     b, t, h, dk, dv, c = 2, 192, 3, 128, 64, 64
     cfg = ptr.make_config(c, leaf, dk, dv, dtype, batch_heads=b * h, block_k=block_k, save_matrices=save,
-                          bounded_span=span, save_rhs=save_rhs)
+                          bounded_span=span, save_rhs=save_rhs, fuse_output=fuse)
     rng = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, e = (jax.random.normal(r, (b, t, h, dk), dtype) for r in rng[:3])
     v = jax.random.normal(rng[3], (b, t, h, dv), dtype)
@@ -108,27 +127,33 @@ def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save,
     _, carry = common.chunk_documents(doc, c)
     state = jnp.zeros((b, h, dk, dv), jnp.float32)
 
-    def fwd_bwd(q, k, e, v, lam, state):
+    def forward(q, k, e, v, lam, state):
         out, final = ptr._delta_rule(cfg, q, k, e, v, lam, state, doc, carry)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(final)
 
-    calls = _pallas_calls(jax.grad(fwd_bwd, argnums=(0, 1, 2, 3, 4, 5)), q, k, e, v, lam, state)
-    names = [eqn.params["name"] for eqn in calls]
+    args = (q, k, e, v, lam, state)
     backward_rhs = [] if save and save_rhs else ["delta_rule_rhs" if save else "delta_rule_intra"]
-    expected = ["delta_rule_intra", "delta_rule_scan", "delta_rule_output", *backward_rhs, "delta_rule_scan_bwd",
+    training = ["delta_rule_intra", "delta_rule_scan", "delta_rule_output", *backward_rhs, "delta_rule_scan_bwd",
                 "delta_rule_cotangents", "delta_rule_key_grads"]
-    assert names == expected
+    alone = ["delta_rule_intra", *(["delta_rule_scan_output"] if fuse else ["delta_rule_scan", "delta_rule_output"])]
     kernel_of = {"delta_rule_intra": "K1_intra", "delta_rule_scan": "K2_scan", "delta_rule_output": "K3_output",
+                 "delta_rule_scan_output": "K2_scan_output",
                  "delta_rule_rhs": "B0_rhs", "delta_rule_scan_bwd": "B1_scan_bwd",
                  "delta_rule_cotangents": "B2a_cotangents", "delta_rule_key_grads": "B2b_key_grads"}
     passes = 2 if dtype == jnp.float32 else 1
     chunks = b * h * (t // c)
-    for i, eqn in enumerate(calls):
-        est = eqn.params["cost_estimate"]
-        programs = math.prod(eqn.params["grid_mapping"].grid)
-        flops, exps = _executed(eqn.params["jaxpr"])
-        assert (est.flops, est.transcendentals) == (programs * flops, programs * exps), eqn.params["name"]
-        # bytes: flops_gpu's count; K1 writes P when the backward keeps it (save) or recomputes it (call 3)
-        counts = flops_gpu.kernel_counts(c, leaf, dk, dv, block_k, passes, save or i == 3, dtype.itemsize,
-                                         span is not None, save_rhs)
-        assert est.bytes_accessed == chunks * counts[kernel_of[eqn.params["name"]]][2], eqn.params["name"]
+    for fn, expected, with_backward in ((jax.grad(forward, argnums=(0, 1, 2, 3, 4, 5)), training, True),
+                                        (forward, alone, False)):
+        calls = _pallas_calls(fn, *args)
+        assert [eqn.params["name"] for eqn in calls] == expected
+        for i, eqn in enumerate(calls):
+            est = eqn.params["cost_estimate"]
+            programs = math.prod(eqn.params["grid_mapping"].grid)
+            flops, exps = _executed(eqn.params["jaxpr"])
+            assert (est.flops, est.transcendentals) == (programs * flops, programs * exps), eqn.params["name"]
+            # bytes: flops_gpu's count; K1 writes P when the backward keeps it (save) or recomputes it (its
+            # second run); a forward alone writes no P
+            writes_p = with_backward and (save or i > 0)
+            counts = flops_gpu.kernel_counts(c, leaf, dk, dv, block_k, passes, writes_p, dtype.itemsize,
+                                             span is not None, save_rhs, fuse)
+            assert est.bytes_accessed == chunks * counts[kernel_of[eqn.params["name"]]][2], eqn.params["name"]
