@@ -186,11 +186,13 @@ def main(argv=None) -> None:
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", run, "--steps", str(args.steps),
                        "--warmup", str(args.warmup), "--depth", str(args.depth), *[f"--set={s}" for s in args.set]]
                 out = subprocess.run(cmd, capture_output=True, text=True)
+                auto = [line for line in out.stdout.splitlines() if line.startswith("model.remat=auto")]  # its choice
                 if out.returncode != 0:  # the error's last lines, after what model.remat=auto decided
-                    auto = [line for line in out.stdout.splitlines() if line.startswith("model.remat=auto")]
                     tail = [line for line in out.stderr.strip().splitlines() if line.strip()][-3:]
                     raise RuntimeError(" / ".join(auto + tail) or f"exit {out.returncode}")
                 results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+                if auto:
+                    results[name]["remat_auto"] = auto
         except Exception as e:  # report and go on with the next run
             results[name] = {"error": f"{type(e).__name__}: {e}"}
         print(f"bench_train: {name}: {json.dumps(results[name])[:400]}", file=sys.stderr, flush=True)
