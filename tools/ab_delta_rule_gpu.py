@@ -1,0 +1,89 @@
+"""Interleaved A/B timing of the GPU delta-rule kernel under pallas_triton.Config variants, in one process.
+
+    python3 tools/ab_delta_rule_gpu.py '{"fused": {}, "apart": {"fuse_output": false}}' [--shape 8x4096]
+        [--rounds 4] [--calls 10] [--out ab.json]
+
+(On the CPU, for a check of the script: '{"a": {"interpret": true}}' --shape 1,128,2,32 --rounds 1 --calls 1.)
+
+For each variant: the forward, forward + backward (the op's core, bf16, as tools/bench_delta_rule_gpu.py
+times it) and K1 alone. Every function is compiled first; then ``--rounds`` rounds run ``--calls`` timed calls
+of each function in turn, so that clock and thermal drift hit every variant alike (one variant after another,
+the same code has differed by 0.1–0.2 ms between runs). Prints median and min per function, in ms.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import bench_delta_rule_gpu as bench
+    from mixerlab.pallas_kernels import common
+    from mixerlab.pallas_kernels.delta_rule import pallas_triton as ptr
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("variants", help='JSON {name: Config overrides}, e.g. \'{"a": {}, "b": {"fuse_output": false}}\'')
+    ap.add_argument("--shape", default="8x4096", help=f"one of {sorted(bench.SHAPES)} or B,T,H,D")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--leaf", type=int, default=16)
+    ap.add_argument("--out", help="write {function: [median, min]} to this JSON file")
+    a = ap.parse_args()
+    variants = json.loads(a.variants)
+    if a.shape in bench.SHAPES:
+        b, t, h, dk, dv = bench.SHAPES[a.shape]
+    else:
+        try:
+            b, t, h, dk = (int(v) for v in a.shape.split(","))
+        except ValueError:
+            ap.error(f"--shape {a.shape!r}: expected one of {sorted(bench.SHAPES)} or B,T,H,D (e.g. 1,128,2,32)")
+        dv = dk
+    x = bench.gdn2_numpy(4, b, t, h, dk, dv)
+    bf = jnp.bfloat16
+    core = [jnp.asarray(x["q"] * dk ** -0.5).astype(bf), jnp.asarray(x["k"]).astype(bf),
+            jnp.asarray(x["b"] * x["k"]).astype(bf), jnp.asarray(x["w"] * x["v"]).astype(bf), jnp.asarray(x["g"]),
+            jnp.zeros((b, h, dk, dv), jnp.float32), jnp.zeros((b, t), jnp.int32)]
+    d_out = jnp.asarray(np.random.default_rng(5).standard_normal((b, t, h, dv), dtype=np.float32)).astype(bf)
+    _, carried = common.chunk_documents(core[6], a.chunk)
+    calls = {}  # name: (jitted function, arguments)
+    for name, overrides in variants.items():
+        run = lambda *z, o=overrides: ptr.run(*z, chunk_size=a.chunk, leaf_size=a.leaf, **o)  # noqa: E731
+        calls[f"{name} fwd"] = (jax.jit(run), core)
+        calls[f"{name} fwd+bwd"] = (jax.jit(lambda *z, run=run: jax.vjp(lambda *y: run(*y, z[6])[0], *z[:6])[1](d_out)),
+                                    core)
+        cfg = ptr.make_config(a.chunk, a.leaf, dk, dv, bf, batch_heads=b * h, **overrides)
+        calls[f"{name} K1"] = (jax.jit(lambda *z, cfg=cfg: ptr._intra(cfg, *z, with_inverse=False)),
+                               (*core[:5], core[6], carried))
+    for fn, args in calls.values():  # compile and warm
+        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*args))
+    times = {name: [] for name in calls}
+    for _ in range(a.rounds):
+        for name, (fn, args) in calls.items():
+            for _ in range(a.calls):
+                start = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                times[name].append((time.perf_counter() - start) * 1e3)
+    result = {name: [statistics.median(v), min(v)] for name, v in times.items()}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"| function ({a.shape}, bf16, {a.rounds}×{a.calls} interleaved calls) | median ms | min ms |")
+    print("|---|---|---|")
+    for name, (median, fastest) in result.items():
+        print(f"| {name} | {median:.3f} | {fastest:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
