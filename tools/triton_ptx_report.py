@@ -67,7 +67,8 @@ def short_conv_modules(overrides, shape=(32, 4096, 1024, 4)):
 
 
 def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128), dtype="bfloat16"):
-    """{kernel name: Triton IR text} of forward + backward, captured from the Pallas lowering."""
+    """{kernel name: Triton IR text} of forward + backward and of a forward alone (its fused scan_output),
+    captured from the Pallas lowering."""
     import jax
     import jax.numpy as jnp
 
@@ -84,6 +85,8 @@ def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128), dtype=
 
     captured = _capture_triton_modules(
         lambda: jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(*specs).lower(lowering_platforms=("cuda",)))
+    alone = _capture_triton_modules(lambda: jax.jit(loss).trace(*specs).lower(lowering_platforms=("cuda",)))
+    captured.update({name: text for name, text in alone.items() if name not in captured})
     cfg = pallas_triton.make_config(chunk, leaf, dk, dv, dtype, batch_heads=b * h, **overrides)
     warps = {name: getattr(cfg, f"warps_{name}", 4) for name in ("intra", "rhs", "scan", "output", "cotangents",
                                                                   "key_grads")}
