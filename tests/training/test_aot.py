@@ -92,4 +92,4 @@ def test_remat_auto_picks_a_policy_for_the_topology_hbm():
     out = _compile_only("configs/tiny.yaml", "v5e:2x2", "mesh.data=1", "mesh.fsdp=-1", "model.remat=auto")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "model.remat=auto -> 'none'" in out.stdout + out.stderr
-    assert "of 12.8 GiB (80% of 16.0 GiB)" in out.stdout + out.stderr
+    assert "of 14.4 GiB (90% of 16.0 GiB)" in out.stdout + out.stderr
