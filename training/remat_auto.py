@@ -7,13 +7,13 @@ compiler's memory analysis: arguments + outputs − donated aliases + temporarie
 the device's memory limit. The choice is printed. Each policy tried is one compile; the chosen one is compiled
 again for the run unless JAX's persistent compilation cache is configured.
 
-The estimate is no promise either way. On the H200 (32 × 4096 tokens, allocator share 0.95) it put the Muir
-166M step without recomputation at 110.1 GiB, which ran in 91.8 GiB, and the Transformer 166M's at 74.1 GiB,
-which ran out of memory at its first step (docs/benchmarks/train_h200.md). So when a step under auto's choice
+The estimate is no promise. On the H200 (32 × 4096 tokens) it put the Muir 166M step without recomputation at
+110.1 GiB, which is what it peaked at, but the Transformer 166M's at 74.1 GiB, which ran out of memory at its
+first step (docs/benchmarks/train_h200.md). So when a step under auto's choice
 runs out of device memory before any step has finished, ``training.loop.train`` starts the run again with the
 next policy of :data:`CANDIDATES` (nothing was logged or saved yet; the Transformer then runs with "dots"); an
 explicit policy stops with :func:`advice_after_oom`. Since a wrong guess costs one more compile, not the run,
-``HEADROOM`` is 90 %: at 80 % the Muir step above took "dots" (33 % MFU) instead of "none" (36 %).
+``HEADROOM`` is 90 %: at 80 % the Muir step above took "dots" (33 % MFU) instead of "none" (38 %).
 
 Where the limit is unknown (an accelerator that reports none and is not a TPU generation we know), a candidate
 counts as fitting when the compiler accepts it.
