@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def main():
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     import bench_delta_rule_gpu as bench
     from mixerlab.pallas_kernels import common
@@ -49,12 +48,8 @@ def main():
         except ValueError:
             ap.error(f"--shape {a.shape!r}: expected one of {sorted(bench.SHAPES)} or B,T,H,D (e.g. 1,128,2,32)")
         dv = dk
-    x = bench.gdn2_numpy(4, b, t, h, dk, dv)
     bf = jnp.bfloat16
-    core = [jnp.asarray(x["q"] * dk ** -0.5).astype(bf), jnp.asarray(x["k"]).astype(bf),
-            jnp.asarray(x["b"] * x["k"]).astype(bf), jnp.asarray(x["w"] * x["v"]).astype(bf), jnp.asarray(x["g"]),
-            jnp.zeros((b, h, dk, dv), jnp.float32), jnp.zeros((b, t), jnp.int32)]
-    d_out = jnp.asarray(np.random.default_rng(5).standard_normal((b, t, h, dv), dtype=np.float32)).astype(bf)
+    core, d_out = bench.core_inputs((b, t, h, dk, dv))  # the inputs bench_delta_rule_gpu.py times
     _, carried = common.chunk_documents(core[6], a.chunk)
     calls = {}  # name: (jitted function, arguments)
     for name, overrides in variants.items():

@@ -300,6 +300,21 @@ def section_fla_compare(shape, dtype_name):
     return table
 
 
+def core_inputs(shape, x=None):
+    """([q̂, k, k̂, v̂, λ, S₀, documents], dO) in bf16 (λ, S₀ f32): the gated vectors precomputed, which is what
+    the op's impl.run receives, from :func:`gdn2_numpy`'s draw (``x``, drawn here when None)."""
+    import jax.numpy as jnp
+
+    b, t, h, dk, dv = shape
+    x = gdn2_numpy(4, b, t, h, dk, dv) if x is None else x
+    bf = jnp.bfloat16
+    core = [jnp.asarray(x["q"] * dk ** -0.5).astype(bf), jnp.asarray(x["k"]).astype(bf),
+            jnp.asarray(x["b"] * x["k"]).astype(bf), jnp.asarray(x["w"] * x["v"]).astype(bf), jnp.asarray(x["g"]),
+            jnp.zeros((b, h, dk, dv), jnp.float32), jnp.zeros((b, t), jnp.int32)]
+    d_out = jnp.asarray(np.random.default_rng(5).standard_normal((b, t, h, dv), dtype=np.float32)).astype(bf)
+    return core, d_out
+
+
 def section_time_ours(shape, reps, breakdown=False, **overrides):
     chunk, leaf = TILING["chunk"], TILING["leaf"]
     overrides = {**OVERRIDES, **overrides}
@@ -312,12 +327,7 @@ def section_time_ours(shape, reps, breakdown=False, **overrides):
     x = gdn2_numpy(4, b, t, h, dk, dv)
     bf = jnp.bfloat16
     res = {}
-    # core: gated vectors precomputed (what the op's impl.run receives)
-    scale = dk ** -0.5
-    core = [jnp.asarray(x["q"] * scale).astype(bf), jnp.asarray(x["k"]).astype(bf),
-            jnp.asarray(x["b"] * x["k"]).astype(bf), jnp.asarray(x["w"] * x["v"]).astype(bf), jnp.asarray(x["g"]),
-            jnp.zeros((b, h, dk, dv), jnp.float32), jnp.zeros((b, t), jnp.int32)]
-    d_out = jnp.asarray(np.random.default_rng(5).standard_normal((b, t, h, dv), dtype=np.float32)).astype(bf)
+    core, d_out = core_inputs(shape, x)
 
     def core_fn(*a):
         return ptr.run(*a, chunk_size=chunk, leaf_size=leaf, **overrides)
