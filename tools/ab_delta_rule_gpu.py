@@ -1,14 +1,16 @@
 """Interleaved A/B timing of the GPU delta-rule kernel under pallas_triton.Config variants, in one process.
 
     python3 tools/ab_delta_rule_gpu.py '{"fused": {}, "apart": {"fuse_output": false}}' [--shape 8x4096]
-        [--rounds 4] [--calls 10] [--out ab.json]
+        [--rounds 4] [--calls 10] [--jla] [--out ab.json]
 
 (On the CPU, for a check of the script: '{"a": {"interpret": true}}' --shape 1,128,2,32 --rounds 1 --calls 1.)
 
 For each variant: the forward, forward + backward (the op's core, bf16, as tools/bench_delta_rule_gpu.py
 times it) and K1 alone. Every function is compiled first; then ``--rounds`` rounds run ``--calls`` timed calls
 of each function in turn, so that clock and thermal drift hit every variant alike (one variant after another,
-the same code has differed by 0.1–0.2 ms between runs). Prints median and min per function, in ms.
+the same code has differed by 0.1–0.2 ms between runs). ``--jla``: jax-linear-attention's GDN-2 forward and
+forward + backward join the rotation (the anchor in the same process). Prints median and min per function, in ms;
+``--out`` is rewritten after every round (a run cut short keeps its rounds), progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ def main():
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--leaf", type=int, default=16)
+    ap.add_argument("--jla", action="store_true", help="time jax-linear-attention's GDN-2 in the same rotation")
     ap.add_argument("--out", help="write {function: [median, min]} to this JSON file")
     a = ap.parse_args()
     variants = json.loads(a.variants)
@@ -60,20 +63,26 @@ def main():
         cfg = ptr.make_config(a.chunk, a.leaf, dk, dv, bf, batch_heads=b * h, **overrides)
         calls[f"{name} K1"] = (jax.jit(lambda *z, cfg=cfg: ptr._intra(cfg, *z, with_inverse=False)),
                                (*core[:5], core[6], carried))
-    for fn, args in calls.values():  # compile and warm
+    if a.jla:
+        jla_fwd, jla_fwd_bwd, jla_args = bench.jla_functions((b, t, h, dk, dv))
+        calls["jla fwd"], calls["jla fwd+bwd"] = (jla_fwd, jla_args), (jla_fwd_bwd, jla_args)
+    t0 = time.perf_counter()
+    for name, (fn, args) in calls.items():  # compile and warm
         jax.block_until_ready(fn(*args))
         jax.block_until_ready(fn(*args))
+        print(f"[{time.perf_counter() - t0:6.1f}s] compiled {name}", file=sys.stderr, flush=True)
     times = {name: [] for name in calls}
-    for _ in range(a.rounds):
+    for r in range(a.rounds):
         for name, (fn, args) in calls.items():
             for _ in range(a.calls):
                 start = time.perf_counter()
                 jax.block_until_ready(fn(*args))
                 times[name].append((time.perf_counter() - start) * 1e3)
-    result = {name: [statistics.median(v), min(v)] for name, v in times.items()}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+        result = {name: [statistics.median(v), min(v)] for name, v in times.items()}
+        if a.out:  # after every round, so that a run cut short keeps what it measured
+            with open(a.out, "w") as f:
+                json.dump({"rounds": r + 1, **result}, f, indent=1)
+        print(f"[{time.perf_counter() - t0:6.1f}s] round {r + 1}/{a.rounds}", file=sys.stderr, flush=True)
     print(f"| function ({a.shape}, bf16, {a.rounds}×{a.calls} interleaved calls) | median ms | min ms |")
     print("|---|---|---|")
     for name, (median, fastest) in result.items():

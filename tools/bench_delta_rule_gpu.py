@@ -409,7 +409,9 @@ def section_time_fla(shape, reps):
     return res
 
 
-def section_time_jla(shape, reps):
+def jla_functions(shape):
+    """(jitted forward, jitted forward + backward, arguments) of jax-linear-attention's GDN-2 (Mosaic GPU) on the
+    inputs of this benchmark (also timed by tools/ab_delta_rule_gpu.py --jla)."""
     import jax
     import jax.numpy as jnp
     from jla.ops import linear_attention
@@ -423,8 +425,12 @@ def section_time_jla(shape, reps):
     def fn(q, k, v, g, bb, w):
         return linear_attention("gdn2", q, k, v, impl="mosaic_gpu", g=g, b=bb, w=w, scale=dk ** -0.5)[0]
 
-    res = {"fwd": time_jax(jax.jit(fn), args, reps),
-           "fwd_bwd": time_jax(jax.jit(lambda *a: jax.vjp(fn, *a)[1](d_out)), args, reps)}
+    return jax.jit(fn), jax.jit(lambda *a: jax.vjp(fn, *a)[1](d_out)), args
+
+
+def section_time_jla(shape, reps):
+    fwd, fwd_bwd, args = jla_functions(shape)
+    res = {"fwd": time_jax(fwd, args, reps), "fwd_bwd": time_jax(fwd_bwd, args, reps)}
     log("jla gdn2 mosaic_gpu", shape, res)
     return res
 

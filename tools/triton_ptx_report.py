@@ -169,7 +169,9 @@ def main():
     ap.add_argument("--leaf", type=int, default=16)
     ap.add_argument("--overrides", default="{}", help="JSON dict of pallas_triton.Config fields")
     ap.add_argument("--kernels", default="", help="comma list of kernel names (default: all)")
-    ap.add_argument("--scan-stages", type=int, default=2, help="num_stages of the sequential kernels (stages_scan)")
+    ap.add_argument("--scan-stages", type=int, default=2, help="num_stages of K2, B1 (stages_scan)")
+    ap.add_argument("--scan-output-stages", type=int, default=1, help="num_stages of K2_scan_output "
+                    "(stages_scan_output)")
     ap.add_argument("--dtype", default="bfloat16", help="delta rule: q, k, k̂, v̂ dtype (bfloat16, float32, float16)")
     a = ap.parse_args()
     try:
@@ -193,7 +195,7 @@ def main():
         if wanted and short not in wanted:
             continue
         w = warps.get(short, 4)
-        sequential = a.scan_stages if "scan" in short else 3  # as CompilerParams
+        sequential = (a.scan_output_stages if short == "scan_output" else a.scan_stages) if "scan" in short else 3
         stages = 1 if a.op in ("short_conv", "vla", "interdomain") else sequential
         r = ptxas_report(ttir, w, num_stages=stages)
         print(f"| {short} | {w} | {r['registers']} | {r['spill_stores']} | {r['spill_loads']} | "

@@ -10,8 +10,8 @@ kernels in ``pallas_kernels/delta_rule/pallas_triton.py`` execute:
     (the datasheet's TF32 : bf16 ratio; not measured here); every other matmul is bf16;
   * bytes: every HBM read and write of each kernel, in the operand dtype (bf16 by default) for the inputs
     and the matmul intermediates (M, P, U, Y, Q̂⊙π, K⊙E, Ũ, dŨ, dM, dA, S₀, dS_C), f32 for λ, dλ and π_C;
-    the key-gradient kernel reads its per-chunk operands once per key block (an upper bound: L2 absorbs
-    part of it);
+    the key-gradient kernel reads its per-chunk operands once per key block, and K1 writes K̂⊙π to Y's
+    block and reads it back (upper bounds: L2 absorbs part of it);
   * exps (``kernel_exps``); other elementwise work (masks, products) is not counted;
   * ``bounded=True`` (the kernels' default, ``bounded_span``): the path every key block takes when its
     gates keep each half-chunk's decay within e^{−span} — one check, one factored product per matrix and
@@ -37,7 +37,7 @@ HBM_BYTES_S = 4.2e12  # measured device copy on the H200
 
 
 def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, save_matrices=True,
-                  operand_bytes=2, bounded=True, save_rhs=True, fuse_output=True):
+                  operand_bytes=2, bounded=True, save_rhs=True, fuse_output=True, end_difference=False):
     """{kernel: (bf16 FLOPs, tf32 FLOPs, HBM bytes)} per chunk of one head. ``sum_passes``: 1 for
     decay_sums="tf32" (bf16 inputs), 2 for "tf32x2". ``operand_bytes``: 2 for bf16/f16 inputs, 4 for f32
     (then the "bf16" FLOPs run as f32 matmuls; the inputs, matmul intermediates and states scale with it).
@@ -45,8 +45,10 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
     the exact tree (one of each per level). ``save_rhs`` (with ``save_matrices``): the backward keeps K1's
     U, Y, Q̂⊙π, K⊙E, π_C and runs no B0. ``fuse_output``: a forward without backward runs K2_scan_output (K2
     and K3 in one kernel; S₀ and Ũ never reach HBM) instead of K2_scan and K3_output — listed as well, outside
-    the training kernels (:data:`FORWARD_ALONE`)."""
+    the training kernels (:data:`FORWARD_ALONE`). ``end_difference``: E's exponent as the chunk total minus
+    π's (the kernels' ``end_decays="difference"``, one decay sum for both chunk edges instead of two)."""
     c, ob = chunk, operand_bytes
+    edges = 1 if end_difference else 2  # decay sums for π and E
     pair_passes = 1 if bounded else int(math.log2(chunk))  # pair products per matrix = decay sums for them
     mm = lambda m, k, n: 2 * m * k * n  # noqa: E731
     sums = lambda count: count * sum_passes * mm(c, c, dk)  # noqa: E731  (count decay-sum matmuls over all keys)
@@ -57,8 +59,8 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
     rhs_out = tile(dv) + 3 * tile(dk) + 4 * dk  # U, Y, Q̂⊙π, K⊙E, π_C
     out = {
         "K1_intra": (pair_passes * 2 * mm(c, dk, c) + mm(c, c, dv) + mm(c, c, dk),
-                     sums(pair_passes + 3) + n_inverse * mm(c, c, c),
-                     inputs + tile(c) * (2 if save_matrices else 1) + rhs_out),
+                     sums(pair_passes + edges) + n_inverse * mm(c, c, c),
+                     inputs + tile(c) * (2 if save_matrices else 1) + rhs_out + 2 * tile(dk)),  # + K̂⊙π stashed
         "K2_scan": (2 * mm(c, dk, dv), 0, tile(dv) + 2 * tile(dk) + 4 * dk + state + tile(dv)),
         "K3_output": (mm(c, dk, dv) + mm(c, c, dv), 0, tile(dk) + state + tile(c) + 2 * tile(dv)),
     }
@@ -66,7 +68,7 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
         out["K2_scan_output"] = (3 * mm(c, dk, dv) + mm(c, c, dv), 0,
                                  tile(dv) + 3 * tile(dk) + 4 * dk + tile(c) + tile(dv))
     if save_matrices and not save_rhs:
-        out["B0_rhs"] = (mm(c, c, dv) + mm(c, c, dk), sums(2), inputs + tile(c) + rhs_out)
+        out["B0_rhs"] = (mm(c, c, dv) + mm(c, c, dk), sums(edges), inputs + tile(c) + rhs_out)
     elif not save_matrices:
         out["B0_intra_again"] = (out["K1_intra"][0], out["K1_intra"][1], out["K1_intra"][2] + tile(c))
     nkb = dk // block_k
@@ -77,7 +79,7 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
                            4 * c + tile(c) + tile(dv) + tile(dk) + state + 2 * tile(dv)
                            + tile(dv) + 2 * tile(c) + tile(dv)),
         "B2b_key_grads": (3 * mm(c, dv, dk) + mm(c, c, dk) + pair_passes * 4 * mm(c, c, dk),
-                          sums(pair_passes + 3 if bounded else pair_passes + 2),  # bounded: check, factors, π, E
+                          sums(pair_passes + edges + (1 if bounded else 0)),  # bounded: the check, again
                           inputs - c * ob * dv + 2 * state
                           + nkb * (tile(c) + 3 * tile(dv) + 2 * tile(c)) + c * (ob * 3 * dk + 4 * dk)),
     }
@@ -86,10 +88,10 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
 
 def kernel_exps(chunk=64, dk=128, save_matrices=True, bounded=True, save_rhs=True, fuse_output=True):
     """{kernel: exponentials} per chunk of one head: one [C, Dk] e^{W λ} per decay-sum matmul (π, E, each
-    pivot level; K1 computes π twice) and π_C [Dk]; the other kernels take none. ``bounded``: two [C, Dk]
+    pivot level) and π_C [Dk]; the other kernels take none. ``bounded``: two [C, Dk]
     factors (e^{±x}) instead of one per level."""
     c, pair_exps = chunk, (2 if bounded else int(math.log2(chunk)))
-    k1 = (pair_exps + 3) * c * dk + dk
+    k1 = (pair_exps + 2) * c * dk + dk
     out = {"K1_intra": k1, "K2_scan": 0, "K3_output": 0, **({"K2_scan_output": 0} if fuse_output else {})}
     if save_matrices and not save_rhs:
         out["B0_rhs"] = 2 * c * dk + dk

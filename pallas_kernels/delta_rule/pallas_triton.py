@@ -92,7 +92,12 @@ class Config:
     warps_cotangents: int = 4
     warps_key_grads: int = 4
     stages_scan: int = 2
+    stages_scan_output: int = 1  # fewer buffers: 242 registers and 32 KB, two programs per SM instead of one
     decay_sums: str = "auto"  # log-decay sums on the tensor cores: "tf32x2" | "tf32" | "auto" (see _split)
+    end_decays: str = "sums"  # E's exponent: "sums" (its own 0/1 matmul) or "difference" (the chunk total minus
+    #                           π's: one decay-sum matmul fewer per key block in K1, B0 and B2b; off by
+    #                           ≈ 2⁻²³·|Λ_C|, 1.5e-4 relative in E for a chunk total of −1280; passes the GPU
+    #                           tests, not yet timed on the H200)
     pair_grads_f32: bool = False  # B2b's pivot-level matmuls with f32 operands (TF32 on the GPU): bf16 dλ error
     #                               6.3e-3 -> 2.5e-3 in interpret mode, +3.1 ms in B2b on the H200 (of 5.1)
     bounded_span: Optional[float] = 60.0  # per key block, pairs inside the largest nodes whose half-node decay
@@ -156,6 +161,8 @@ def make_config(chunk, leaf, key_dim, value_dim, operand_dtype, *, batch_heads=1
     cfg = Config(**base)
     if cfg.decay_sums not in ("auto", "tf32", "tf32x2"):
         raise ValueError(f"pallas_triton: decay_sums={cfg.decay_sums!r}; expected 'auto', 'tf32' or 'tf32x2'")
+    if cfg.end_decays not in ("sums", "difference"):
+        raise ValueError(f"pallas_triton: end_decays={cfg.end_decays!r}; expected 'sums' or 'difference'")
     if cfg.bounded_span is not None and operand_dtype == jnp.dtype(jnp.float16):
         raise ValueError(f"pallas_triton: bounded_span={cfg.bounded_span!r} with float16 operands; the factors "
                          "e^{±span} need an 8-bit exponent (float32, bfloat16): float16 overflows above e^11. "
@@ -363,19 +370,26 @@ def _chunk_masks(document_ref, carried_document_ref, cfg):
     return _ChunkMasks(document_ref[...], carried_document_ref[...], document_ref[cfg.chunk - 1], cfg)
 
 
-def _start_decay(log_decay_split, masks, cfg):
-    """π = e^{Σ_{0≤s≤i} λ} for the rows of the carried-in document (0 elsewhere): [C, BK]."""
-    return jnp.where(masks.carried, _decay(_start_sums(cfg), log_decay_split, cfg), 0.0)
+def _edge_decays(log_decay, log_decay_split, masks, cfg):
+    """The chunk-edge decays of one key block: π = e^{Σ_{0≤s≤i} λ} on the rows of the carried-in document and
+    E = e^{Σ_{j<s<C} λ} on the rows of the chunk's last document (0 elsewhere) [C, BK]; π_C (0 across a
+    boundary) [BK]. With ``end_decays="difference"`` the exponent of E is the chunk total minus π's
+    (Λ_C − Λ_j, both sums of the same rounded λ parts, clipped at 0) instead of a second 0/1 matmul."""
+    starts = _decay_sums(_start_sums(cfg), log_decay_split, cfg)
+    if cfg.end_decays == "difference":
+        total = sum(jnp.sum(part, axis=0) for part in log_decay_split)
+        ends = jnp.minimum(total[None, :] - starts, 0.0)
+    else:
+        ends = _decay_sums(_end_sums(cfg), log_decay_split, cfg)
+    start = jnp.where(masks.carried, jnp.exp(starts), 0.0)
+    end = jnp.where(masks.in_last, jnp.exp(ends), 0.0)
+    return start, end, jnp.where(masks.no_boundary, jnp.exp(jnp.sum(log_decay, axis=0)), 0.0)
 
 
-def _end_decays(log_decay, log_decay_split, masks, cfg):
-    """E = e^{Σ_{j<s<C} λ} for the rows of the chunk's last document [C, BK]; π_C (0 across a boundary) [BK]."""
-    end = jnp.where(masks.in_last, _decay(_end_sums(cfg), log_decay_split, cfg), 0.0)
-    return end, jnp.where(masks.no_boundary, jnp.exp(jnp.sum(log_decay, axis=0)), 0.0)
-
-
-def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out, key_eff_out, chunk_decay_out):
-    """M (lower incl. diagonal) and A (strictly lower), both [C, C] f32; writes Q̂⊙π, K⊙E and π_C on the way."""
+def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out, key_eff_out, chunk_decay_out,
+                    key_start_out):
+    """M (lower incl. diagonal) and A (strictly lower), both [C, C] f32; writes Q̂⊙π, K⊙E, π_C and K̂⊙π on the
+    way (K̂⊙π in the operand dtype: the rounding the matmul Y = P (K̂⊙π) applies to it)."""
     c = cfg.chunk
 
     def key_block(b, acc):
@@ -384,11 +398,11 @@ def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_st
         log_decay = log_decay_ref[:, cols].astype(F32)
         log_decay_split = _split(log_decay, cfg)
         q, k, e = q_ref[:, cols], k_ref[:, cols], erase_ref[:, cols]  # operand dtype; products promote to f32
-        start = _start_decay(log_decay_split, masks, cfg)
-        end, chunk_decay = _end_decays(log_decay, log_decay_split, masks, cfg)
+        start, end, chunk_decay = _edge_decays(log_decay, log_decay_split, masks, cfg)
         query_start_out[:, cols] = (q * start).astype(query_start_out.dtype)
         key_eff_out[:, cols] = (k * end).astype(key_eff_out.dtype)
         chunk_decay_out[cols] = chunk_decay
+        key_start_out[:, cols] = (e * start).astype(key_start_out.dtype)
 
         def level(l, acc):
             pairs, sums = _level(cfg, l)
@@ -439,20 +453,17 @@ def _intra_kernel(cfg, with_inverse):
                readout_out, pseudo_values_out, state_reads_out, query_start_out, key_eff_out, chunk_decay_out,
                *maybe_inverse_out):
         masks = _chunk_masks(document_ref, carried_document_ref, cfg)
+        # K̂⊙π goes to Y's output block in the key-block loop (π is at hand there) and is read back for
+        # Y = P (K̂⊙π) once P is known: computing π again cost 0.2 ms of K1's 1.9 at 8·4096 on the H200. The
+        # read sees the writes: the same program made them, and the solve's block barriers (every matmul
+        # operand passes through shared memory) lie between them.
         m, a = _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out, key_eff_out,
-                               chunk_decay_out)
+                               chunk_decay_out, key_start_out=state_reads_out)
         p = _inverse(a, cfg)
         od = cfg.operand_dtype
         readout_out[...] = m.astype(readout_out.dtype)
         pseudo_values_out[...] = _dot(p, v_ref[...], cfg).astype(od)
-
-        def y_block(b, carry):
-            cols = _key_block(b, cfg)
-            start = _start_decay(_split(log_decay_ref[:, cols].astype(F32), cfg), masks, cfg)
-            state_reads_out[:, cols] = _dot(p, erase_ref[:, cols].astype(F32) * start, cfg).astype(od)
-            return carry
-
-        jax.lax.fori_loop(0, cfg.key_dim // cfg.block_k, y_block, 0)
+        state_reads_out[...] = _dot(p, state_reads_out[...], cfg).astype(od)  # one [C, Dk] product
         if with_inverse:
             maybe_inverse_out[0][...] = p.astype(maybe_inverse_out[0].dtype)
 
@@ -472,8 +483,7 @@ def _rhs_kernel(cfg):
             cols = _key_block(b, cfg)
             log_decay = log_decay_ref[:, cols].astype(F32)
             log_decay_split = _split(log_decay, cfg)
-            start = _start_decay(log_decay_split, masks, cfg)
-            end, chunk_decay = _end_decays(log_decay, log_decay_split, masks, cfg)
+            start, end, chunk_decay = _edge_decays(log_decay, log_decay_split, masks, cfg)
             query_start_out[:, cols] = (q_ref[:, cols] * start).astype(od)
             key_eff_out[:, cols] = (k_ref[:, cols] * end).astype(od)
             chunk_decay_out[cols] = chunk_decay
@@ -626,8 +636,7 @@ def _key_grads_kernel(cfg):
         d_pic = jnp.sum(s0.astype(F32) * d_ends.astype(F32), axis=1)
         d_r = _dot(inverse_ref[...], -_dot(d_true_pseudo_ref[...], s0, cfg, trans_b=True), cfg, trans_a=True)
         d_m_diag = jnp.sum(jnp.where(masks.eye, d_readout_ref[...].astype(F32), 0.0), axis=1)[:, None]
-        start = _start_decay(log_decay_split, masks, cfg)
-        end, chunk_decay = _end_decays(log_decay, log_decay_split, masks, cfg)
+        start, end, chunk_decay = _edge_decays(log_decay, log_decay_split, masks, cfg)
         dq_out[...] = (d_qpi * start + d_q_pair + d_m_diag * k).astype(dq_out.dtype)
         d_erase_out[...] = (d_r * start + d_e_pair).astype(d_erase_out.dtype)
         dk_out[...] = (d_keff * end + d_k_pair + d_m_diag * q).astype(dk_out.dtype)
@@ -659,7 +668,8 @@ def _cost(cfg, kernel, batch_heads, n_chunks, save_matrices=True):
     sum_passes = 2 if cfg.resolved_decay_sums == "tf32x2" and not cfg.interpret else 1  # as _split
     bounded = cfg.bounded_span is not None
     counts = flops_gpu.kernel_counts(cfg.chunk, cfg.leaf, cfg.key_dim, cfg.value_dim, cfg.block_k, sum_passes,
-                                     save_matrices, operand_bytes, bounded, cfg.save_rhs, cfg.fuse_output)
+                                     save_matrices, operand_bytes, bounded, cfg.save_rhs, cfg.fuse_output,
+                                     end_difference=cfg.end_decays == "difference")
     exps = flops_gpu.kernel_exps(cfg.chunk, cfg.key_dim, save_matrices, bounded, cfg.save_rhs, cfg.fuse_output)
     bf, tf, nbytes = counts[kernel]
     chunks = batch_heads * n_chunks
@@ -765,7 +775,7 @@ def _scan_output(cfg, state_reads, pseudo_values, key_eff, chunk_decay, query_st
         in_specs=[_per_head(n, c, dk), _per_head_v_block(n, c, bv), _per_head(n, c, dk), _per_head(n, dk),
                   _per_head(n, c, dk), _per_head(n, c, c), _per_head_v_block(dk, bv)],
         out_specs=(pl.BlockSpec((None, n * c, None, bv), lambda b_, h_, j: (b_, 0, h_, j)), _per_head_v_block(dk, bv)),
-        interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_scan, cfg.stages_scan),
+        interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_scan, cfg.stages_scan_output),
         cost_estimate=_cost(cfg, "K2_scan_output", b * h, n), name="delta_rule_scan_output")(
         state_reads, pseudo_values, key_eff, chunk_decay, query_start, readout, state)
 

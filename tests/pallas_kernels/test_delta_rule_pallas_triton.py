@@ -173,6 +173,22 @@ def test_interpret_bounded_and_tree_paths_agree_in_f32():
         _check(got, want, tol=2e-6, grad_tol=1e-5)  # observed ≤ 1e-6 on both paths
 
 
+@pytest.mark.parametrize("dtype, tol, grad_tol", [(jnp.float32, 2e-6, 1e-5), (jnp.bfloat16, 1e-2, 2e-2)])
+def test_interpret_end_decays_by_difference(dtype, tol, grad_tol):
+    """E's exponent as the chunk total minus π's (``end_decays="difference"``) against the float64 reference and
+    against E's own decay sums, on a strong-decay head (chunk totals near −1300, where the difference loses the
+    most) and packed documents."""
+    b, t, h, dk, dv = 1, 130, 2, 32, 16
+    args = _args(gdn2_inputs(14, b, t, h, dk, dv, dtype=np.float32, strong_decay_heads=1), dtype)
+    document = _documents(b, t, [40, 64])
+    weights = _weights(15, b, t, h, dk, dv)
+    got = [_kernel(args, document, weights, chunk_size=64, leaf_size=8, end_decays=mode)
+           for mode in ("difference", "sums")]
+    _check(got[0], _reference(args, document, weights), tol=tol, grad_tol=grad_tol)  # observed f32 ≤ 1.3e-6
+    for x, y in zip(jax.tree_util.tree_leaves(got[0]), jax.tree_util.tree_leaves(got[1])):
+        assert rel_rms_err(x, y) <= 2e-6, rel_rms_err(x, y)  # observed ≤ 9.3e-7 (f32), ≤ 6.2e-7 (bf16)
+
+
 def test_interpret_bf16_operands():
     b, t, h, dk, dv = 1, 64, 1, 32, 32
     inputs = gdn2_inputs(4, b, t, h, dk, dv, dtype=np.float32)
@@ -265,6 +281,10 @@ def test_config_defaults():
     assert pallas_triton.make_config(64, 8, 128, 128, jnp.bfloat16, batch_heads=16).scan_block_v == 16
     assert dataclasses.replace(cfg, interpret=True).interpret
     assert cfg.block_k == 32 and cfg.save_matrices and cfg.resolved_decay_sums == "tf32"
+    assert (cfg.stages_scan, cfg.stages_scan_output) == (2, 1)
+    assert cfg.end_decays == "sums"
+    with pytest.raises(ValueError, match="end_decays='total'"):
+        pallas_triton.make_config(64, 16, 128, 128, jnp.bfloat16, end_decays="total")
     assert pallas_triton.make_config(64, 16, 128, 128, jnp.float32).resolved_decay_sums == "tf32x2"
     with pytest.raises(ValueError, match="decay_sums"):
         pallas_triton.make_config(64, 16, 128, 128, jnp.float32, decay_sums="fp8")

@@ -22,19 +22,24 @@ def test_counts_by_hand():
     bf16, tf32, _ = counts["K1_intra"]
     # 6 pivot levels × (A and M: C×Dk×C each) + U = P V̂ and Y = P (K̂⊙π)
     assert bf16 == 6 * 2 * (2 * c * d * c) + 2 * (2 * c * c * d)
-    # decay sums: 6 levels + π, E + π again for Y (one TF32 pass each); inverse: 2·(log2 16 − 1) Neumann
+    # decay sums: 6 levels + π, E (one TF32 pass each; Y reads K̂⊙π back); inverse: 2·(log2 16 − 1) Neumann
     # products and 2·(6 − 4) merge products of C×C×C
-    assert tf32 == 9 * (2 * c * c * d) + (6 + 4) * (2 * c ** 3)
+    assert tf32 == 8 * (2 * c * c * d) + (6 + 4) * (2 * c ** 3)
+    # end_decays="difference": E's exponent is the chunk total minus π's, one decay sum fewer per key block
+    by_difference = flops_gpu.kernel_counts(chunk=c, leaf=16, dk=d, dv=d, block_k=32, bounded=False,
+                                            end_difference=True)
+    assert (tf32 - by_difference["K1_intra"][1] == counts["B2b_key_grads"][1] - by_difference["B2b_key_grads"][1]
+            == 2 * c * c * d)
     two_pass = flops_gpu.kernel_counts(chunk=c, leaf=16, dk=d, dv=d, block_k=32, sum_passes=2,
                                        bounded=False)["K1_intra"][1]
-    assert two_pass - tf32 == 9 * (2 * c * c * d)
-    # the factored path: one product each for A and M, one decay sum for the factors (plus π, E, π)
+    assert two_pass - tf32 == 8 * (2 * c * c * d)
+    # the factored path: one product each for A and M, one decay sum for the factors (plus π, E)
     bf16_b, tf32_b, bytes_b = flops_gpu.kernel_counts(chunk=c, leaf=16, dk=d, dv=d, block_k=32)["K1_intra"]
     assert bf16_b == 2 * (2 * c * d * c) + 2 * (2 * c * c * d)
-    assert tf32_b == 4 * (2 * c * c * d) + (6 + 4) * (2 * c ** 3)
+    assert tf32_b == 3 * (2 * c * c * d) + (6 + 4) * (2 * c ** 3)
     assert bytes_b == counts["K1_intra"][2]
-    assert flops_gpu.kernel_exps(c, d)["K1_intra"] == 5 * c * d + d
-    assert flops_gpu.kernel_exps(c, d, bounded=False)["K1_intra"] == 9 * c * d + d
+    assert flops_gpu.kernel_exps(c, d)["K1_intra"] == 4 * c * d + d
+    assert flops_gpu.kernel_exps(c, d, bounded=False)["K1_intra"] == 8 * c * d + d
     scan = counts["K2_scan"]
     assert scan[0] == 2 * (2 * c * d * d) and scan[2] == 2 * c * d * 4 + 4 * d + 2 * d * d  # U, Y, K⊙E, Ũ; π_C; S₀
     # a forward alone: Ũ = U − Y S₀, O = (Q̂⊙π) S₀ + M Ũ, S ← … + (K⊙E)ᵀ Ũ in one kernel; reads U, Y, K⊙E,
@@ -108,17 +113,18 @@ def _pallas_calls(fn, *args):
     return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
 
 
-@pytest.mark.parametrize("dtype_name, leaf, block_k, save, span, save_rhs, fuse", [
-    ("bfloat16", 16, 32, True, 60.0, True, True), ("float32", 8, 64, True, 60.0, False, True),
-    ("bfloat16", 16, 32, False, 60.0, True, False), ("bfloat16", 16, 32, True, None, False, False)])
-def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save, span, save_rhs, fuse):
+@pytest.mark.parametrize("dtype_name, leaf, block_k, save, span, save_rhs, fuse, end", [
+    ("bfloat16", 16, 32, True, 60.0, True, True, "sums"), ("float32", 8, 64, True, 60.0, False, True, "sums"),
+    ("bfloat16", 16, 32, False, 60.0, True, False, "difference"),
+    ("bfloat16", 16, 32, True, None, False, False, "difference")])
+def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save, span, save_rhs, fuse, end):
     """Each Triton pallas_call of forward+backward (six or seven) and of a forward alone (two or three)
     declares the FLOPs and exps its body executes (traced, not run: interpret=False, nothing is lowered on the
     CPU), and the bytes of flops_gpu.kernel_counts."""
     dtype = jnp.dtype(dtype_name)
     b, t, h, dk, dv, c = 2, 192, 3, 128, 64, 64
     cfg = ptr.make_config(c, leaf, dk, dv, dtype, batch_heads=b * h, block_k=block_k, save_matrices=save,
-                          bounded_span=span, save_rhs=save_rhs, fuse_output=fuse)
+                          bounded_span=span, save_rhs=save_rhs, fuse_output=fuse, end_decays=end)
     rng = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, e = (jax.random.normal(r, (b, t, h, dk), dtype) for r in rng[:3])
     v = jax.random.normal(rng[3], (b, t, h, dv), dtype)
@@ -155,5 +161,5 @@ def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save,
             # second run); a forward alone writes no P
             writes_p = with_backward and (save or i > 0)
             counts = flops_gpu.kernel_counts(c, leaf, dk, dv, block_k, passes, writes_p, dtype.itemsize,
-                                             span is not None, save_rhs, fuse)
+                                             span is not None, save_rhs, fuse, end == "difference")
             assert est.bytes_accessed == chunks * counts[kernel_of[eqn.params["name"]]][2], eqn.params["name"]

@@ -16,9 +16,10 @@ def test_ab_runs_every_variant_and_function(tmp_path):
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
+    assert result.pop("rounds") == 1  # written after every round
     assert set(result) == {f"{v} {f}" for v in variants for f in ("fwd", "fwd+bwd", "K1")}
     assert all(median >= fastest > 0 for median, fastest in result.values())
-    assert "| fused fwd |" in proc.stdout
+    assert "| fused fwd |" in proc.stdout and "round 1/1" in proc.stderr
 
 
 def test_bad_shape_names_the_valid_forms():
