@@ -92,7 +92,8 @@ class Config:
     warps_cotangents: int = 4
     warps_key_grads: int = 4
     stages_scan: int = 2
-    stages_scan_output: int = 1  # fewer buffers: 242 registers and 32 KB, two programs per SM instead of one
+    stages_scan_output: int = 2  # make_config: 1 for ≥ 256 programs (242 registers and 32 KB instead of 136 KB:
+    #                              two per SM), else 2 (the loads of the next chunk in flight)
     decay_sums: str = "auto"  # log-decay sums on the tensor cores: "tf32x2" | "tf32" | "auto" (see _split)
     end_decays: str = "sums"  # E's exponent: "sums" (its own 0/1 matmul) or "difference" (the chunk total minus
     #                           π's: one decay-sum matmul fewer per key block in K1, B0 and B2b; off by
@@ -158,6 +159,12 @@ def make_config(chunk, leaf, key_dim, value_dim, operand_dtype, *, batch_heads=1
                 scan_block_v=default_block_v(batch_heads, value_dim), block_k=min(32, key_dim),
                 bounded_span=None if operand_dtype == jnp.dtype(jnp.float16) else 60.0, interpret=interpret)
     base.update(overrides)
+    if "stages_scan_output" not in overrides:  # one buffer lets two programs share an SM; worth it with more
+        # programs than SMs (8·4096, 16 heads: 256 programs, forward 0.05 ms faster on the H200); with one
+        # program per SM the second buffer hides the loads (1·32768: with one stage the forward went 3.10 →
+        # 3.70 ms although K1 got faster)
+        programs = batch_heads * (value_dim // base["scan_block_v"])
+        base["stages_scan_output"] = 1 if programs >= 256 else 2
     cfg = Config(**base)
     if cfg.decay_sums not in ("auto", "tf32", "tf32x2"):
         raise ValueError(f"pallas_triton: decay_sums={cfg.decay_sums!r}; expected 'auto', 'tf32' or 'tf32x2'")

@@ -281,7 +281,8 @@ def test_config_defaults():
     assert pallas_triton.make_config(64, 8, 128, 128, jnp.bfloat16, batch_heads=16).scan_block_v == 16
     assert dataclasses.replace(cfg, interpret=True).interpret
     assert cfg.block_k == 32 and cfg.save_matrices and cfg.resolved_decay_sums == "tf32"
-    assert (cfg.stages_scan, cfg.stages_scan_output) == (2, 1)
+    assert (cfg.stages_scan, cfg.stages_scan_output) == (2, 1)  # 8·16 heads × 2 value blocks = 256 programs
+    assert pallas_triton.make_config(64, 8, 128, 128, jnp.bfloat16, batch_heads=16).stages_scan_output == 2
     assert cfg.end_decays == "sums"
     with pytest.raises(ValueError, match="end_decays='total'"):
         pallas_triton.make_config(64, 16, 128, 128, jnp.bfloat16, end_decays="total")
