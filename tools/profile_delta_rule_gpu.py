@@ -46,6 +46,7 @@ VARIANTS = {  # name: (context-manager factory, Config overrides)
     "factored_only": (lambda: patched(ptr, "_bounded_cut", lambda parts, cfg, keep_sums: (
         cfg.levels, ptr._cut_sums(cfg.levels, parts, cfg) if keep_sums else None)), {}),
     "sums_tf32x2": (contextlib.nullcontext, {"decay_sums": "tf32x2"}),
+    "end_difference": (contextlib.nullcontext, {"end_decays": "difference"}),  # E's exponent: total − π's
     "pair_grads_f32": (contextlib.nullcontext, {"pair_grads_f32": True}),
     "block_k16": (contextlib.nullcontext, {"block_k": 16}),
     "block_k64": (contextlib.nullcontext, {"block_k": 64}),
