@@ -42,6 +42,8 @@ def main():
     ap.add_argument("--jla", action="store_true", help="time jax-linear-attention's GDN-2 in the same rotation")
     ap.add_argument("--out", help="write {function: [median, min]} to this JSON file")
     a = ap.parse_args()
+    if a.rounds < 1 or a.calls < 1:
+        ap.error(f"--rounds {a.rounds} --calls {a.calls}: both must be ≥ 1")
     variants = json.loads(a.variants)
     if a.shape in bench.SHAPES:
         b, t, h, dk, dv = bench.SHAPES[a.shape]

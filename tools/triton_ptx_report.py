@@ -8,6 +8,7 @@ and have ``ptxas`` (CUDA ≥ 12.3) on the PATH. XLA's own Triton may schedule sl
 for relative comparisons (did a change add spills?), then time on the GPU.
 
     python tools/triton_ptx_report.py [--chunk 64 --leaf 16] [--overrides '{"block_k": 16}'] [--kernels intra,key_grads]
+        (stages of the sequential kernels: --overrides '{"stages_scan": 1, "stages_scan_output": 2}')
     python tools/triton_ptx_report.py --op short_conv [--overrides '{"bwd_block_t": 32}']   # at 32x4096x1024 bf16
     python tools/triton_ptx_report.py --op vla [--overrides '{"warps_forward": 2}']          # at 8x4096x12x64
     python tools/triton_ptx_report.py --op interdomain [--overrides '{"block_m_backward": 32}']  # the 125M shape
@@ -67,8 +68,9 @@ def short_conv_modules(overrides, shape=(32, 4096, 1024, 4)):
 
 
 def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128), dtype="bfloat16"):
-    """{kernel name: Triton IR text} of forward + backward and of a forward alone (its fused scan_output),
-    captured from the Pallas lowering."""
+    """({kernel name: Triton IR text} of forward + backward and of a forward alone (its fused scan_output),
+    captured from the Pallas lowering; {kernel: warps}; {kernel: pipeline stages}), warps and stages as the
+    kernels' Config chose them at this shape."""
     import jax
     import jax.numpy as jnp
 
@@ -91,7 +93,8 @@ def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128), dtype=
     warps = {name: getattr(cfg, f"warps_{name}", 4) for name in ("intra", "rhs", "scan", "output", "cotangents",
                                                                   "key_grads")}
     warps["scan_bwd"] = warps["scan_output"] = cfg.warps_scan
-    return captured, warps
+    stages = {"scan": cfg.stages_scan, "scan_bwd": cfg.stages_scan, "scan_output": cfg.stages_scan_output}
+    return captured, warps, stages
 
 
 def interdomain_modules(chunk, overrides, shape=(8, 4096, 12, 64, 64, 64)):
@@ -169,15 +172,13 @@ def main():
     ap.add_argument("--leaf", type=int, default=16)
     ap.add_argument("--overrides", default="{}", help="JSON dict of pallas_triton.Config fields")
     ap.add_argument("--kernels", default="", help="comma list of kernel names (default: all)")
-    ap.add_argument("--scan-stages", type=int, default=2, help="num_stages of K2, B1 (stages_scan)")
-    ap.add_argument("--scan-output-stages", type=int, default=1, help="num_stages of K2_scan_output "
-                    "(stages_scan_output)")
     ap.add_argument("--dtype", default="bfloat16", help="delta rule: q, k, k̂, v̂ dtype (bfloat16, float32, float16)")
     a = ap.parse_args()
     try:
         import triton  # noqa: F401
     except ImportError:
         sys.exit("tools/triton_ptx_report.py needs Triton: pip install triton==3.6.0 (and ptxas on the PATH)")
+    stages = {}  # delta rule: the sequential kernels' stages from its Config (others: 3, or 1 for the other ops)
     if a.op == "short_conv":
         modules, warps = short_conv_modules(json.loads(a.overrides))
     elif a.op == "vla":
@@ -185,7 +186,7 @@ def main():
     elif a.op == "interdomain":
         modules, warps = interdomain_modules(a.chunk, json.loads(a.overrides))
     else:
-        modules, warps = triton_modules(a.chunk, a.leaf, json.loads(a.overrides), dtype=a.dtype)
+        modules, warps, stages = triton_modules(a.chunk, a.leaf, json.loads(a.overrides), dtype=a.dtype)
     wanted = set(filter(None, a.kernels.split(",")))
     print("| kernel | warps | registers | spill stores B | spill loads B | shared KB | wgmma | bar.sync |")
     print("|---|---|---|---|---|---|---|---|")
@@ -195,9 +196,7 @@ def main():
         if wanted and short not in wanted:
             continue
         w = warps.get(short, 4)
-        sequential = (a.scan_output_stages if short == "scan_output" else a.scan_stages) if "scan" in short else 3
-        stages = 1 if a.op in ("short_conv", "vla", "interdomain") else sequential
-        r = ptxas_report(ttir, w, num_stages=stages)
+        r = ptxas_report(ttir, w, num_stages=stages.get(short, 3) if a.op == "delta_rule" else 1)
         print(f"| {short} | {w} | {r['registers']} | {r['spill_stores']} | {r['spill_loads']} | "
               f"{r['shared_bytes'] / 1024:.0f} | {r['wgmma']} | {r['barriers']} |", flush=True)
 
