@@ -6,9 +6,10 @@
 (On the CPU, for a check of the script: '{"a": {"interpret": true}}' --shape 1,128,2,32 --rounds 1 --calls 1.)
 
 For each variant: the forward, forward + backward (the op's core, bf16, as tools/bench_delta_rule_gpu.py
-times it) and K1 alone. Every function is compiled first; then ``--rounds`` rounds run ``--calls`` timed calls
-of each function in turn, so that clock and thermal drift hit every variant alike (one variant after another,
-the same code has differed by 0.1–0.2 ms between runs). ``--jla``: jax-linear-attention's GDN-2 forward and
+times it) and the forward's K1 alone (K1_intra_alone with ``fold_solve``). Every function is compiled first;
+then ``--rounds`` rounds run ``--calls`` timed calls of each function in turn, so that clock and thermal
+drift hit every variant alike (one variant after another, the same code has differed by 0.1–0.2 ms between
+runs). ``--jla``: jax-linear-attention's GDN-2 forward and
 forward + backward join the rotation (the anchor in the same process). Prints median and min per function, in ms;
 ``--out`` is rewritten after every round (a run cut short keeps its rounds), progress goes to stderr.
 """
@@ -63,8 +64,12 @@ def main():
         calls[f"{name} fwd+bwd"] = (jax.jit(lambda *z, run=run: jax.vjp(lambda *y: run(*y, z[6])[0], *z[:6])[1](d_out)),
                                     core)
         cfg = ptr.make_config(a.chunk, a.leaf, dk, dv, bf, batch_heads=b * h, **overrides)
-        calls[f"{name} K1"] = (jax.jit(lambda *z, cfg=cfg: ptr._intra(cfg, *z, with_inverse=False)),
-                               (*core[:5], core[6], carried))
+        if cfg.fuse_output and cfg.fold_solve:  # the forward's K1 (the training forward runs _intra)
+            calls[f"{name} K1"] = (jax.jit(lambda *z, cfg=cfg: ptr._intra_alone(cfg, *z)),
+                                   (*core[:3], core[4], core[6], carried))
+        else:
+            calls[f"{name} K1"] = (jax.jit(lambda *z, cfg=cfg: ptr._intra(cfg, *z, with_inverse=False)),
+                                   (*core[:5], core[6], carried))
     if a.jla:
         jla_fwd, jla_fwd_bwd, jla_args = bench.jla_functions((b, t, h, dk, dv))
         calls["jla fwd"], calls["jla fwd+bwd"] = (jla_fwd, jla_args), (jla_fwd_bwd, jla_args)

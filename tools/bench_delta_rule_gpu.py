@@ -357,6 +357,13 @@ def section_time_ours(shape, reps, breakdown=False, **overrides):
         s0s, ut, fin = scan(y, u, keff, pic, s0)
         output = jax.jit(lambda *a: ptr._output(cfg, *a, bf))
         scan_output = jax.jit(lambda *a: ptr._scan_output(cfg, *a, bf))  # K2 + K3 of a forward alone
+        if cfg.fold_solve:  # the forward alone's K1 and what its scan reads (V̂ by token, M P, Pᵀ(K⊙E))
+            intra_alone = jax.jit(lambda *a: ptr._intra_alone(cfg, *a))
+            mp, kpi, qpi_, gk, pic_ = intra_alone(q, k, e, lam, doc, carry)
+            alone_parts = {"K1_intra_alone": (intra_alone, (q, k, e, lam, doc, carry)),
+                           "K2_scan_output": (scan_output, (kpi, v, gk, pic_, qpi_, mp, s0))}
+        else:
+            alone_parts = {"K2_scan_output": (scan_output, (y, u, keff, pic, qpi, m, s0))}
         scan_bwd = jax.jit(lambda *a: ptr._scan_bwd(cfg, *a))
         dsc, dut, dsi = scan_bwd(m, d_out, keff, qpi, y, pic, s0)
         rhs = jax.jit(lambda *a: ptr._rhs(cfg, *a))
@@ -369,7 +376,7 @@ def section_time_ours(shape, reps, breakdown=False, **overrides):
             "K1_intra_with_P": (intra_p, (q, k, e, v, lam, doc, carry)),
             "K2_scan": (scan, (y, u, keff, pic, s0)),
             "K3_output": (output, (qpi, s0s, m, ut)),
-            "K2_scan_output": (scan_output, (y, u, keff, pic, qpi, m, s0)),
+            **alone_parts,
             "B0_rhs": (rhs, (q, k, e, v, lam, doc, carry, p)),
             "B1_scan_bwd": (scan_bwd, (m, d_out, keff, qpi, y, pic, s0)),
             "B2a_cotangents": (cot, cot_args),

@@ -31,13 +31,16 @@ from typing import Sequence
 
 from mixerlab.pallas_kernels.delta_rule.flops import shape_parser
 
-FORWARD_ALONE = ("K2_scan_output",)  # runs only in a forward without backward, in place of K2_scan + K3_output
+# run only in a forward without backward: K2_scan_output in place of K2_scan + K3_output, K1_intra_alone (with
+# fold_solve) in place of K1_intra
+FORWARD_ALONE = ("K1_intra_alone", "K2_scan_output")
 BF16_FLOPS = 790e12  # a large bf16 matmul measured on the H200; TF32 charged at half of it
 HBM_BYTES_S = 4.2e12  # measured device copy on the H200
 
 
 def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, save_matrices=True,
-                  operand_bytes=2, bounded=True, save_rhs=True, fuse_output=True, end_difference=False):
+                  operand_bytes=2, bounded=True, save_rhs=True, fuse_output=True, end_difference=False,
+                  fold_solve=True):
     """{kernel: (bf16 FLOPs, tf32 FLOPs, HBM bytes)} per chunk of one head. ``sum_passes``: 1 for
     decay_sums="tf32" (bf16 inputs), 2 for "tf32x2". ``operand_bytes``: 2 for bf16/f16 inputs, 4 for f32
     (then the "bf16" FLOPs run as f32 matmuls; the inputs, matmul intermediates and states scale with it).
@@ -46,7 +49,10 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
     U, Y, Q̂⊙π, K⊙E, π_C and runs no B0. ``fuse_output``: a forward without backward runs K2_scan_output (K2
     and K3 in one kernel; S₀ and Ũ never reach HBM) instead of K2_scan and K3_output — listed as well, outside
     the training kernels (:data:`FORWARD_ALONE`). ``end_difference``: E's exponent as the chunk total minus
-    π's (the kernels' ``end_decays="difference"``, one decay sum for both chunk edges instead of two)."""
+    π's (the kernels' ``end_decays="difference"``, one decay sum for both chunk edges instead of two).
+    ``fold_solve`` (with ``fuse_output``): the forward alone runs K1_intra_alone, which writes M P, K̂⊙π, Q̂⊙π,
+    Pᵀ(K⊙E), π_C (reads no V̂; K⊙E makes the round trip K̂⊙π makes in K1), and K2_scan_output reads V̂ in
+    place of U (the same count)."""
     c, ob = chunk, operand_bytes
     edges = 1 if end_difference else 2  # decay sums for π and E
     pair_passes = 1 if bounded else int(math.log2(chunk))  # pair products per matrix = decay sums for them
@@ -64,7 +70,10 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
         "K2_scan": (2 * mm(c, dk, dv), 0, tile(dv) + 2 * tile(dk) + 4 * dk + state + tile(dv)),
         "K3_output": (mm(c, dk, dv) + mm(c, c, dv), 0, tile(dk) + state + tile(c) + 2 * tile(dv)),
     }
-    if fuse_output:  # reads U, Y, K⊙E, π_C, Q̂⊙π, M; writes O
+    if fuse_output and fold_solve:
+        out["K1_intra_alone"] = (pair_passes * 2 * mm(c, dk, c) + mm(c, c, c) + mm(c, c, dk), out["K1_intra"][1],
+                                 inputs - ob * c * dv + tile(c) + 3 * tile(dk) + 4 * dk + 2 * tile(dk))
+    if fuse_output:  # reads U (V̂ with fold_solve), Y (K̂⊙π), K⊙E (Pᵀ(K⊙E)), π_C, Q̂⊙π, M (M P); writes O
         out["K2_scan_output"] = (3 * mm(c, dk, dv) + mm(c, c, dv), 0,
                                  tile(dv) + 3 * tile(dk) + 4 * dk + tile(c) + tile(dv))
     if save_matrices and not save_rhs:
@@ -92,7 +101,8 @@ def kernel_exps(chunk=64, dk=128, save_matrices=True, bounded=True, save_rhs=Tru
     factors (e^{±x}) instead of one per level."""
     c, pair_exps = chunk, (2 if bounded else int(math.log2(chunk)))
     k1 = (pair_exps + 2) * c * dk + dk
-    out = {"K1_intra": k1, "K2_scan": 0, "K3_output": 0, **({"K2_scan_output": 0} if fuse_output else {})}
+    out = {"K1_intra": k1, "K2_scan": 0, "K3_output": 0,
+           **({"K1_intra_alone": k1, "K2_scan_output": 0} if fuse_output else {})}
     if save_matrices and not save_rhs:
         out["B0_rhs"] = 2 * c * dk + dk
     elif not save_matrices:

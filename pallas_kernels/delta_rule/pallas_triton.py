@@ -99,6 +99,10 @@ class Config:
     #                           π's: one decay-sum matmul fewer per key block in K1, B0 and B2b; off by
     #                           ≈ 2⁻²³·|Λ_C|, 1.5e-4 relative in E for a chunk total of −1280; passes the GPU
     #                           tests, not yet timed on the H200)
+    fold_solve: bool = True  # a forward without backward: K1 writes M P, K̂⊙π and Pᵀ(K⊙E) instead of M, U = P V̂,
+    #                          Y and K⊙E, and scan_output reads V̂ itself (Ũ = P (V̂ − (K̂⊙π) S₀) is never formed:
+    #                          O = (Q̂⊙π) S₀ + (M P) W, S ← π_C S₀ + (Pᵀ(K⊙E))ᵀ W with W = V̂ − (K̂⊙π) S₀;
+    #                          H200, 8·4096·16·128 bf16: forward 2.08 → 1.99 ms, K1 1.71 → 1.60 ms)
     pair_grads_f32: bool = False  # B2b's pivot-level matmuls with f32 operands (TF32 on the GPU): bf16 dλ error
     #                               6.3e-3 -> 2.5e-3 in interpret mode, +3.1 ms in B2b on the H200 (of 5.1)
     bounded_span: Optional[float] = 60.0  # per key block, pairs inside the largest nodes whose half-node decay
@@ -399,12 +403,14 @@ def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_st
     way (K̂⊙π in the operand dtype: the rounding the matmul Y = P (K̂⊙π) applies to it)."""
     c = cfg.chunk
 
+    nkb = cfg.key_dim // cfg.block_k
+
     def key_block(b, acc):
         a, m, diag = acc
         cols = _key_block(b, cfg)
         log_decay = log_decay_ref[:, cols].astype(F32)
-        log_decay_split = _split(log_decay, cfg)
         q, k, e = q_ref[:, cols], k_ref[:, cols], erase_ref[:, cols]  # operand dtype; products promote to f32
+        log_decay_split = _split(log_decay, cfg)
         start, end, chunk_decay = _edge_decays(log_decay, log_decay_split, masks, cfg)
         query_start_out[:, cols] = (q * start).astype(query_start_out.dtype)
         key_eff_out[:, cols] = (k * end).astype(key_eff_out.dtype)
@@ -429,7 +435,7 @@ def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_st
         return a, m, diag + jnp.sum(q.astype(F32) * k.astype(F32), axis=1)
 
     zeros = jnp.zeros((c, c), F32)
-    a, m, diag = jax.lax.fori_loop(0, cfg.key_dim // cfg.block_k, key_block, (zeros, zeros, jnp.zeros((c,), F32)))
+    a, m, diag = jax.lax.fori_loop(0, nkb, key_block, (zeros, zeros, jnp.zeros((c,), F32)))
     a = jnp.where(masks.strict & masks.same_doc, a, 0.0)
     m = jnp.where(masks.strict & masks.same_doc, m, 0.0) + jnp.where(masks.eye, diag[:, None], 0.0)
     return m, a
@@ -477,6 +483,25 @@ def _intra_kernel(cfg, with_inverse):
     return kernel
 
 
+def _intra_alone_kernel(cfg):
+    """K1 for a forward without backward (``fold_solve``): M P, K̂⊙π, Q̂⊙π, Pᵀ(K⊙E), π_C. P is folded into the
+    two matrices the scan multiplies Ũ by, so the scan reads V̂ and K̂⊙π in place of U = P V̂ and Y = P (K̂⊙π):
+    no V̂ read, no U written and one [C, C] × [C, Dk] product fewer here, the same products in the scan."""
+    def kernel(q_ref, k_ref, erase_ref, log_decay_ref, document_ref, carried_document_ref,
+               readout_out, state_reads_out, query_start_out, key_eff_out, chunk_decay_out):
+        masks = _chunk_masks(document_ref, carried_document_ref, cfg)
+        m, a = _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out, key_eff_out,
+                               chunk_decay_out, key_start_out=state_reads_out)
+        p = _inverse(a, cfg)
+        od = cfg.operand_dtype
+        readout_out[...] = _dot(m, p, cfg).astype(od)
+        # K⊙E went to its output block in the key-block loop; read back after the solve (same program, block
+        # barriers between, as for K̂⊙π in _intra_kernel) and replaced by Pᵀ(K⊙E)
+        key_eff_out[...] = _dot(p, key_eff_out[...], cfg, trans_a=True).astype(od)
+
+    return kernel
+
+
 def _rhs_kernel(cfg):
     """Backward with the forward's P saved: U = P V̂, Y = P (K̂⊙π), Q̂⊙π, K⊙E, π_C (no A, M or inverse)."""
 
@@ -518,13 +543,16 @@ def _scan_kernel(cfg, n_chunks):
 
 def _scan_output_kernel(cfg, n_chunks):
     """K2 with K3 folded in, for a forward without backward: each chunk's output O = (Q̂⊙π) S₀ + M Ũ while S₀
-    and Ũ are at hand (the same products and roundings as K3's, which reads them back from HBM)."""
+    and Ũ are at hand (the same products and roundings as K3's, which reads them back from HBM). With
+    ``fold_solve`` the same body reads V̂ (by token), K̂⊙π, M P and Pᵀ(K⊙E) (:func:`_intra_alone_kernel`), and
+    its "Ũ" is W = V̂ − (K̂⊙π) S₀."""
     c = cfg.chunk
 
     def kernel(state_reads_ref, pseudo_values_ref, key_eff_ref, chunk_decay_ref, query_start_ref, readout_ref,
                s_init_ref, o_out, s_final_out):
         def body(n, state):
-            true_pseudo = pseudo_values_ref[n].astype(F32) - _dot(state_reads_ref[n], state, cfg)
+            values = pseudo_values_ref[pl.ds(n * c, c), :] if cfg.fold_solve else pseudo_values_ref[n]
+            true_pseudo = values.astype(F32) - _dot(state_reads_ref[n], state, cfg)
             o = _dot(query_start_ref[n], state, cfg) + _dot(readout_ref[n], true_pseudo, cfg)
             o_out[pl.ds(n * c, c), :] = o.astype(o_out.dtype)
             return chunk_decay_ref[n][:, None] * state + _dot(key_eff_ref[n], true_pseudo, cfg, trans_a=True)
@@ -676,7 +704,7 @@ def _cost(cfg, kernel, batch_heads, n_chunks, save_matrices=True):
     bounded = cfg.bounded_span is not None
     counts = flops_gpu.kernel_counts(cfg.chunk, cfg.leaf, cfg.key_dim, cfg.value_dim, cfg.block_k, sum_passes,
                                      save_matrices, operand_bytes, bounded, cfg.save_rhs, cfg.fuse_output,
-                                     end_difference=cfg.end_decays == "difference")
+                                     end_difference=cfg.end_decays == "difference", fold_solve=cfg.fold_solve)
     exps = flops_gpu.kernel_exps(cfg.chunk, cfg.key_dim, save_matrices, bounded, cfg.save_rhs, cfg.fuse_output)
     bf, tf, nbytes = counts[kernel]
     chunks = batch_heads * n_chunks
@@ -742,6 +770,22 @@ def _intra(cfg, q, k, erase, v, log_decay, document, carried, with_inverse):
         q, k, erase, v, log_decay, document, carried)
 
 
+def _intra_alone(cfg, q, k, erase, log_decay, document, carried):
+    """K1 of a forward without backward (``fold_solve``): (M P, K̂⊙π, Q̂⊙π, Pᵀ(K⊙E), π_C)."""
+    b, t, h, dk = q.shape
+    c, n, od = cfg.chunk, t // cfg.chunk, cfg.operand_dtype
+    shapes = [jax.ShapeDtypeStruct((b, h, n, c, c), od)] + [jax.ShapeDtypeStruct((b, h, n, c, dk), od)] * 3 + [
+        jax.ShapeDtypeStruct((b, h, n, dk), F32)]
+    specs = [_chunk_spec(c, c)] + [_chunk_spec(c, dk)] * 3 + [_chunk_spec(dk)]
+    in_specs = [_token_spec(cfg, dk)] * 4 + [pl.BlockSpec((None, c), lambda b_, h_, n_: (b_, n_)),
+                                             pl.BlockSpec((None, None), lambda b_, h_, n_: (b_, n_))]
+    return pl.pallas_call(_intra_alone_kernel(cfg), out_shape=tuple(shapes), grid=(b, h, n), in_specs=in_specs,
+                          out_specs=tuple(specs), interpret=cfg.interpret,
+                          cost_estimate=_cost(cfg, "K1_intra_alone", b * h, n),
+                          compiler_params=_params(cfg, cfg.warps_intra), name="delta_rule_intra_alone")(
+        q, k, erase, log_decay, document, carried)
+
+
 def _rhs(cfg, q, k, erase, v, log_decay, document, carried, inverse):
     """K1's backward twin with P given: (U, Y, Q̂⊙π, K⊙E, π_C)."""
     shapes, specs, in_specs, grid = _rhs_blocks(cfg, q, v)
@@ -772,16 +816,20 @@ def _scan(cfg, state_reads, pseudo_values, key_eff, chunk_decay, state):
 
 
 def _scan_output(cfg, state_reads, pseudo_values, key_eff, chunk_decay, query_start, readout, state, out_dtype):
-    """K2 with K3 folded in (``fuse_output``, a forward without backward): (o [B, T, H, Dv], S_T)."""
+    """K2 with K3 folded in (``fuse_output``, a forward without backward): (o [B, T, H, Dv], S_T). With
+    ``fold_solve``, ``pseudo_values`` is V̂ itself [B, T, H, Dv] (and the other operands those of
+    :func:`_intra_alone`)."""
     b, h, n, c, dk = state_reads.shape
     dv = pseudo_values.shape[-1]
     bv = cfg.scan_block_v
+    by_token = pl.BlockSpec((None, n * c, None, bv), lambda b_, h_, j: (b_, 0, h_, j))
     return pl.pallas_call(
         _scan_output_kernel(cfg, n), grid=(b, h, dv // bv),
         out_shape=(jax.ShapeDtypeStruct((b, n * c, h, dv), out_dtype), jax.ShapeDtypeStruct((b, h, dk, dv), F32)),
-        in_specs=[_per_head(n, c, dk), _per_head_v_block(n, c, bv), _per_head(n, c, dk), _per_head(n, dk),
-                  _per_head(n, c, dk), _per_head(n, c, c), _per_head_v_block(dk, bv)],
-        out_specs=(pl.BlockSpec((None, n * c, None, bv), lambda b_, h_, j: (b_, 0, h_, j)), _per_head_v_block(dk, bv)),
+        in_specs=[_per_head(n, c, dk), by_token if cfg.fold_solve else _per_head_v_block(n, c, bv),
+                  _per_head(n, c, dk), _per_head(n, dk), _per_head(n, c, dk), _per_head(n, c, c),
+                  _per_head_v_block(dk, bv)],
+        out_specs=(by_token, _per_head_v_block(dk, bv)),
         interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_scan, cfg.stages_scan_output),
         cost_estimate=_cost(cfg, "K2_scan_output", b * h, n), name="delta_rule_scan_output")(
         state_reads, pseudo_values, key_eff, chunk_decay, query_start, readout, state)
@@ -885,6 +933,12 @@ def _forward(cfg, q, k, erase, v, log_decay, state, document, carried, for_backw
     """o, S_T, and what the backward keeps: S₀, plus M and P when ``cfg.save_matrices``, plus U, Y, Q̂⊙π, K⊙E,
     π_C when ``cfg.save_rhs`` as well."""
     keep = for_backward and cfg.save_matrices
+    if cfg.fuse_output and cfg.fold_solve and not for_backward:  # P folded into M P and Pᵀ(K⊙E); V̂ read by the scan
+        readout_p, key_start, query_start, key_eff_p, chunk_decay = _intra_alone(cfg, q, k, erase, log_decay,
+                                                                                  document, carried)
+        out, final = _scan_output(cfg, key_start, v, key_eff_p, chunk_decay, query_start, readout_p, state,
+                                  v.dtype)
+        return out, final, None
     readout, pseudo_values, state_reads, query_start, key_eff, chunk_decay, *inverse = _intra(cfg, q, k, erase, v,
                                                                                               log_decay, document,
                                                                                               carried,

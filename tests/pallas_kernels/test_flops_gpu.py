@@ -47,6 +47,13 @@ def test_counts_by_hand():
     fused = counts["K2_scan_output"]
     assert fused[0] == scan[0] + counts["K3_output"][0]
     assert fused[2] == 2 * c * d * 5 + 2 * c * c + 4 * d
+    # fold_solve: the forward alone's K1 writes M P and Pᵀ(K⊙E) in place of M, U, Y, K⊙E: no V̂ read, no U
+    # written, M P (C×C×C) in place of U = P V̂; K⊙E makes K̂⊙π's round trip
+    alone = flops_gpu.kernel_counts(chunk=c, leaf=16, dk=d, dv=d, block_k=32)["K1_intra_alone"]
+    without_p = flops_gpu.kernel_counts(chunk=c, leaf=16, dk=d, dv=d, block_k=32, save_matrices=False)["K1_intra"]
+    assert alone[0] == bf16_b - 2 * c * c * d + 2 * c ** 3 and alone[1] == tf32_b
+    assert alone[2] == without_p[2] - 2 * (2 * c * d)
+    assert "K1_intra_alone" not in flops_gpu.kernel_counts(fold_solve=False)
     assert "K2_scan_output" not in flops_gpu.kernel_counts(fuse_output=False)
     assert "B0_intra_again" in flops_gpu.kernel_counts(save_matrices=False)
     assert "B0_rhs" in flops_gpu.kernel_counts(save_rhs=False) and "B0_rhs" not in flops_gpu.kernel_counts()
@@ -113,18 +120,19 @@ def _pallas_calls(fn, *args):
     return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
 
 
-@pytest.mark.parametrize("dtype_name, leaf, block_k, save, span, save_rhs, fuse, end", [
-    ("bfloat16", 16, 32, True, 60.0, True, True, "sums"), ("float32", 8, 64, True, 60.0, False, True, "sums"),
-    ("bfloat16", 16, 32, False, 60.0, True, False, "difference"),
-    ("bfloat16", 16, 32, True, None, False, False, "difference")])
-def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save, span, save_rhs, fuse, end):
+@pytest.mark.parametrize("dtype_name, leaf, block_k, save, span, save_rhs, fuse, end, fold", [
+    ("bfloat16", 16, 32, True, 60.0, True, True, "sums", True),
+    ("float32", 8, 64, True, 60.0, False, True, "sums", False),
+    ("bfloat16", 16, 32, False, 60.0, True, False, "difference", True),
+    ("bfloat16", 16, 32, True, None, False, False, "difference", False)])
+def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save, span, save_rhs, fuse, end, fold):
     """Each Triton pallas_call of forward+backward (six or seven) and of a forward alone (two or three)
     declares the FLOPs and exps its body executes (traced, not run: interpret=False, nothing is lowered on the
     CPU), and the bytes of flops_gpu.kernel_counts."""
     dtype = jnp.dtype(dtype_name)
     b, t, h, dk, dv, c = 2, 192, 3, 128, 64, 64
     cfg = ptr.make_config(c, leaf, dk, dv, dtype, batch_heads=b * h, block_k=block_k, save_matrices=save,
-                          bounded_span=span, save_rhs=save_rhs, fuse_output=fuse, end_decays=end)
+                          bounded_span=span, save_rhs=save_rhs, fuse_output=fuse, end_decays=end, fold_solve=fold)
     rng = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, e = (jax.random.normal(r, (b, t, h, dk), dtype) for r in rng[:3])
     v = jax.random.normal(rng[3], (b, t, h, dv), dtype)
@@ -141,8 +149,10 @@ def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save,
     backward_rhs = [] if save and save_rhs else ["delta_rule_rhs" if save else "delta_rule_intra"]
     training = ["delta_rule_intra", "delta_rule_scan", "delta_rule_output", *backward_rhs, "delta_rule_scan_bwd",
                 "delta_rule_cotangents", "delta_rule_key_grads"]
-    alone = ["delta_rule_intra", *(["delta_rule_scan_output"] if fuse else ["delta_rule_scan", "delta_rule_output"])]
-    kernel_of = {"delta_rule_intra": "K1_intra", "delta_rule_scan": "K2_scan", "delta_rule_output": "K3_output",
+    alone = (["delta_rule_intra_alone", "delta_rule_scan_output"] if fuse and fold else
+             ["delta_rule_intra", *(["delta_rule_scan_output"] if fuse else ["delta_rule_scan", "delta_rule_output"])])
+    kernel_of = {"delta_rule_intra": "K1_intra", "delta_rule_intra_alone": "K1_intra_alone",
+                 "delta_rule_scan": "K2_scan", "delta_rule_output": "K3_output",
                  "delta_rule_scan_output": "K2_scan_output",
                  "delta_rule_rhs": "B0_rhs", "delta_rule_scan_bwd": "B1_scan_bwd",
                  "delta_rule_cotangents": "B2a_cotangents", "delta_rule_key_grads": "B2b_key_grads"}
@@ -161,5 +171,5 @@ def test_cost_estimates_match_the_kernel_jaxprs(dtype_name, leaf, block_k, save,
             # second run); a forward alone writes no P
             writes_p = with_backward and (save or i > 0)
             counts = flops_gpu.kernel_counts(c, leaf, dk, dv, block_k, passes, writes_p, dtype.itemsize,
-                                             span is not None, save_rhs, fuse, end == "difference")
+                                             span is not None, save_rhs, fuse, end == "difference", fold)
             assert est.bytes_accessed == chunks * counts[kernel_of[eqn.params["name"]]][2], eqn.params["name"]
