@@ -1,10 +1,10 @@
 """Plot the H200 delta-rule benchmark (docs/benchmarks/delta_rule_h200.md) from its raw JSON files:
-left, fwd+bwd time per shape for ours, fla, jax-linear-attention and cuDNN attention (fla: measured in its
-own calls, one per file of --fla; a shape none of them measured shows the guide's anchor, hatched); right, each of our
-kernels at 8·4096 against
-its roofline from pallas_kernels/delta_rule/flops_gpu.py.
+left, fwd+bwd (or, with --metric fwd, forward) time per shape for ours, fla, jax-linear-attention and cuDNN
+attention (fla: measured in its own calls, one per file of --fla; a shape none of them measured shows the
+guide's anchor, hatched); right, each of our kernels at 8·4096 against its roofline from
+pallas_kernels/delta_rule/flops_gpu.py.
 
-    python tools/plot_delta_rule_h200.py [--out docs/images/delta_rule_h200.png]
+    python tools/plot_delta_rule_h200.py [--metric fwd_bwd|fwd] [--out docs/images/delta_rule_h200.png]
 """
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from mixerlab.pallas_kernels.delta_rule import flops_gpu  # noqa: E402
 
 RAW = "docs/benchmarks/raw"
-FLA_ANCHORS = {"8x4096": 11.56, "2x16384": 12.68, "1x32768": 14.44}
-# fla fwd+bwd ms, earlier H200 run (delta_rule_h200.md)
+FLA_ANCHORS = {"fwd_bwd": {"8x4096": 11.56, "2x16384": 12.68, "1x32768": 14.44},
+               "fwd": {"8x4096": 1.88, "2x16384": 2.27, "1x32768": 2.86}}
+# fla ms, earlier H200 runs (delta_rule_h200.md)
 
 
 def _median(section, key):
@@ -39,23 +40,26 @@ def main():
     ap.add_argument("--fla", default=f"{RAW}/delta_rule_h200_fla_2026-11-30.json,"
                     f"{RAW}/delta_rule_h200_fla_16k32k_2026-11-30.json", help="comma list of fla-phase JSON files")
     ap.add_argument("--out", default="docs/images/delta_rule_h200.png")
+    ap.add_argument("--metric", default="fwd_bwd", choices=("fwd_bwd", "fwd"), help="left panel: which time")
     a = ap.parse_args()
+    metric, ours_key = a.metric, {"fwd_bwd": "core_fwd_bwd", "fwd": "core_fwd"}[a.metric]
     with open(a.ours) as f:
         timings = json.load(f)["timings"]
     fla_run = {}
     for path in a.fla.split(","):
         with open(path) as f:
             fla_run.update(json.load(f)["timings"])
-    shapes = [s for s in timings if _median(timings[s].get("ours", {}), "core_fwd_bwd") is not None]
+    shapes = [s for s in timings if _median(timings[s].get("ours", {}), ours_key) is not None]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [1.1, 1]})
 
-    series = [("ours (Pallas→Triton)", "tab:blue", lambda s: _median(timings[s]["ours"], "core_fwd_bwd"), None),
+    series = [("ours (Pallas→Triton)", "tab:blue", lambda s: _median(timings[s]["ours"], ours_key), None),
               ("fla-core 0.6.0 chunk_gdn2", "tab:orange",
-               lambda s: fla_run.get(s, {}).get("fla", {}).get("fwd_bwd", [FLA_ANCHORS[s]])[0],
+               lambda s: fla_run.get(s, {}).get("fla", {}).get(metric, [FLA_ANCHORS[metric][s]])[0],
                lambda s: s not in fla_run),
-              ("jax-linear-attention gdn2", "tab:green", lambda s: _median(timings[s].get("jla", {}), "fwd_bwd"),
+              ("jax-linear-attention gdn2", "tab:green", lambda s: _median(timings[s].get("jla", {}), metric),
                None),
-              ("cuDNN flash attention", "tab:gray", lambda s: _median(timings[s].get("cudnn", {}), "fwd_bwd"), None)]
+              ("cuDNN flash attention", "tab:gray", lambda s: _median(timings[s].get("cudnn", {}), metric), None)]
+    top = max((v for _, _, value, _ in series for s in shapes if (v := value(s)) is not None), default=1.0)
     width = 0.2
     for i, (label, color, value, is_anchor) in enumerate(series):
         for j, s in enumerate(shapes):
@@ -65,9 +69,10 @@ def main():
             hatch = "//" if is_anchor and is_anchor(s) else None
             left.bar(j + (i - 1.5) * width, v, width, color=color, hatch=hatch, edgecolor="white",
                      label=label if j == 0 else None)
-            left.text(j + (i - 1.5) * width, v + 0.3, f"{v:.1f}", ha="center", fontsize=7)
+            left.text(j + (i - 1.5) * width, v + 0.025 * top, f"{v:.2f}" if metric == "fwd" else f"{v:.1f}",
+                      ha="center", fontsize=7)
     left.set_xticks(range(len(shapes)), [s.replace("x", "·") + "·16·128" for s in shapes])
-    left.set_ylabel("fwd+bwd, median ms (bf16)")
+    left.set_ylabel({"fwd_bwd": "fwd+bwd", "fwd": "forward"}[metric] + ", median ms (bf16)")
     anchored = any(s not in fla_run for s in shapes)
     left.set_title("H200, B·T·H·D" + (" (hatched: anchor, not re-measured)" if anchored else "")
                    + "\nfla timed in its own device calls")
