@@ -357,12 +357,13 @@ def section_time_ours(shape, reps, breakdown=False, **overrides):
         s0s, ut, fin = scan(y, u, keff, pic, s0)
         output = jax.jit(lambda *a: ptr._output(cfg, *a, bf))
         scan_output = jax.jit(lambda *a: ptr._scan_output(cfg, *a, bf))  # K2 + K3 of a forward alone
-        if cfg.fold_solve:  # the forward alone's K1 and what its scan reads (V̂ by token, M P, Pᵀ(K⊙E))
+        alone_parts = {}  # the kernels of a forward alone (none apart from training's without fuse_output)
+        if cfg.fuse_output and cfg.fold_solve:  # its K1 and what its scan reads (V̂ by token, M P, Pᵀ(K⊙E))
             intra_alone = jax.jit(lambda *a: ptr._intra_alone(cfg, *a))
             mp, kpi, qpi_, gk, pic_ = intra_alone(q, k, e, lam, doc, carry)
             alone_parts = {"K1_intra_alone": (intra_alone, (q, k, e, lam, doc, carry)),
                            "K2_scan_output": (scan_output, (kpi, v, gk, pic_, qpi_, mp, s0))}
-        else:
+        elif cfg.fuse_output:
             alone_parts = {"K2_scan_output": (scan_output, (y, u, keff, pic, qpi, m, s0))}
         scan_bwd = jax.jit(lambda *a: ptr._scan_bwd(cfg, *a))
         dsc, dut, dsi = scan_bwd(m, d_out, keff, qpi, y, pic, s0)

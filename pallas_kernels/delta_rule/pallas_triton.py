@@ -403,14 +403,12 @@ def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_st
     way (K̂⊙π in the operand dtype: the rounding the matmul Y = P (K̂⊙π) applies to it)."""
     c = cfg.chunk
 
-    nkb = cfg.key_dim // cfg.block_k
-
     def key_block(b, acc):
         a, m, diag = acc
         cols = _key_block(b, cfg)
         log_decay = log_decay_ref[:, cols].astype(F32)
-        q, k, e = q_ref[:, cols], k_ref[:, cols], erase_ref[:, cols]  # operand dtype; products promote to f32
         log_decay_split = _split(log_decay, cfg)
+        q, k, e = q_ref[:, cols], k_ref[:, cols], erase_ref[:, cols]  # operand dtype; products promote to f32
         start, end, chunk_decay = _edge_decays(log_decay, log_decay_split, masks, cfg)
         query_start_out[:, cols] = (q * start).astype(query_start_out.dtype)
         key_eff_out[:, cols] = (k * end).astype(key_eff_out.dtype)
@@ -435,7 +433,7 @@ def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_st
         return a, m, diag + jnp.sum(q.astype(F32) * k.astype(F32), axis=1)
 
     zeros = jnp.zeros((c, c), F32)
-    a, m, diag = jax.lax.fori_loop(0, nkb, key_block, (zeros, zeros, jnp.zeros((c,), F32)))
+    a, m, diag = jax.lax.fori_loop(0, cfg.key_dim // cfg.block_k, key_block, (zeros, zeros, jnp.zeros((c,), F32)))
     a = jnp.where(masks.strict & masks.same_doc, a, 0.0)
     m = jnp.where(masks.strict & masks.same_doc, m, 0.0) + jnp.where(masks.eye, diag[:, None], 0.0)
     return m, a
@@ -486,7 +484,8 @@ def _intra_kernel(cfg, with_inverse):
 def _intra_alone_kernel(cfg):
     """K1 for a forward without backward (``fold_solve``): M P, K̂⊙π, Q̂⊙π, Pᵀ(K⊙E), π_C. P is folded into the
     two matrices the scan multiplies Ũ by, so the scan reads V̂ and K̂⊙π in place of U = P V̂ and Y = P (K̂⊙π):
-    no V̂ read, no U written and one [C, C] × [C, Dk] product fewer here, the same products in the scan."""
+    here no V̂ read, no U written, and M P ([C, C] × [C, C]) in place of U = P V̂ ([C, C] × [C, Dv]); the same
+    products in the scan."""
     def kernel(q_ref, k_ref, erase_ref, log_decay_ref, document_ref, carried_document_ref,
                readout_out, state_reads_out, query_start_out, key_eff_out, chunk_decay_out):
         masks = _chunk_masks(document_ref, carried_document_ref, cfg)
