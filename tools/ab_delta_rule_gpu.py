@@ -9,9 +9,9 @@ For each variant: the forward, forward + backward (the op's core, bf16, as tools
 times it) and the forward's K1 alone (K1_intra_alone with ``fold_solve``). Every function is compiled first;
 then ``--rounds`` rounds run ``--calls`` timed calls of each function in turn, so that clock and thermal
 drift hit every variant alike (one variant after another, the same code has differed by 0.1–0.2 ms between
-runs). ``--jla``: jax-linear-attention's GDN-2 forward and
-forward + backward join the rotation (the anchor in the same process). Prints median and min per function, in ms;
-``--out`` is rewritten after every round (a run cut short keeps its rounds), progress goes to stderr.
+runs). ``--jla``: jax-linear-attention's GDN-2 forward and forward + backward join the rotation (the anchor
+in the same process). Prints median and min per function, in ms; ``--out`` is rewritten after every round (a
+run cut short keeps its rounds), progress goes to stderr.
 """
 from __future__ import annotations
 

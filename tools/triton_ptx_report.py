@@ -93,6 +93,7 @@ def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128), dtype=
     warps = {name: getattr(cfg, f"warps_{name}", 4) for name in ("intra", "rhs", "scan", "output", "cotangents",
                                                                   "key_grads")}
     warps["scan_bwd"] = warps["scan_output"] = cfg.warps_scan
+    warps["intra_alone"] = cfg.warps_intra
     stages = {"scan": cfg.stages_scan, "scan_bwd": cfg.stages_scan, "scan_output": cfg.stages_scan_output}
     return captured, warps, stages
 

@@ -735,6 +735,12 @@ def _per_head_v_block(*tail):
     return pl.BlockSpec((None, None, *tail), lambda b, h, j: (b, h, *([0] * (len(tail) - 1)), j))
 
 
+def _document_specs(cfg):
+    """Documents [B, T] per chunk [C] and the carried-in document [B, N] per chunk (a scalar), on a (B, H, N)
+    grid."""
+    return [pl.BlockSpec((None, cfg.chunk), lambda b, h, n: (b, n)), pl.BlockSpec((None, None), lambda b, h, n: (b, n))]
+
+
 def _rhs_blocks(cfg, q, v):
     """Out shapes and specs of U, Y, Q̂⊙π, K⊙E (operand dtype) and π_C (f32), and the in specs of
     q, k, k̂, v̂, λ, documents, carried document — shared by K1 and its backward twin."""
@@ -747,9 +753,7 @@ def _rhs_blocks(cfg, q, v):
               jax.ShapeDtypeStruct((b, h, n, c, dk), od),  # K⊙E
               jax.ShapeDtypeStruct((b, h, n, dk), F32)]  # π_C
     specs = [_chunk_spec(c, dv), _chunk_spec(c, dk), _chunk_spec(c, dk), _chunk_spec(c, dk), _chunk_spec(dk)]
-    in_specs = [_token_spec(cfg, dk)] * 3 + [_token_spec(cfg, dv), _token_spec(cfg, dk),
-                                             pl.BlockSpec((None, c), lambda b_, h_, n_: (b_, n_)),
-                                             pl.BlockSpec((None, None), lambda b_, h_, n_: (b_, n_))]
+    in_specs = [_token_spec(cfg, dk)] * 3 + [_token_spec(cfg, dv), _token_spec(cfg, dk), *_document_specs(cfg)]
     return shapes, specs, in_specs, (b, h, n)
 
 
@@ -776,8 +780,7 @@ def _intra_alone(cfg, q, k, erase, log_decay, document, carried):
     shapes = [jax.ShapeDtypeStruct((b, h, n, c, c), od)] + [jax.ShapeDtypeStruct((b, h, n, c, dk), od)] * 3 + [
         jax.ShapeDtypeStruct((b, h, n, dk), F32)]
     specs = [_chunk_spec(c, c)] + [_chunk_spec(c, dk)] * 3 + [_chunk_spec(dk)]
-    in_specs = [_token_spec(cfg, dk)] * 4 + [pl.BlockSpec((None, c), lambda b_, h_, n_: (b_, n_)),
-                                             pl.BlockSpec((None, None), lambda b_, h_, n_: (b_, n_))]
+    in_specs = [_token_spec(cfg, dk)] * 4 + _document_specs(cfg)
     return pl.pallas_call(_intra_alone_kernel(cfg), out_shape=tuple(shapes), grid=(b, h, n), in_specs=in_specs,
                           out_specs=tuple(specs), interpret=cfg.interpret,
                           cost_estimate=_cost(cfg, "K1_intra_alone", b * h, n),
@@ -873,10 +876,8 @@ def _cotangents(cfg, document, carried, inverse, pseudo_values, state_reads, sta
                  jax.ShapeDtypeStruct((b, h, n, c, c), od),  # dM
                  jax.ShapeDtypeStruct((b, h, n, c, c), od),  # dA
                  jax.ShapeDtypeStruct((b, n * c, h, dv), dv_dtype))  # dV̂
-    in_specs = [pl.BlockSpec((None, c), lambda b_, h_, n_: (b_, n_)),
-                pl.BlockSpec((None, None), lambda b_, h_, n_: (b_, n_)),
-                _chunk_spec(c, c), _chunk_spec(c, dv), _chunk_spec(c, dk), _chunk_spec(dk, dv), _token_spec(cfg, dv),
-                _chunk_spec(c, dv)]
+    in_specs = [*_document_specs(cfg), _chunk_spec(c, c), _chunk_spec(c, dv), _chunk_spec(c, dk), _chunk_spec(dk, dv),
+                _token_spec(cfg, dv), _chunk_spec(c, dv)]
     out_specs = (_chunk_spec(c, dv), _chunk_spec(c, c), _chunk_spec(c, c), _token_spec(cfg, dv))
     return pl.pallas_call(_cotangents_kernel(cfg), out_shape=out_shape, grid=(b, h, n), in_specs=in_specs,
                           out_specs=out_specs, interpret=cfg.interpret,
