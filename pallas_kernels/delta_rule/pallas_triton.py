@@ -99,6 +99,11 @@ class Config:
     #                           π's: one decay-sum matmul fewer per key block in K1, B0 and B2b; off by
     #                           ≈ 2⁻²³·|Λ_C|, 1.5e-4 relative in E for a chunk total of −1280; passes the GPU
     #                           tests; on the H200 no faster: forward 1.931 against 1.917 ms at 8·4096)
+    two_pass: bool = True  # with bounded_span: K1 runs a first pass specialised to the whole chunk's cut (every pair
+    #                        through the middle pivot, no cut search, no exact level) that flags the chunks where
+    #                        some key block's half-chunk sums leave [−span, 0]; a second pass recomputes only those
+    #                        with the search (H200, 8·4096·16·128 bf16: the forward's K1 1.43 → 1.19 ms with the
+    #                        search removed; see _chunk_matrices)
     fold_solve: bool = True  # a forward without backward: K1 writes M P, K̂⊙π and Pᵀ(K⊙E) instead of M, U = P V̂,
     #                          Y and K⊙E, and scan_output reads V̂ itself (Ũ = P (V̂ − (K̂⊙π) S₀) is never formed:
     #                          O = (Q̂⊙π) S₀ + (M P) W, S ← π_C S₀ + (Pᵀ(K⊙E))ᵀ W with W = V̂ − (K̂⊙π) S₀;
@@ -398,13 +403,20 @@ def _edge_decays(log_decay, log_decay_split, masks, cfg):
 
 
 def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out, key_eff_out, chunk_decay_out,
-                    key_start_out):
-    """M (lower incl. diagonal) and A (strictly lower), both [C, C] f32; writes Q̂⊙π, K⊙E, π_C and K̂⊙π on the
-    way (K̂⊙π in the operand dtype: the rounding the matmul Y = P (K̂⊙π) applies to it)."""
+                    key_start_out, whole_chunk=False):
+    """(M (lower incl. diagonal), A (strictly lower), both [C, C] f32, flag); writes Q̂⊙π, K⊙E, π_C and K̂⊙π on the
+    way (K̂⊙π in the operand dtype: the rounding the matmul Y = P (K̂⊙π) applies to it).
+
+    ``whole_chunk`` (the first of ``two_pass``'s passes): every key block takes the cut of the whole chunk, with
+    no search and no exact level compiled in, and the flag (int32) is 1 when some block's half-chunk sums leave
+    [−span, 0] — then A and M are wrong (clipped factors) and the second pass must redo the chunk. On the H200
+    the search (a while loop on a block-wide minimum) and the exact levels it may enter cost 0.23 of K1's
+    1.43 ms at 8·4096 even when no block leaves the whole-chunk cut; the check alone feeds no branch. Otherwise
+    the flag is 0 and the cut is searched per key block (:func:`_bounded_cut`)."""
     c = cfg.chunk
 
     def key_block(b, acc):
-        a, m, diag = acc
+        a, m, diag, flag = acc
         cols = _key_block(b, cfg)
         log_decay = log_decay_ref[:, cols].astype(F32)
         log_decay_split = _split(log_decay, cfg)
@@ -422,6 +434,13 @@ def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_st
             return (acc[0] + jnp.where(pairs, _dot(e * f, kf, cfg, trans_b=True), 0.0),
                     acc[1] + jnp.where(pairs, _dot(q * f, kf, cfg, trans_b=True), 0.0))
 
+        diag = diag + jnp.sum(q.astype(F32) * k.astype(F32), axis=1)
+        if whole_chunk:  # pairs above the diagonal (e^{positive}, possibly inf) are dropped by the final select
+            sums = _cut_sums(cfg.levels, log_decay_split, cfg)
+            flag = jnp.minimum(flag, jnp.min(sums, axis=1))  # per row (within a warp); across rows after the loop
+            _, left, right = _pivot_factors(cfg.levels, sums, log_decay_split, cfg)
+            kr = k * right
+            return a + _dot(e * left, kr, cfg, trans_b=True), m + _dot(q * left, kr, cfg, trans_b=True), diag, flag
         cut = 0  # the exact tree for every pair
         if cfg.bounded_span is not None:
             cut, sums = _bounded_cut(log_decay_split, cfg, keep_sums=True)
@@ -430,13 +449,15 @@ def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_st
             a = a + jnp.where(pairs, _dot(e * left, kr, cfg, trans_b=True), 0.0)
             m = m + jnp.where(pairs, _dot(q * left, kr, cfg, trans_b=True), 0.0)
         a, m = jax.lax.fori_loop(cut, cfg.levels, level, (a, m))
-        return a, m, diag + jnp.sum(q.astype(F32) * k.astype(F32), axis=1)
+        return a, m, diag, flag
 
     zeros = jnp.zeros((c, c), F32)
-    a, m, diag = jax.lax.fori_loop(0, cfg.key_dim // cfg.block_k, key_block, (zeros, zeros, jnp.zeros((c,), F32)))
+    a, m, diag, low = jax.lax.fori_loop(0, cfg.key_dim // cfg.block_k, key_block,
+                                        (zeros, zeros, jnp.zeros((c,), F32), jnp.zeros((c,), F32)))
+    flag = (jnp.min(low) < -cfg.bounded_span).astype(jnp.int32) if whole_chunk else 0
     a = jnp.where(masks.strict & masks.same_doc, a, 0.0)
     m = jnp.where(masks.strict & masks.same_doc, m, 0.0) + jnp.where(masks.eye, diag[:, None], 0.0)
-    return m, a
+    return m, a, flag
 
 
 def _inverse(a, cfg):
@@ -459,17 +480,39 @@ def _inverse(a, cfg):
 # kernels
 
 
-def _intra_kernel(cfg, with_inverse):
-    def kernel(q_ref, k_ref, erase_ref, v_ref, log_decay_ref, document_ref, carried_document_ref,
-               readout_out, pseudo_values_out, state_reads_out, query_start_out, key_eff_out, chunk_decay_out,
-               *maybe_inverse_out):
+def _passes(body, n_inputs, n_outputs, stage):
+    """The kernel of one K1 pass from ``body(input refs, output refs, whole_chunk) -> flag``:
+      "single": the cut searched per key block (``two_pass`` off, or the exact tree);
+      "first":  the whole chunk's cut; one more output, the flag [B, H, N] int32;
+      "second": inputs, the flag, then the first pass's outputs (aliased to this pass's outputs, never read);
+                only a flagged chunk runs the body (with the search) and overwrites its outputs."""
+    if stage == "first":
+        def kernel(*refs):
+            refs[-1][...] = body(refs[:n_inputs], refs[n_inputs:-1], True)
+    elif stage == "second":
+        def kernel(*refs):
+            @pl.when(refs[n_inputs][...] != 0)
+            def _():
+                body(refs[:n_inputs], refs[-n_outputs:], False)
+    else:
+        def kernel(*refs):
+            body(refs[:n_inputs], refs[n_inputs:], False)
+    return kernel
+
+
+def _intra_body(cfg, with_inverse):
+    def body(inputs, outputs, whole_chunk):
+        q_ref, k_ref, erase_ref, v_ref, log_decay_ref, document_ref, carried_document_ref = inputs
+        (readout_out, pseudo_values_out, state_reads_out, query_start_out, key_eff_out, chunk_decay_out,
+         *maybe_inverse_out) = outputs
         masks = _chunk_masks(document_ref, carried_document_ref, cfg)
         # K̂⊙π goes to Y's output block in the key-block loop (π is at hand there) and is read back for
         # Y = P (K̂⊙π) once P is known: computing π again cost 0.2 ms of K1's 1.9 at 8·4096 on the H200. The
         # read sees the writes: the same program made them, and the solve's block barriers (every matmul
         # operand passes through shared memory) lie between them.
-        m, a = _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out, key_eff_out,
-                               chunk_decay_out, key_start_out=state_reads_out)
+        m, a, flag = _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out,
+                                     key_eff_out, chunk_decay_out, key_start_out=state_reads_out,
+                                     whole_chunk=whole_chunk)
         p = _inverse(a, cfg)
         od = cfg.operand_dtype
         readout_out[...] = m.astype(readout_out.dtype)
@@ -477,28 +520,32 @@ def _intra_kernel(cfg, with_inverse):
         state_reads_out[...] = _dot(p, state_reads_out[...], cfg).astype(od)  # one [C, Dk] product
         if with_inverse:
             maybe_inverse_out[0][...] = p.astype(maybe_inverse_out[0].dtype)
+        return flag
 
-    return kernel
+    return body
 
 
-def _intra_alone_kernel(cfg):
+def _intra_alone_body(cfg):
     """K1 for a forward without backward (``fold_solve``): M P, K̂⊙π, Q̂⊙π, Pᵀ(K⊙E), π_C. P is folded into the
     two matrices the scan multiplies Ũ by, so the scan reads V̂ and K̂⊙π in place of U = P V̂ and Y = P (K̂⊙π):
     here no V̂ read, no U written, and M P ([C, C] × [C, C]) in place of U = P V̂ ([C, C] × [C, Dv]); the same
     products in the scan."""
-    def kernel(q_ref, k_ref, erase_ref, log_decay_ref, document_ref, carried_document_ref,
-               readout_out, state_reads_out, query_start_out, key_eff_out, chunk_decay_out):
+    def body(inputs, outputs, whole_chunk):
+        q_ref, k_ref, erase_ref, log_decay_ref, document_ref, carried_document_ref = inputs
+        readout_out, state_reads_out, query_start_out, key_eff_out, chunk_decay_out = outputs
         masks = _chunk_masks(document_ref, carried_document_ref, cfg)
-        m, a = _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out, key_eff_out,
-                               chunk_decay_out, key_start_out=state_reads_out)
+        m, a, flag = _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out,
+                                     key_eff_out, chunk_decay_out, key_start_out=state_reads_out,
+                                     whole_chunk=whole_chunk)
         p = _inverse(a, cfg)
         od = cfg.operand_dtype
         readout_out[...] = _dot(m, p, cfg).astype(od)
         # K⊙E went to its output block in the key-block loop; read back after the solve (same program, block
-        # barriers between, as for K̂⊙π in _intra_kernel) and replaced by Pᵀ(K⊙E)
+        # barriers between, as for K̂⊙π in _intra_body) and replaced by Pᵀ(K⊙E)
         key_eff_out[...] = _dot(p, key_eff_out[...], cfg, trans_a=True).astype(od)
+        return flag
 
-    return kernel
+    return body
 
 
 def _rhs_kernel(cfg):
@@ -543,7 +590,7 @@ def _scan_kernel(cfg, n_chunks):
 def _scan_output_kernel(cfg, n_chunks):
     """K2 with K3 folded in, for a forward without backward: each chunk's output O = (Q̂⊙π) S₀ + M Ũ while S₀
     and Ũ are at hand (the same products and roundings as K3's, which reads them back from HBM). With
-    ``fold_solve`` the same body reads V̂ (by token), K̂⊙π, M P and Pᵀ(K⊙E) (:func:`_intra_alone_kernel`), and
+    ``fold_solve`` the same body reads V̂ (by token), K̂⊙π, M P and Pᵀ(K⊙E) (:func:`_intra_alone_body`), and
     its "Ũ" is W = V̂ − (K̂⊙π) S₀."""
     c = cfg.chunk
 
@@ -766,11 +813,9 @@ def _intra(cfg, q, k, erase, v, log_decay, document, carried, with_inverse):
     if with_inverse:  # P in the operand dtype: every consumer is a matmul with operands in that dtype
         shapes.append(jax.ShapeDtypeStruct((*grid, c, c), cfg.operand_dtype))
         specs.append(_chunk_spec(c, c))
-    return pl.pallas_call(_intra_kernel(cfg, with_inverse), out_shape=tuple(shapes), grid=grid,
-                          in_specs=in_specs, out_specs=tuple(specs), interpret=cfg.interpret,
-                          cost_estimate=_cost(cfg, "K1_intra", grid[0] * grid[1], grid[2], with_inverse),
-                          compiler_params=_params(cfg, cfg.warps_intra), name="delta_rule_intra")(
-        q, k, erase, v, log_decay, document, carried)
+    return _k1(cfg, _intra_body(cfg, with_inverse), "delta_rule_intra", shapes, specs, in_specs, grid,
+               _cost(cfg, "K1_intra", grid[0] * grid[1], grid[2], with_inverse),
+               (q, k, erase, v, log_decay, document, carried))
 
 
 def _intra_alone(cfg, q, k, erase, log_decay, document, carried):
@@ -781,11 +826,29 @@ def _intra_alone(cfg, q, k, erase, log_decay, document, carried):
         jax.ShapeDtypeStruct((b, h, n, dk), F32)]
     specs = [_chunk_spec(c, c)] + [_chunk_spec(c, dk)] * 3 + [_chunk_spec(dk)]
     in_specs = [_token_spec(cfg, dk)] * 4 + _document_specs(cfg)
-    return pl.pallas_call(_intra_alone_kernel(cfg), out_shape=tuple(shapes), grid=(b, h, n), in_specs=in_specs,
-                          out_specs=tuple(specs), interpret=cfg.interpret,
-                          cost_estimate=_cost(cfg, "K1_intra_alone", b * h, n),
-                          compiler_params=_params(cfg, cfg.warps_intra), name="delta_rule_intra_alone")(
-        q, k, erase, log_decay, document, carried)
+    return _k1(cfg, _intra_alone_body(cfg), "delta_rule_intra_alone", shapes, specs, in_specs, (b, h, n),
+               _cost(cfg, "K1_intra_alone", b * h, n), (q, k, erase, log_decay, document, carried))
+
+
+def _k1(cfg, body, name, shapes, specs, in_specs, grid, cost, args):
+    """K1 as one pass, or (``two_pass`` with ``bounded_span``) as the whole-chunk pass and the search pass of the
+    chunks it flagged (:func:`_passes`). The second pass declares only its flag reads: with ordinary gates no
+    chunk is flagged and its programs return at once (a flagged chunk costs one more K1 program)."""
+    n_in, n_out = len(args), len(shapes)
+    call = functools.partial(pl.pallas_call, grid=grid, interpret=cfg.interpret,
+                             compiler_params=_params(cfg, cfg.warps_intra))
+    if cfg.bounded_span is None or not cfg.two_pass:
+        return call(_passes(body, n_in, n_out, "single"), out_shape=tuple(shapes), in_specs=in_specs,
+                    out_specs=tuple(specs), cost_estimate=cost, name=name)(*args)
+    flag_shape = jax.ShapeDtypeStruct(grid, jnp.int32)
+    flag_spec = pl.BlockSpec((None, None, None), lambda b, h, n: (b, h, n))
+    *first, flag = call(_passes(body, n_in, n_out, "first"), out_shape=(*shapes, flag_shape), in_specs=in_specs,
+                        out_specs=(*specs, flag_spec), cost_estimate=cost, name=name)(*args)
+    return call(_passes(body, n_in, n_out, "second"), out_shape=tuple(shapes),
+                in_specs=[*in_specs, flag_spec, *specs], out_specs=tuple(specs),
+                input_output_aliases={n_in + 1 + i: i for i in range(n_out)},
+                cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=4 * math.prod(grid)),
+                name=name + "_search")(*args, flag, *first)
 
 
 def _rhs(cfg, q, k, erase, v, log_decay, document, carried, inverse):

@@ -119,6 +119,51 @@ def test_interpret_folded_forward_alone_matches_the_reference(dtype, tol, traine
         assert rel_rms_err(x, y) <= trained_tol, rel_rms_err(x, y)  # observed f32 5.1e-8, bf16 2.5e-3
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_interpret_two_passes_equal_one(dtype, monkeypatch):
+    """``two_pass`` (the default): the whole-chunk pass, then the search pass for the chunks it flagged, give
+    the one-pass kernel's numbers bit for bit (interpret mode: the same products in the same order), forward
+    alone and forward + backward, on a strong-decay head (flagged chunks) beside an ordinary one (unflagged)."""
+    b, t, h, dk, dv = 1, 130, 2, 32, 16
+    args = _args(gdn2_inputs(14, b, t, h, dk, dv, dtype=np.float32, strong_decay_heads=1), dtype)
+    document = _documents(b, t, [40, 64])
+    weights = _weights(15, b, t, h, dk, dv)
+    got = {two: _kernel(args, document, weights, chunk_size=64, leaf_size=8, two_pass=two) for two in (False, True)}
+    alone = {two: jax.jit(lambda *a, two=two: pallas_triton.run(*a, document, chunk_size=64, leaf_size=8,
+                                                                 interpret=True, two_pass=two))(*args)
+             for two in (False, True)}
+    for x, y in zip(jax.tree.leaves((got[True], alone[True])), jax.tree.leaves((got[False], alone[False]))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    flags = np.asarray(_first_pass_flags(args, document, dtype, monkeypatch))
+    assert flags[0, 0].any() and not flags[0, 1].any(), flags  # head 0 decays strongly, head 1 is ordinary
+
+
+def _first_pass_flags(args, document, dtype, monkeypatch):
+    """The flags [B, H, N] of K1's first pass (forward alone) on ``args``, chunk 64."""
+    from mixerlab.pallas_kernels import common
+    b, t, h, dk = args[0].shape
+    cfg = pallas_triton.make_config(64, 8, dk, args[3].shape[-1], dtype, batch_heads=b * h, interpret=True)
+    padded = [common.pad_time(x, 64) for x in args[:5]]
+    document = common.pad_time(document, 64, mode="edge")
+    _, carried = common.chunk_documents(document, 64)
+    found = {}
+    call = pallas_triton.pl.pallas_call
+
+    def spy(*a, **kw):
+        run = call(*a, **kw)
+
+        def wrapped(*operands):
+            out = run(*operands)
+            if kw["name"] == "delta_rule_intra_alone":
+                found["flags"] = out[-1]
+            return out
+        return wrapped
+
+    monkeypatch.setattr(pallas_triton.pl, "pallas_call", spy)
+    pallas_triton._intra_alone(cfg, padded[0], padded[1], padded[2], padded[4], document, carried)
+    return found["flags"]
+
+
 def test_interpret_strong_decay_is_finite_and_accurate():
     """λ ≈ −20 per token and channel (chunk-end Λ ≈ −1300): every exponent stays ≤ 0
     (docs/math/delta_rule.md, 'Boundary pivots')."""
@@ -268,10 +313,11 @@ def test_lowers_for_cuda_on_cpu(chunk_size, leaf_size):
 
     grad = jax.grad(loss, argnums=tuple(range(6)))
     text = jax.jit(grad).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 6
-    # forward: intra, scan, output; backward (save_rhs: no rhs kernel): scan_bwd, cotangents, key_grads
+    assert text.count("__gpu$xla.gpu.triton") == 7
+    # forward: intra (two passes), scan, output; backward (save_rhs: no rhs kernel): scan_bwd, cotangents,
+    # key_grads
     alone = jax.jit(loss).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-    assert alone.count("__gpu$xla.gpu.triton") == 2  # a forward alone: intra, scan_output
+    assert alone.count("__gpu$xla.gpu.triton") == 3  # a forward alone: intra_alone (two passes), scan_output
 
 
 @pytest.mark.parametrize("mode", ["tf32", "tf32x2"])
@@ -343,3 +389,26 @@ def test_gpu_forward_alone_matches_the_training_forward(fold_solve):
     for x, y, z in zip(alone, trained, wide):
         assert rel_rms_err(x, y) <= (1e-2 if fold_solve else 1e-6), rel_rms_err(x, y)
         assert rel_rms_err(x, z) <= 2e-2, rel_rms_err(x, z)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype, precision, between, tol, grad_tol", [
+    (jnp.float32, "highest", 1e-5, 1e-5, 1e-4), (jnp.bfloat16, "tf32", 5e-3, 2e-2, 5e-2)])
+def test_gpu_two_passes_match_one(dtype, precision, between, tol, grad_tol):
+    """``two_pass`` compiled: with a strong-decay head (its chunks flagged, redone by the search pass) beside
+    ordinary ones, forward + backward and a forward alone agree with the one-pass kernel (the whole-chunk pass
+    adds its products in another order) and with the float64 reference."""
+    b, t, h, dk, dv = 2, 512, 4, 128, 128
+    args = _args(gdn2_inputs(6, b, t, h, dk, dv, dtype=np.float32, strong_decay_heads=1), dtype)
+    document = _documents(b, t, [100, 256, 300])
+    weights = _weights(7, b, t, h, dk, dv)
+    got, alone = {}, {}
+    for two in (False, True):
+        got[two] = _kernel(args, document, weights, interpret=False, chunk_size=64, leaf_size=16,
+                           inverse_precision=precision, two_pass=two)
+        alone[two] = jax.jit(lambda *a, two=two: pallas_triton.run(*a, document, chunk_size=64, leaf_size=16,
+                                                                    inverse_precision=precision, two_pass=two))(*args)
+    for x, y in zip(jax.tree.leaves((got[True], alone[True])), jax.tree.leaves((got[False], alone[False]))):
+        assert rel_rms_err(x, y) <= between, rel_rms_err(x, y)
+    _check(got[True], _reference(args, document, weights), tol=tol, grad_tol=grad_tol)
