@@ -40,7 +40,7 @@ HBM_BYTES_S = 4.2e12  # measured device copy on the H200
 
 def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, save_matrices=True,
                   operand_bytes=2, bounded=True, save_rhs=True, fuse_output=True, end_difference=False,
-                  fold_solve=True):
+                  fold_solve=True, two_pass=True):
     """{kernel: (bf16 FLOPs, tf32 FLOPs, HBM bytes)} per chunk of one head. ``sum_passes``: 1 for
     decay_sums="tf32" (bf16 inputs), 2 for "tf32x2". ``operand_bytes``: 2 for bf16/f16 inputs, 4 for f32
     (then the "bf16" FLOPs run as f32 matmuls; the inputs, matmul intermediates and states scale with it).
@@ -52,7 +52,8 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
     π's (the kernels' ``end_decays="difference"``, one decay sum for both chunk edges instead of two).
     ``fold_solve`` (with ``fuse_output``): the forward alone runs K1_intra_alone, which writes M P, K̂⊙π, Q̂⊙π,
     Pᵀ(K⊙E), π_C (reads no V̂; K⊙E makes the round trip K̂⊙π makes in K1), and K2_scan_output reads V̂ in
-    place of U (the same count)."""
+    place of U (the same count). ``two_pass`` (with ``bounded``): B2b takes the forward's flags and runs no check
+    of its own (the whole-chunk pass; K1's first pass keeps its check, the search passes declare nothing)."""
     c, ob = chunk, operand_bytes
     edges = 1 if end_difference else 2  # decay sums for π and E
     pair_passes = 1 if bounded else int(math.log2(chunk))  # pair products per matrix = decay sums for them
@@ -88,7 +89,7 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
                            4 * c + tile(c) + tile(dv) + tile(dk) + state + 2 * tile(dv)
                            + tile(dv) + 2 * tile(c) + tile(dv)),
         "B2b_key_grads": (3 * mm(c, dv, dk) + mm(c, c, dk) + pair_passes * 4 * mm(c, c, dk),
-                          sums(pair_passes + edges + (1 if bounded else 0)),  # bounded: the check, again
+                          sums(pair_passes + edges + (1 if bounded and not two_pass else 0)),  # the check, again
                           inputs - c * ob * dv + 2 * state
                           + nkb * (tile(c) + 3 * tile(dv) + 2 * tile(c)) + c * (ob * 3 * dk + 4 * dk)),
     }

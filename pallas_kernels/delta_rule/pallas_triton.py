@@ -22,6 +22,9 @@ S-dependent products are sequential):
                                                    dS ← (Q̂⊙π)ᵀ dO + Diag(π_C) dS − Yᵀ dŨ   (dS_C saved)
             B2a ``cotangents`` grid (B, H, N)      Ũ, dM, dV̂ = Pᵀ dŨ, dA (the transposed solve of the backward pass)
             B2b ``key_grads`` grid (B, H, N·Dk/BK) per chunk and key block: dq̂, dk, dk̂, dλ
+  ``two_pass`` (default, with ``bounded_span``): K1 and B2b each run as a kernel specialised to the whole chunk's
+  cut (no cut search, no exact level compiled in; K1 flags the chunks where that cut does not hold) and a
+  ``*_search`` kernel that redoes only the flagged chunks with the search (:func:`_passes`).
   Saved for the backward: the (padded) inputs, the chunk-start states S₀, M and P (C × C per chunk), and
   U, Y, Q̂⊙π, K⊙E (C × D per chunk) — all in the operand dtype (every consumer is a matmul operand in that
   dtype); π_C, the carried state and the final state are f32.
@@ -104,6 +107,8 @@ class Config:
     #                        some key block's half-chunk sums leave [−span, 0]; a second pass recomputes only those
     #                        with the search (H200, 8·4096·16·128 bf16: the forward's K1 1.43 → 1.19 ms with the
     #                        search removed; see _chunk_matrices)
+    two_pass_key_grads: bool = True  # with two_pass in training: B2b as two kernels too (every program on the whole
+    #                                  chunk's cut where K1 flagged nothing, then the search for the flagged chunks)
     fold_solve: bool = True  # a forward without backward: K1 writes M P, K̂⊙π and Pᵀ(K⊙E) instead of M, U = P V̂,
     #                          Y and K⊙E, and scan_output reads V̂ itself (Ũ = P (V̂ − (K̂⊙π) S₀) is never formed:
     #                          O = (Q̂⊙π) S₀ + (M P) W, S ← π_C S₀ + (Pᵀ(K⊙E))ᵀ W with W = V̂ − (K̂⊙π) S₀;
@@ -484,11 +489,18 @@ def _passes(body, n_inputs, n_outputs, stage):
     """The kernel of one K1 pass from ``body(input refs, output refs, whole_chunk) -> flag``:
       "single": the cut searched per key block (``two_pass`` off, or the exact tree);
       "first":  the whole chunk's cut; one more output, the flag [B, H, N] int32;
+      "whole":  the whole chunk's cut, no flag (B2b: the forward's K1 flagged the chunks already);
       "second": inputs, the flag, then the first pass's outputs (aliased to this pass's outputs, never read);
-                only a flagged chunk runs the body (with the search) and overwrites its outputs."""
+                only a flagged chunk runs the body (with the search) and overwrites its outputs.
+    (The search as a branch after the whole-chunk body in one program spilled 1.9–2.9 KB per thread offline,
+    against 128–260 bytes for the two kernels.)"""
     if stage == "first":
         def kernel(*refs):
             refs[-1][...] = body(refs[:n_inputs], refs[n_inputs:-1], True)
+    elif stage == "whole":
+        def kernel(*refs):
+            body(refs[:n_inputs], refs[n_inputs:], True)
+
     elif stage == "second":
         def kernel(*refs):
             @pl.when(refs[n_inputs][...] != 0)
@@ -667,14 +679,16 @@ def _d_rhs(inverse_ref, d_true_pseudo_ref, starts_ref, cols, cfg):
     return _dot(inverse_ref[...], d_y, cfg, trans_a=True)
 
 
-def _key_grads_kernel(cfg):
+def _key_grads_body(cfg):
     """B2b, per chunk and key block (all blocks in parallel): dq̂, dk, dk̂, dλ of the block's key channels
-    from dA, dM, Ũ and the states."""
+    from dA, dM, Ũ and the states. ``whole_chunk``: the key block takes the whole chunk's cut (the forward's K1
+    did not flag its chunk), with no search and no exact level compiled in, as K1's first pass."""
     c = cfg.chunk
 
-    def kernel(q_ref, k_ref, erase_ref, log_decay_ref, document_ref, carried_document_ref, inverse_ref, starts_ref,
-               d_ends_ref, do_ref, d_true_pseudo_ref, true_pseudo_ref,
-               d_readout_ref, d_strict_ref, dq_out, dk_out, d_erase_out, d_log_decay_out):
+    def body(inputs, outputs, whole_chunk):
+        (q_ref, k_ref, erase_ref, log_decay_ref, document_ref, carried_document_ref, inverse_ref, starts_ref,
+         d_ends_ref, do_ref, d_true_pseudo_ref, true_pseudo_ref, d_readout_ref, d_strict_ref) = inputs
+        dq_out, dk_out, d_erase_out, d_log_decay_out = outputs
         masks = _chunk_masks(document_ref, carried_document_ref, cfg)
         log_decay = log_decay_ref[...].astype(F32)
         log_decay_split = _split(log_decay, cfg)
@@ -699,8 +713,13 @@ def _key_grads_kernel(cfg):
         pair_grads = (zeros, zeros, zeros)
         cut = 0
         if cfg.bounded_span is not None:  # the forward's one product per node, transposed
-            cut, sums = _bounded_cut(log_decay_split, cfg, keep_sums=False)
+            if whole_chunk:
+                cut, sums = cfg.levels, None
+            else:
+                cut, sums = _bounded_cut(log_decay_split, cfg, keep_sums=False)
             pairs, left, right = _pivot_factors(cut, sums, log_decay_split, cfg)
+            if whole_chunk:
+                pairs = masks.strict
             d_a = jnp.where(pairs, d_strict_ref[...], jnp.zeros_like(d_strict_ref[...]))
             d_m = jnp.where(pairs, d_readout_ref[...], jnp.zeros_like(d_readout_ref[...]))
             kr = k * right
@@ -708,7 +727,8 @@ def _key_grads_kernel(cfg):
             pair_grads = (_dot(d_a, kr, cfg, f32=wide) * left, _dot(d_m, kr, cfg, f32=wide) * left,
                           (_dot(d_a, e * left, cfg, trans_a=True, f32=wide)
                            + _dot(d_m, q * left, cfg, trans_a=True, f32=wide)) * right)
-        d_e_pair, d_q_pair, d_k_pair = jax.lax.fori_loop(cut, cfg.levels, level, pair_grads)
+        d_e_pair, d_q_pair, d_k_pair = pair_grads if whole_chunk else jax.lax.fori_loop(cut, cfg.levels, level,
+                                                                                        pair_grads)
         # the state terms after the level loop: nothing [C, BK] extra stays live across it
         s0 = starts_ref[...]
         d_ends = d_ends_ref[...]
@@ -730,7 +750,7 @@ def _key_grads_kernel(cfg):
         d_lam = total[None, :] - jnp.cumsum(d_cum, axis=0) + d_cum + chunk_end[None, :]
         d_log_decay_out[...] = d_lam.astype(d_log_decay_out.dtype)
 
-    return kernel
+    return body
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -750,12 +770,19 @@ def _cost(cfg, kernel, batch_heads, n_chunks, save_matrices=True):
     bounded = cfg.bounded_span is not None
     counts = flops_gpu.kernel_counts(cfg.chunk, cfg.leaf, cfg.key_dim, cfg.value_dim, cfg.block_k, sum_passes,
                                      save_matrices, operand_bytes, bounded, cfg.save_rhs, cfg.fuse_output,
-                                     end_difference=cfg.end_decays == "difference", fold_solve=cfg.fold_solve)
+                                     end_difference=cfg.end_decays == "difference", fold_solve=cfg.fold_solve,
+                                     two_pass=cfg.two_pass and cfg.two_pass_key_grads)
     exps = flops_gpu.kernel_exps(cfg.chunk, cfg.key_dim, save_matrices, bounded, cfg.save_rhs, cfg.fuse_output)
     bf, tf, nbytes = counts[kernel]
     chunks = batch_heads * n_chunks
     return pl.CostEstimate(flops=int(chunks * (bf + tf)), transcendentals=int(chunks * exps[kernel]),
                            bytes_accessed=int(chunks * nbytes))
+
+
+def _with_flags(cost, programs):
+    """``cost`` plus one int32 flag read or written per program (the two-pass kernels)."""
+    return pl.CostEstimate(flops=cost.flops, transcendentals=cost.transcendentals,
+                           bytes_accessed=cost.bytes_accessed + 4 * programs)
 
 
 def _params(cfg, warps, stages=None):
@@ -804,8 +831,8 @@ def _rhs_blocks(cfg, q, v):
     return shapes, specs, in_specs, (b, h, n)
 
 
-def _intra(cfg, q, k, erase, v, log_decay, document, carried, with_inverse):
-    """K1: (M, U, Y, Q̂⊙π, K⊙E, π_C[, P])."""
+def _intra(cfg, q, k, erase, v, log_decay, document, carried, with_inverse, with_flags=False):
+    """K1: (M, U, Y, Q̂⊙π, K⊙E, π_C[, P]); ``with_flags``: (that, the first pass's flags or None)."""
     shapes, specs, in_specs, grid = _rhs_blocks(cfg, q, v)
     c = cfg.chunk
     shapes = [jax.ShapeDtypeStruct((*grid, c, c), cfg.operand_dtype)] + shapes  # M
@@ -815,7 +842,7 @@ def _intra(cfg, q, k, erase, v, log_decay, document, carried, with_inverse):
         specs.append(_chunk_spec(c, c))
     return _k1(cfg, _intra_body(cfg, with_inverse), "delta_rule_intra", shapes, specs, in_specs, grid,
                _cost(cfg, "K1_intra", grid[0] * grid[1], grid[2], with_inverse),
-               (q, k, erase, v, log_decay, document, carried))
+               (q, k, erase, v, log_decay, document, carried), with_flags)
 
 
 def _intra_alone(cfg, q, k, erase, log_decay, document, carried):
@@ -830,25 +857,29 @@ def _intra_alone(cfg, q, k, erase, log_decay, document, carried):
                _cost(cfg, "K1_intra_alone", b * h, n), (q, k, erase, log_decay, document, carried))
 
 
-def _k1(cfg, body, name, shapes, specs, in_specs, grid, cost, args):
+def _k1(cfg, body, name, shapes, specs, in_specs, grid, cost, args, with_flags=False):
     """K1 as one pass, or (``two_pass`` with ``bounded_span``) as the whole-chunk pass and the search pass of the
     chunks it flagged (:func:`_passes`). The second pass declares only its flag reads: with ordinary gates no
-    chunk is flagged and its programs return at once (a flagged chunk costs one more K1 program)."""
+    chunk is flagged and its programs return at once (a flagged chunk costs one more K1 program).
+    ``with_flags``: (outputs, the flags [B, H, N] int32, None for one pass)."""
     n_in, n_out = len(args), len(shapes)
     call = functools.partial(pl.pallas_call, grid=grid, interpret=cfg.interpret,
                              compiler_params=_params(cfg, cfg.warps_intra))
     if cfg.bounded_span is None or not cfg.two_pass:
-        return call(_passes(body, n_in, n_out, "single"), out_shape=tuple(shapes), in_specs=in_specs,
-                    out_specs=tuple(specs), cost_estimate=cost, name=name)(*args)
+        out = call(_passes(body, n_in, n_out, "single"), out_shape=tuple(shapes), in_specs=in_specs,
+                   out_specs=tuple(specs), cost_estimate=cost, name=name)(*args)
+        return (out, None) if with_flags else out
     flag_shape = jax.ShapeDtypeStruct(grid, jnp.int32)
     flag_spec = pl.BlockSpec((None, None, None), lambda b, h, n: (b, h, n))
     *first, flag = call(_passes(body, n_in, n_out, "first"), out_shape=(*shapes, flag_shape), in_specs=in_specs,
-                        out_specs=(*specs, flag_spec), cost_estimate=cost, name=name)(*args)
-    return call(_passes(body, n_in, n_out, "second"), out_shape=tuple(shapes),
-                in_specs=[*in_specs, flag_spec, *specs], out_specs=tuple(specs),
-                input_output_aliases={n_in + 1 + i: i for i in range(n_out)},
-                cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=4 * math.prod(grid)),
-                name=name + "_search")(*args, flag, *first)
+                        out_specs=(*specs, flag_spec), cost_estimate=_with_flags(cost, math.prod(grid)),
+                        name=name)(*args)
+    out = call(_passes(body, n_in, n_out, "second"), out_shape=tuple(shapes),
+               in_specs=[*in_specs, flag_spec, *specs], out_specs=tuple(specs),
+               input_output_aliases={n_in + 1 + i: i for i in range(n_out)},
+               cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=4 * math.prod(grid)),
+               name=name + "_search")(*args, flag, *first)
+    return (out, flag) if with_flags else out
 
 
 def _rhs(cfg, q, k, erase, v, log_decay, document, carried, inverse):
@@ -950,7 +981,9 @@ def _cotangents(cfg, document, carried, inverse, pseudo_values, state_reads, sta
 
 
 def _key_grads(cfg, q, k, erase, log_decay, document, carried, inverse, starts, d_ends, d_out, d_true_pseudo,
-               true_pseudo, d_readout, d_strict, dtypes):
+               true_pseudo, d_readout, d_strict, dtypes, flags=None):
+    """B2b; with ``flags`` (the forward's K1 ran two passes) as two kernels like K1: every program with the
+    whole chunk's cut, then the search for the programs of flagged chunks (outputs aliased)."""
     b, t, h, dk = q.shape
     dv = true_pseudo.shape[-1]
     c, bk = cfg.chunk, cfg.block_k
@@ -969,22 +1002,32 @@ def _key_grads(cfg, q, k, erase, log_decay, document, carried, inverse, starts, 
         chunk(c, dv), chunk(c, dv), chunk(c, c), chunk(c, c)]
     out_shape = (jax.ShapeDtypeStruct(q.shape, dtypes[0]), jax.ShapeDtypeStruct(k.shape, dtypes[1]),
                  jax.ShapeDtypeStruct(erase.shape, dtypes[2]), jax.ShapeDtypeStruct(log_decay.shape, dtypes[3]))
-    return pl.pallas_call(_key_grads_kernel(cfg), out_shape=out_shape, grid=(b, h, n * nkb), in_specs=in_specs,
-                          out_specs=(token,) * 4, interpret=cfg.interpret,
-                          cost_estimate=_cost(cfg, "B2b_key_grads", b * h, n),
-                          compiler_params=_params(cfg, cfg.warps_key_grads), name="delta_rule_key_grads")(
-        q, k, erase, log_decay, document, carried, inverse, starts, d_ends, d_out, d_true_pseudo, true_pseudo,
-        d_readout, d_strict)
+    args = (q, k, erase, log_decay, document, carried, inverse, starts, d_ends, d_out, d_true_pseudo, true_pseudo,
+            d_readout, d_strict)
+    call = functools.partial(pl.pallas_call, out_shape=out_shape, grid=(b, h, n * nkb), out_specs=(token,) * 4,
+                             interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_key_grads))
+    body = _key_grads_body(cfg)
+    cost = _cost(cfg, "B2b_key_grads", b * h, n)
+    if flags is None:
+        return call(_passes(body, len(args), 4, "single"), in_specs=in_specs, cost_estimate=cost,
+                    name="delta_rule_key_grads")(*args)
+    flag_spec = pl.BlockSpec((None, None, None), lambda b_, h_, j: (b_, h_, j // nkb))
+    whole = call(_passes(body, len(args), 4, "whole"), in_specs=in_specs, cost_estimate=cost,
+                 name="delta_rule_key_grads")(*args)
+    return call(_passes(body, len(args), 4, "second"), in_specs=[*in_specs, flag_spec, *(token,) * 4],
+                input_output_aliases={len(args) + 1 + i: i for i in range(4)},
+                cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=4 * b * h * n * nkb),
+                name="delta_rule_key_grads_search")(*args, flags, *whole)
 
 
 def _grads(cfg, q, k, erase, log_decay, document, carried, inverse, pseudo_values, state_reads, starts, d_ends, d_out,
-           d_true_pseudo, dtypes):
+           d_true_pseudo, dtypes, flags=None):
     """B2: dq̂, dk, dk̂, dV̂, dλ (B2a per chunk, then B2b per chunk and key block)."""
     true_pseudo, d_readout, d_strict, dv = _cotangents(cfg, document, carried, inverse, pseudo_values, state_reads,
                                                        starts, d_out, d_true_pseudo, dtypes[3])
     dq, dk, d_erase, d_log_decay = _key_grads(cfg, q, k, erase, log_decay, document, carried, inverse, starts, d_ends,
                                               d_out, d_true_pseudo, true_pseudo, d_readout, d_strict,
-                                  (dtypes[0], dtypes[1], dtypes[2], dtypes[4]))
+                                              (dtypes[0], dtypes[1], dtypes[2], dtypes[4]), flags)
     return dq, dk, d_erase, dv, d_log_decay
 
 
@@ -994,7 +1037,8 @@ def _grads(cfg, q, k, erase, log_decay, document, carried, inverse, pseudo_value
 
 def _forward(cfg, q, k, erase, v, log_decay, state, document, carried, for_backward=False):
     """o, S_T, and what the backward keeps: S₀, plus M and P when ``cfg.save_matrices``, plus U, Y, Q̂⊙π, K⊙E,
-    π_C when ``cfg.save_rhs`` as well."""
+    π_C when ``cfg.save_rhs`` as well, plus K1's flags (``two_pass``: B2b takes the whole chunk's cut where K1
+    did)."""
     keep = for_backward and cfg.save_matrices
     if cfg.fuse_output and cfg.fold_solve and not for_backward:  # P folded into M P and Pᵀ(K⊙E); V̂ read by the scan
         readout_p, key_start, query_start, key_eff_p, chunk_decay = _intra_alone(cfg, q, k, erase, log_decay,
@@ -1002,10 +1046,8 @@ def _forward(cfg, q, k, erase, v, log_decay, state, document, carried, for_backw
         out, final = _scan_output(cfg, key_start, v, key_eff_p, chunk_decay, query_start, readout_p, state,
                                   v.dtype)
         return out, final, None
-    readout, pseudo_values, state_reads, query_start, key_eff, chunk_decay, *inverse = _intra(cfg, q, k, erase, v,
-                                                                                              log_decay, document,
-                                                                                              carried,
-                                                                                              with_inverse=keep)
+    (readout, pseudo_values, state_reads, query_start, key_eff, chunk_decay, *inverse), flags = _intra(
+        cfg, q, k, erase, v, log_decay, document, carried, with_inverse=keep, with_flags=True)
     if cfg.fuse_output and not for_backward:  # S₀ is not needed: one sequential kernel writes the output
         out, final = _scan_output(cfg, state_reads, pseudo_values, key_eff, chunk_decay, query_start, readout, state,
                                   v.dtype)
@@ -1013,9 +1055,9 @@ def _forward(cfg, q, k, erase, v, log_decay, state, document, carried, for_backw
     starts, true_pseudo, final = _scan(cfg, state_reads, pseudo_values, key_eff, chunk_decay, state)
     out = _output(cfg, query_start, starts, readout, true_pseudo, v.dtype)
     if not keep:
-        return out, final, (starts, None, None, None)
+        return out, final, (starts, None, None, None, None)
     rhs = (pseudo_values, state_reads, query_start, key_eff, chunk_decay) if cfg.save_rhs else None
-    return out, final, (starts, readout, inverse[0], rhs)
+    return out, final, (starts, readout, inverse[0], rhs, flags if cfg.two_pass_key_grads else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -1031,15 +1073,14 @@ def _delta_rule_fwd(cfg, q, k, erase, v, log_decay, state, document, carried):
 
 
 def _delta_rule_bwd(cfg, residuals, cotangents):
-    q, k, erase, v, log_decay, state, document, carried, starts, readout, inverse, rhs = residuals
+    q, k, erase, v, log_decay, state, document, carried, starts, readout, inverse, rhs, flags = residuals
     d_out, d_final = cotangents
     if rhs is not None:  # save_rhs: the forward's own U, Y, Q̂⊙π, K⊙E, π_C
         pseudo_values, state_reads, query_start, key_eff, chunk_decay = rhs
     elif inverse is None:  # recompute the chunk matrices (save_matrices=False: less memory, one more K1)
-        readout, pseudo_values, state_reads, query_start, key_eff, chunk_decay, inverse = _intra(cfg, q, k, erase, v,
-                                                                                                 log_decay, document,
-                                                                                                 carried,
-                                                                                                 with_inverse=True)
+        (readout, pseudo_values, state_reads, query_start, key_eff, chunk_decay, inverse), flags = _intra(
+            cfg, q, k, erase, v, log_decay, document, carried, with_inverse=True, with_flags=True)
+        flags = flags if cfg.two_pass_key_grads else None
     else:
         pseudo_values, state_reads, query_start, key_eff, chunk_decay = _rhs(cfg, q, k, erase, v, log_decay, document,
                                                                              carried, inverse)
@@ -1047,7 +1088,7 @@ def _delta_rule_bwd(cfg, residuals, cotangents):
                                                chunk_decay, d_final.astype(F32))
     dq, dk, d_erase, dv, d_log_decay = _grads(cfg, q, k, erase, log_decay, document, carried, inverse, pseudo_values,
                                               state_reads, starts, d_ends, d_out.astype(v.dtype), d_true_pseudo,
-                                  (q.dtype, k.dtype, erase.dtype, v.dtype, log_decay.dtype))
+                                              (q.dtype, k.dtype, erase.dtype, v.dtype, log_decay.dtype), flags)
     return dq, dk, d_erase, dv, d_log_decay, d_state.astype(state.dtype), None, None
 
 
