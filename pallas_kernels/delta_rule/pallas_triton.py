@@ -486,7 +486,7 @@ def _inverse(a, cfg):
 
 
 def _passes(body, n_inputs, n_outputs, stage):
-    """The kernel of one K1 pass from ``body(input refs, output refs, whole_chunk) -> flag``:
+    """The kernel of one pass of K1 or B2b from ``body(input refs, output refs, whole_chunk) -> flag``:
       "single": the cut searched per key block (``two_pass`` off, or the exact tree);
       "first":  the whole chunk's cut; one more output, the flag [B, H, N] int32;
       "whole":  the whole chunk's cut, no flag (B2b: the forward's K1 flagged the chunks already);
@@ -500,7 +500,6 @@ def _passes(body, n_inputs, n_outputs, stage):
     elif stage == "whole":
         def kernel(*refs):
             body(refs[:n_inputs], refs[n_inputs:], True)
-
     elif stage == "second":
         def kernel(*refs):
             @pl.when(refs[n_inputs][...] != 0)
