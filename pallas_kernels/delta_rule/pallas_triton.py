@@ -421,7 +421,7 @@ def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_st
     c = cfg.chunk
 
     def key_block(b, acc):
-        a, m, diag, flag = acc
+        a, m, diag, low = acc
         cols = _key_block(b, cfg)
         log_decay = log_decay_ref[:, cols].astype(F32)
         log_decay_split = _split(log_decay, cfg)
@@ -442,10 +442,10 @@ def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_st
         diag = diag + jnp.sum(q.astype(F32) * k.astype(F32), axis=1)
         if whole_chunk:  # pairs above the diagonal (e^{positive}, possibly inf) are dropped by the final select
             sums = _cut_sums(cfg.levels, log_decay_split, cfg)
-            flag = jnp.minimum(flag, jnp.min(sums, axis=1))  # per row (within a warp); across rows after the loop
+            low = jnp.minimum(low, jnp.min(sums, axis=1))  # per row (within a warp); across rows after the loop
             _, left, right = _pivot_factors(cfg.levels, sums, log_decay_split, cfg)
             kr = k * right
-            return a + _dot(e * left, kr, cfg, trans_b=True), m + _dot(q * left, kr, cfg, trans_b=True), diag, flag
+            return a + _dot(e * left, kr, cfg, trans_b=True), m + _dot(q * left, kr, cfg, trans_b=True), diag, low
         cut = 0  # the exact tree for every pair
         if cfg.bounded_span is not None:
             cut, sums = _bounded_cut(log_decay_split, cfg, keep_sums=True)
@@ -454,7 +454,7 @@ def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_st
             a = a + jnp.where(pairs, _dot(e * left, kr, cfg, trans_b=True), 0.0)
             m = m + jnp.where(pairs, _dot(q * left, kr, cfg, trans_b=True), 0.0)
         a, m = jax.lax.fori_loop(cut, cfg.levels, level, (a, m))
-        return a, m, diag, flag
+        return a, m, diag, low
 
     zeros = jnp.zeros((c, c), F32)
     a, m, diag, low = jax.lax.fori_loop(0, cfg.key_dim // cfg.block_k, key_block,

@@ -120,11 +120,11 @@ def test_interpret_folded_forward_alone_matches_the_reference(dtype, tol, traine
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_interpret_two_passes_equal_one(dtype, monkeypatch):
+def test_interpret_two_passes_equal_one(dtype):
     """``two_pass`` (the default): the whole-chunk pass, then the search pass for the chunks it flagged, give
-    the one-pass kernel's numbers bit for bit (interpret mode:
-    the same products in the same order), forward alone and forward + backward (K1 and B2b), on a strong-decay
-    head (flagged chunks) beside an ordinary one (unflagged)."""
+    the one-pass kernel's numbers bit for bit (interpret mode: the same products in the same order), forward
+    alone and forward + backward (K1 and B2b), on a strong-decay head (flagged chunks) beside an ordinary one
+    (unflagged)."""
     b, t, h, dk, dv = 1, 130, 2, 32, 16
     args = _args(gdn2_inputs(14, b, t, h, dk, dv, dtype=np.float32, strong_decay_heads=1), dtype)
     document = _documents(b, t, [40, 64])
@@ -135,34 +135,20 @@ def test_interpret_two_passes_equal_one(dtype, monkeypatch):
              for two in (False, True)}
     for x, y in zip(jax.tree.leaves((got[True], alone[True])), jax.tree.leaves((got[False], alone[False]))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    flags = np.asarray(_first_pass_flags(args, document, dtype, monkeypatch))
+    flags = np.asarray(_first_pass_flags(args, document, dtype))
     assert flags[0, 0].any() and not flags[0, 1].any(), flags  # head 0 decays strongly, head 1 is ordinary
 
 
-def _first_pass_flags(args, document, dtype, monkeypatch):
-    """The flags [B, H, N] of K1's first pass (forward alone) on ``args``, chunk 64."""
+def _first_pass_flags(args, document, dtype):
+    """The flags [B, H, N] of K1's first pass on ``args``, chunk 64."""
     from mixerlab.pallas_kernels import common
     b, t, h, dk = args[0].shape
     cfg = pallas_triton.make_config(64, 8, dk, args[3].shape[-1], dtype, batch_heads=b * h, interpret=True)
     padded = [common.pad_time(x, 64) for x in args[:5]]
     document = common.pad_time(document, 64, mode="edge")
     _, carried = common.chunk_documents(document, 64)
-    found = {}
-    call = pallas_triton.pl.pallas_call
-
-    def spy(*a, **kw):
-        run = call(*a, **kw)
-
-        def wrapped(*operands):
-            out = run(*operands)
-            if kw["name"] == "delta_rule_intra_alone":
-                found["flags"] = out[-1]
-            return out
-        return wrapped
-
-    monkeypatch.setattr(pallas_triton.pl, "pallas_call", spy)
-    pallas_triton._intra_alone(cfg, padded[0], padded[1], padded[2], padded[4], document, carried)
-    return found["flags"]
+    _, flags = pallas_triton._intra(cfg, *padded, document, carried, with_inverse=False, with_flags=True)
+    return flags
 
 
 def test_interpret_strong_decay_is_finite_and_accurate():
