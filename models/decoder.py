@@ -1,7 +1,12 @@
 """Llama-style pre-norm decoder whose token mixer is chosen per layer from the registry.
 
 x = embed(tokens); per layer: x += mixer(norm(x)); x += ffn(norm(x)); logits = head(norm(x)).
-Embeddings are untied unless ``model.tie_embeddings``; parameters are float32, activations ``model.dtype``.
+Embeddings are untied unless ``model.tie_embeddings``; parameters are float32. Mixed precision: the residual
+stream x (and so every norm, the embedding output and the final norm) stays in ``model.residual_dtype`` (float32 by
+default), while each block's branches -- the mixer and the FFN, their matmuls and kernels -- run in ``model.dtype``:
+a branch reads its normed input cast to ``model.dtype`` and its output is added to x in the residual dtype. This is
+what torch autocast does (its residual adds stay float32); a bfloat16 residual costs the softmax baseline about
+0.1 nats (docs/benchmarks/mixed_precision_h200.md).
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from mixerlab.pallas_kernels.common import KERNEL_RESIDUALS
 class Block(nnx.Module):
     def __init__(self, m, mixer_options, layer_index: int, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(m.dtype)
+        self.compute_dtype = dtype
         self.mixer_name = m.layer_mixers[layer_index]
         spec = MixerSpec(d_model=m.d_model, num_heads=m.num_heads, head_dim=m.key_head_dim,
                          value_head_dim=m.value_width, layer_index=layer_index, num_layers=m.num_layers,
@@ -38,18 +44,24 @@ class Block(nnx.Module):
         mix = lambda mixer, h: mixer(h, segment_ids=segment_ids, positions=positions)
         if remat == "mixer":  # keep only the mixer's input; recompute its internals in the backward pass
             mix = nnx.remat(mix)
-        x = x + mix(self.mixer, self.mixer_norm(x))
-        return x + self.ffn(self.ffn_norm(x))
+        x = x + mix(self.mixer, self._branch_input(self.mixer_norm, x)).astype(x.dtype)
+        return self._add_ffn(x)
+
+    def _branch_input(self, norm, x):
+        """A branch's input: the normed residual (computed in float32 by RMSNorm) in the compute dtype."""
+        return norm(x).astype(self.compute_dtype)
+
+    def _add_ffn(self, x):
+        return x + self.ffn(self._branch_input(self.ffn_norm, x)).astype(x.dtype)
 
     def decode(self, x, cache, positions):
-        y, cache = self.mixer.decode(self.mixer_norm(x), cache, positions)
-        x = x + y
-        return x + self.ffn(self.ffn_norm(x)), cache
+        y, cache = self.mixer.decode(self._branch_input(self.mixer_norm, x), cache, positions)
+        return self._add_ffn(x + y.astype(x.dtype)), cache
 
     def extend(self, x, cache, positions):
         """C tokens per row continuing the cache: the mixer's parallel ``extend`` where it has one, else its
         ``decode`` over the chunk (a scan; the same result, one token at a time)."""
-        h = self.mixer_norm(x)
+        h = self._branch_input(self.mixer_norm, x)
         if hasattr(self.mixer, "extend"):
             y, cache = self.mixer.extend(h, cache, positions)
         else:
@@ -60,8 +72,7 @@ class Block(nnx.Module):
 
             cache, y = jax.lax.scan(step, cache, (jnp.swapaxes(h, 0, 1), positions.T))
             y = jnp.swapaxes(y, 0, 1)
-        x = x + y
-        return x + self.ffn(self.ffn_norm(x)), cache
+        return self._add_ffn(x + y.astype(x.dtype)), cache
 
 
 _kernels = jax.checkpoint_policies.save_only_these_names(KERNEL_RESIDUALS)
@@ -81,6 +92,7 @@ class Decoder(nnx.Module):
     def __init__(self, model, vocab_size: int, *, mixer_options=None, rngs: nnx.Rngs):
         m, mixer_options = model, dict(mixer_options or {})
         self.dtype = jnp.dtype(m.dtype)
+        self.residual_dtype = jnp.dtype(m.residual_dtype or m.dtype)
         self.tie_embeddings = m.tie_embeddings
         self.remat = m.remat
         self.embed = nnx.Embed(vocab_size, m.d_model, embedding_init=normal(m.init_std), rngs=rngs)
@@ -105,7 +117,7 @@ class Decoder(nnx.Module):
             segment_ids = jnp.ones((b, t), jnp.int32)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        x = constrain_batch(self.embed(tokens_BT).astype(self.dtype))
+        x = constrain_batch(self.embed(tokens_BT).astype(self.residual_dtype))
         run = lambda block, h: block(h, segment_ids, positions, self.remat)
         if self.remat in REMAT_POLICIES:
             run = nnx.remat(run, policy=REMAT_POLICIES[self.remat])
@@ -141,7 +153,7 @@ class Decoder(nnx.Module):
     def extend(self, tokens_BC, cache, positions_BC):
         """C tokens per row (one document) continuing ``cache`` at ``positions_BC``, each block in parallel where
         its mixer has ``extend``: (the residual stream after the last block [B, C, d_model], the new cache)."""
-        x = self.embed(tokens_BC).astype(self.dtype)
+        x = self.embed(tokens_BC).astype(self.residual_dtype)
         new_cache = []
         for block, c in zip(self.blocks, cache):
             x, c = block.extend(x, c, positions_BC)
@@ -150,7 +162,7 @@ class Decoder(nnx.Module):
 
     def decode(self, tokens_B1, cache, positions_B):
         """One token per row at ``positions_B``; returns float32 logits [B,1,V] and the new cache."""
-        x = self.embed(tokens_B1).astype(self.dtype)
+        x = self.embed(tokens_B1).astype(self.residual_dtype)
         new_cache = []
         for block, c in zip(self.blocks, cache):
             x, c = block.decode(x, c, positions_B)

@@ -1,0 +1,299 @@
+"""Side-by-side parity with a PyTorch implementation someone else wrote: the same weights, the same token batches,
+the same optimizer — in mixerlab and in HF transformers (softmax → LlamaForCausalLM) or fla (gdn2 → fla's model).
+
+    python tools/parity_torch.py --mixer softmax --steps 300 --out /tmp/parity_softmax
+    python tools/parity_torch.py --mixer gdn2 --steps 300 --out /tmp/parity_gdn2
+
+What it does, in one process on one GPU:
+  1. builds the batches once from the embedded corpus (documents joined by EOS into one stream, cut into rows of
+     seq_len + 1 tokens: every row is one causal sequence on both sides, no packed-document resets) and writes them
+     to OUT/batches.npy, which both implementations read;
+  2. draws mixerlab's initial weights (train.seed) and exports them with ``mixerlab.models.interop.export_model``;
+     the PyTorch model loads that directory with ``from_pretrained``;
+  3. logits: both models on the first batch, float32 (matmuls at full float32 on both sides) and bfloat16
+     (mixerlab ``model.dtype=bfloat16``; torch under ``autocast(bfloat16)``);
+  4. trains ``--steps`` steps in each of these runs, from the same initial weights on the same batches:
+       ours_f32, ours_bf16 (the default mixed precision: float32 residual stream), ours_bf16_res16 (the
+       residual stream in bfloat16 too), ours_f32_seed1 (other initial weights: the seed-to-seed spread),
+       torch_f32, torch_autocast;
+     AdamW with mixerlab's settings on both sides (decay on every matrix, none on vectors; warmup + cosine to
+     lr·min_lr_ratio as optax's warmup_cosine_decay_schedule; global-norm clipping);
+  5. writes OUT/parity.json (every loss, the logit errors, the summary) and OUT/parity.png, and prints a table.
+
+Summary rows (over steps ``--window``, default 200–300): mean |Δloss| ours vs torch (float32 and bfloat16), the
+seed spread mean |ours_f32 − ours_f32_seed1|, and each implementation's bfloat16 − float32 mean difference.
+Needs torch, transformers (and fla-core for gdn2) beside JAX on a CUDA machine.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+SHAPE = {"model.num_layers": 8, "model.d_model": 512, "model.num_heads": 8, "model.ffn_dim": 1408,
+         "data.seq_len": 2048, "train.batch_size": 16, "optim.lr": 1.5e-3, "optim.warmup_steps": 30}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mixer", required=True, choices=["softmax", "gdn2", "gated_deltanet"])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--out", required=True)
+    p.add_argument("--window", default="200,300", help="first,last step (1-based, inclusive) of the summary")
+    p.add_argument("--runs", default="ours_f32,ours_bf16,ours_bf16_res16,ours_f32_seed1,torch_f32,torch_autocast")
+    p.add_argument("--set", action="append", default=[], help="section.key=value over the default shape")
+    a = p.parse_args(argv)
+    lo, hi = (int(x) for x in a.window.split(","))
+    if not 1 <= lo <= hi <= a.steps:
+        p.error(f"--window {a.window}: need 1 <= first <= last <= --steps ({a.steps})")
+    a.window = (lo, hi)
+    a.runs = a.runs.split(",")
+    return a
+
+
+def config(args, **over):
+    from mixerlab.training.config import load_config
+
+    settings = {**SHAPE, "model.mixer": args.mixer, "train.steps": args.steps, "checkpoint.every": 0,
+                **dict(s.split("=", 1) for s in args.set), **over}
+    return load_config("configs/base.yaml", [f"{k}={v}" for k, v in settings.items()])
+
+
+def make_batches(cfg, steps: int, path: str) -> np.ndarray:
+    """[steps, B, T+1] int32 from the embedded training corpus, written to ``path`` and read back."""
+    import pyarrow.parquet as pq
+
+    from mixerlab.training.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(cfg.data.tokenizer.kind, cfg.data.tokenizer.path)
+    texts = [t for f in sorted(glob.glob(os.path.join(cfg.data.train_path, "*.parquet")))
+             for t in pq.read_table(f, columns=[cfg.data.text_column]).column(0).to_pylist()]
+    stream = np.concatenate([np.asarray([*ids, tok.eos_id], np.int32) for ids in tok.encode_batch(texts)])
+    b, t = cfg.train.batch_size, cfg.data.seq_len + 1
+    rows = len(stream) // t
+    order = np.random.default_rng(0).permutation(rows * math.ceil(steps * b / rows))[:steps * b] % rows
+    batches = stream[:rows * t].reshape(rows, t)[order].reshape(steps, b, t)
+    np.save(path, batches)
+    return np.load(path)
+
+
+def jax_batch(trainer, rows):
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    ones = np.ones(inputs.shape, np.int32)
+    local = {"inputs": inputs, "targets": targets, "segment_ids": ones,
+             "positions": np.broadcast_to(np.arange(inputs.shape[1], dtype=np.int32), inputs.shape),
+             "loss_mask": ones.astype(np.float32)}
+    return trainer.global_batch(local)
+
+
+def ours(cfg, vocab, batches, *, seed_params=None):
+    """(trainer, initial params as numpy, [losses]); starts from ``seed_params`` when given."""
+    import jax
+
+    from mixerlab.training.loop import Trainer
+
+    trainer = Trainer(cfg, vocab)
+    trainer.initialize()
+    if seed_params is not None:
+        trainer.params = jax.device_put(seed_params, trainer.param_shardings)
+        trainer.opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.opt_shardings)(trainer.params)
+    init = jax.tree.map(np.asarray, trainer.params)
+    params, opt, losses = trainer.params, trainer.opt_state, []
+    for rows in batches:
+        params, opt, m = trainer.train_step(params, opt, jax_batch(trainer, rows))
+        losses.append(m["loss"])
+    return trainer, init, [float(x) for x in jax.device_get(losses)]
+
+
+def ours_logits(trainer, params, rows):
+    import jax
+    from flax import nnx
+
+    model = nnx.merge(trainer.graphdef, jax.device_put(params, trainer.param_shardings), trainer.rest)
+    return np.asarray(model(rows[:, :-1]), np.float32)
+
+
+def torch_schedule(cfg):
+    """optax.warmup_cosine_decay_schedule(0, lr, warmup, max(steps, warmup + 1), lr·min_ratio) as a factor of lr."""
+    o, steps = cfg.optim, cfg.train.steps
+    decay = max(steps, o.warmup_steps + 1)
+
+    def factor(step):
+        if step < o.warmup_steps:
+            return step / o.warmup_steps
+        frac = min(step - o.warmup_steps, decay - o.warmup_steps) / (decay - o.warmup_steps)
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+
+    return factor
+
+
+def torch_model(hf_dir):
+    import torch
+    import transformers
+
+    try:
+        import fla  # noqa: F401  registers fla's model classes with transformers' Auto classes
+    except ImportError:
+        pass
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=True)
+    return model.cuda()
+
+
+def torch_train(cfg, hf_dir, batches, *, autocast: bool):
+    import torch
+    import torch.nn.functional as F
+
+    model = torch_model(hf_dir)
+    o = cfg.optim
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=o.lr, betas=(o.b1, o.b2), eps=o.eps, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, torch_schedule(cfg))
+    losses = []
+    for rows in batches:
+        x = torch.from_numpy(np.ascontiguousarray(rows)).long().cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(input_ids=x[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if o.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        sched.step()
+        losses.append(loss.detach())
+    return model, [float(x) for x in torch.stack(losses).cpu()]
+
+
+def torch_logits(hf_dir, rows, *, autocast: bool):
+    import torch
+
+    model = torch_model(hf_dir).eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        x = torch.from_numpy(np.ascontiguousarray(rows[:, :-1])).long().cuda()
+        return model(input_ids=x).logits.float().cpu().numpy()
+
+
+def logit_error(a, b):
+    d = a - b
+    return {"max_abs": float(np.max(np.abs(d))), "rel_rms": float(np.sqrt(np.mean(d * d) / np.mean(b * b)))}
+
+
+def summarize(curves: dict, window) -> dict:
+    lo, hi = window
+    w = lambda name: np.asarray(curves[name][lo - 1:hi]) if name in curves else None  # noqa: E731
+    out = {}
+    pairs = {"ours_vs_torch_f32": ("ours_f32", "torch_f32"), "ours_vs_torch_bf16": ("ours_bf16", "torch_autocast"),
+             "seed_spread": ("ours_f32", "ours_f32_seed1")}
+    for key, (a, b) in pairs.items():
+        if w(a) is not None and w(b) is not None:
+            out[key + "_mean_abs"] = float(np.mean(np.abs(w(a) - w(b))))
+    gaps = {"ours_bf16_minus_f32": ("ours_bf16", "ours_f32"), "ours_res16_minus_f32": ("ours_bf16_res16", "ours_f32"),
+            "torch_autocast_minus_f32": ("torch_autocast", "torch_f32")}
+    for key, (a, b) in gaps.items():
+        if w(a) is not None and w(b) is not None:
+            out[key + "_mean"] = float(np.mean(w(a) - w(b)))
+    return out
+
+
+def plot(curves: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, dx) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name, ys in curves.items():
+        ax.plot(np.arange(1, len(ys) + 1), ys, label=name, lw=1)
+    ax.set(xlabel="step", ylabel="train loss (nats)", title=title)
+    ax.legend(fontsize=8)
+    for a, b in [("ours_f32", "torch_f32"), ("ours_bf16", "torch_autocast"), ("ours_f32", "ours_f32_seed1"),
+                 ("ours_bf16", "ours_f32"), ("ours_bf16_res16", "ours_f32"), ("torch_autocast", "torch_f32")]:
+        if a in curves and b in curves:
+            dx.plot(np.arange(1, len(curves[a]) + 1), np.subtract(curves[a], curves[b]), label=f"{a} − {b}", lw=1)
+    dx.axhline(0, color="k", lw=0.5)
+    dx.set(xlabel="step", ylabel="Δ loss (nats)", title="differences")
+    dx.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")  # float32 means float32 (torch's default too)
+    from mixerlab.training.tokenizer import load_tokenizer
+
+    os.makedirs(args.out, exist_ok=True)
+    base = config(args)
+    vocab = load_tokenizer(base.data.tokenizer.kind, base.data.tokenizer.path).vocab_size
+    batches = make_batches(base, args.steps, os.path.join(args.out, "batches.npy"))
+    print(f"parity: {args.mixer}, batches {batches.shape}, vocab {vocab}", flush=True)
+    curves, timings, result = {}, {}, {"mixer": args.mixer, "shape": SHAPE, "set": args.set, "steps": args.steps}
+
+    t0 = time.time()
+    trainer, init, curves["ours_f32"] = ours(base, vocab, batches)
+    timings["ours_f32"] = time.time() - t0
+    print(f"  ours_f32: last loss {curves['ours_f32'][-1]:.4f} ({timings['ours_f32']:.0f} s)", flush=True)
+    torch_runs = [r for r in args.runs if r.startswith("torch")]
+    hf_dir = os.path.join(args.out, "hf_init")
+    if torch_runs:
+        from mixerlab.models import interop
+
+        result["model_type"] = interop.export_model(nnx_model(trainer, init), trainer.cfg, hf_dir,
+                                                    tokenizer_path=base.data.tokenizer.path)
+    first = batches[0][:4]
+    logits = {"ours_f32": ours_logits(trainer, init, first)}
+    bf16 = config(args, **{"model.dtype": "bfloat16"})
+    variants = {"ours_bf16": bf16, "ours_bf16_res16": config(args, **{"model.dtype": "bfloat16",
+                                                                        "model.residual_dtype": "null"}),
+                "ours_f32_seed1": config(args, **{"train.seed": 1})}
+    for name, cfg in variants.items():
+        if name in args.runs:
+            t0 = time.time()
+            tr, _, curves[name] = ours(cfg, vocab, batches, seed_params=None if name.endswith("seed1") else init)
+            timings[name] = time.time() - t0
+            if name == "ours_bf16":
+                logits["ours_bf16"] = ours_logits(tr, init, first)
+            print(f"  {name}: last loss {curves[name][-1]:.4f} ({timings[name]:.0f} s)", flush=True)
+    if torch_runs:
+        logits["torch_f32"] = torch_logits(hf_dir, first, autocast=False)
+        logits["torch_autocast"] = torch_logits(hf_dir, first, autocast=True)
+        result["logits"] = {"f32": logit_error(logits["ours_f32"], logits["torch_f32"]),
+                            "bf16": logit_error(logits.get("ours_bf16", logits["ours_f32"]), logits["torch_autocast"])}
+        print(f"logits f32 {result['logits']['f32']}  bf16 {result['logits']['bf16']}")
+    for name, autocast in (("torch_f32", False), ("torch_autocast", True)):
+        if name in args.runs:
+            t0 = time.time()
+            _, curves[name] = torch_train(base, hf_dir, batches, autocast=autocast)
+            timings[name] = time.time() - t0
+            print(f"  {name}: last loss {curves[name][-1]:.4f} ({timings[name]:.0f} s)", flush=True)
+    result.update(curves=curves, timings_s=timings, window=args.window, summary=summarize(curves, args.window))
+    with open(os.path.join(args.out, "parity.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(curves, os.path.join(args.out, "parity.png"), f"{args.mixer}: mixerlab vs PyTorch, same init and batches")
+    for k, v in result["summary"].items():
+        print(f"  {k:32s} {v:+.4f}")
+    return 0
+
+
+def nnx_model(trainer, params):
+    import jax
+    from flax import nnx
+
+    return nnx.merge(trainer.graphdef, jax.tree.map(np.asarray, params), trainer.rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
