@@ -14,8 +14,8 @@ What it does, in one process on one GPU:
      (mixerlab ``model.dtype=bfloat16``; torch under ``autocast(bfloat16)``);
   4. trains ``--steps`` steps in each of these runs, from the same initial weights on the same batches:
        ours_f32, ours_bf16 (the default mixed precision: float32 residual stream), ours_bf16_res16 (the
-       residual stream in bfloat16 too), ours_f32_seed1 (other initial weights: the seed-to-seed spread),
-       torch_f32, torch_autocast;
+       residual stream in bfloat16 too), ours_*_seed1 (other initial weights: the seed-to-seed spread, and a
+       second sample of each precision gap), torch_f32, torch_autocast;
      AdamW with mixerlab's settings on both sides (decay on every matrix, none on vectors; warmup + cosine to
      lr·min_lr_ratio as optax's warmup_cosine_decay_schedule; global-norm clipping);
   5. writes OUT/parity.json (every loss, the logit errors, the summary) and OUT/parity.png, and prints a table.
@@ -49,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--window", default="200,300", help="first,last step (1-based, inclusive) of the summary")
     p.add_argument("--runs", default="ours_f32,ours_bf16,ours_bf16_res16,ours_f32_seed1,torch_f32,torch_autocast")
+    p.add_argument("--previous", help="an earlier parity.json of the same batches and weights: its curves join")
     p.add_argument("--set", action="append", default=[], help="section.key=value over the default shape")
     a = p.parse_args(argv)
     lo, hi = (int(x) for x in a.window.split(","))
@@ -94,18 +95,17 @@ def jax_batch(trainer, rows):
     return trainer.global_batch(local)
 
 
-def ours(cfg, vocab, batches, *, seed_params=None):
-    """(trainer, initial params as numpy, [losses]); starts from ``seed_params`` when given."""
+def ours(cfg, vocab, batches, *, train: bool = True):
+    """(trainer, initial params as numpy, [losses] or None): train.seed's initial weights, trained on ``batches``."""
     import jax
 
     from mixerlab.training.loop import Trainer
 
     trainer = Trainer(cfg, vocab)
     trainer.initialize()
-    if seed_params is not None:
-        trainer.params = jax.device_put(seed_params, trainer.param_shardings)
-        trainer.opt_state = jax.jit(trainer.tx.init, out_shardings=trainer.opt_shardings)(trainer.params)
     init = jax.tree.map(np.asarray, trainer.params)
+    if not train:
+        return trainer, init, None
     params, opt, losses = trainer.params, trainer.opt_state, []
     for rows in batches:
         params, opt, m = trainer.train_step(params, opt, jax_batch(trainer, rows))
@@ -190,20 +190,24 @@ def logit_error(a, b):
 
 
 def summarize(curves: dict, window) -> dict:
+    """Mean |Δloss| between implementations and seeds, and mean (bfloat16 − float32) per implementation and seed,
+    over the window's steps."""
     lo, hi = window
-    w = lambda name: np.asarray(curves[name][lo - 1:hi]) if name in curves else None  # noqa: E731
+    w = lambda name: np.asarray(curves[name][lo - 1:hi])  # noqa: E731
     out = {}
     pairs = {"ours_vs_torch_f32": ("ours_f32", "torch_f32"), "ours_vs_torch_bf16": ("ours_bf16", "torch_autocast"),
-             "seed_spread": ("ours_f32", "ours_f32_seed1")}
+             "seed_spread_f32": ("ours_f32", "ours_f32_seed1"), "seed_spread_bf16": ("ours_bf16", "ours_bf16_seed1")}
     for key, (a, b) in pairs.items():
-        if w(a) is not None and w(b) is not None:
+        if a in curves and b in curves:
             out[key + "_mean_abs"] = float(np.mean(np.abs(w(a) - w(b))))
-    gaps = {"ours_bf16_minus_f32": ("ours_bf16", "ours_f32"), "ours_res16_minus_f32": ("ours_bf16_res16", "ours_f32"),
-            "torch_autocast_minus_f32": ("torch_autocast", "torch_f32")}
-    for key, (a, b) in gaps.items():
-        if w(a) is not None and w(b) is not None:
-            out[key + "_mean"] = float(np.mean(w(a) - w(b)))
+    for a, b in GAPS:
+        if a in curves and b in curves:
+            out[f"{a}_minus_{b}_mean"] = float(np.mean(w(a) - w(b)))
     return out
+
+
+GAPS = [("ours_bf16", "ours_f32"), ("ours_bf16_res16", "ours_f32"), ("ours_bf16_seed1", "ours_f32_seed1"),
+        ("ours_bf16_res16_seed1", "ours_f32_seed1"), ("torch_autocast", "torch_f32")]
 
 
 def plot(curves: dict, path: str, title: str) -> None:
@@ -217,8 +221,7 @@ def plot(curves: dict, path: str, title: str) -> None:
         ax.plot(np.arange(1, len(ys) + 1), ys, label=name, lw=1)
     ax.set(xlabel="step", ylabel="train loss (nats)", title=title)
     ax.legend(fontsize=8)
-    for a, b in [("ours_f32", "torch_f32"), ("ours_bf16", "torch_autocast"), ("ours_f32", "ours_f32_seed1"),
-                 ("ours_bf16", "ours_f32"), ("ours_bf16_res16", "ours_f32"), ("torch_autocast", "torch_f32")]:
+    for a, b in [("ours_f32", "torch_f32"), ("ours_bf16", "torch_autocast"), ("ours_f32", "ours_f32_seed1"), *GAPS]:
         if a in curves and b in curves:
             dx.plot(np.arange(1, len(curves[a]) + 1), np.subtract(curves[a], curves[b]), label=f"{a} − {b}", lw=1)
     dx.axhline(0, color="k", lw=0.5)
@@ -228,6 +231,25 @@ def plot(curves: dict, path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+OURS = {  # run name -> overrides of the base shape
+    "ours_f32": {}, "ours_bf16": {"model.dtype": "bfloat16"},
+    "ours_bf16_res16": {"model.dtype": "bfloat16", "model.residual_dtype": "null"},
+    "ours_f32_seed1": {"train.seed": 1}, "ours_bf16_seed1": {"model.dtype": "bfloat16", "train.seed": 1},
+    "ours_bf16_res16_seed1": {"model.dtype": "bfloat16", "model.residual_dtype": "null", "train.seed": 1},
+}
+
+
+def digest(tree) -> str:
+    import hashlib
+
+    import jax
+
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(tree):
+        h.update(np.ascontiguousarray(leaf).tobytes())
+    return h.hexdigest()[:16]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
@@ -235,56 +257,62 @@ def main(argv=None) -> int:
     jax.config.update("jax_default_matmul_precision", "highest")  # float32 means float32 (torch's default too)
     from mixerlab.training.tokenizer import load_tokenizer
 
+    unknown = [r for r in args.runs if r not in OURS and r not in ("torch_f32", "torch_autocast")]
+    if unknown:
+        raise SystemExit(f"parity_torch: unknown --runs {unknown}; known: {[*OURS, 'torch_f32', 'torch_autocast']}")
     os.makedirs(args.out, exist_ok=True)
     base = config(args)
     vocab = load_tokenizer(base.data.tokenizer.kind, base.data.tokenizer.path).vocab_size
     batches = make_batches(base, args.steps, os.path.join(args.out, "batches.npy"))
-    print(f"parity: {args.mixer}, batches {batches.shape}, vocab {vocab}", flush=True)
-    curves, timings, result = {}, {}, {"mixer": args.mixer, "shape": SHAPE, "set": args.set, "steps": args.steps}
-
-    t0 = time.time()
-    trainer, init, curves["ours_f32"] = ours(base, vocab, batches)
-    timings["ours_f32"] = time.time() - t0
-    print(f"  ours_f32: last loss {curves['ours_f32'][-1]:.4f} ({timings['ours_f32']:.0f} s)", flush=True)
-    torch_runs = [r for r in args.runs if r.startswith("torch")]
-    hf_dir = os.path.join(args.out, "hf_init")
-    if torch_runs:
-        from mixerlab.models import interop
-
-        result["model_type"] = interop.export_model(nnx_model(trainer, init), trainer.cfg, hf_dir,
-                                                    tokenizer_path=base.data.tokenizer.path)
+    print(f"parity: {args.mixer}, batches {batches.shape} (sha {digest(batches)}), vocab {vocab}", flush=True)
+    curves, timings = {}, {}
+    result = {"mixer": args.mixer, "shape": SHAPE, "set": args.set, "steps": args.steps, "batches_sha": digest(batches)}
     first = batches[0][:4]
-    logits = {"ours_f32": ours_logits(trainer, init, first)}
-    bf16 = config(args, **{"model.dtype": "bfloat16"})
-    variants = {"ours_bf16": bf16, "ours_bf16_res16": config(args, **{"model.dtype": "bfloat16",
-                                                                        "model.residual_dtype": "null"}),
-                "ours_f32_seed1": config(args, **{"train.seed": 1})}
-    for name, cfg in variants.items():
-        if name in args.runs:
-            t0 = time.time()
-            tr, _, curves[name] = ours(cfg, vocab, batches, seed_params=None if name.endswith("seed1") else init)
-            timings[name] = time.time() - t0
-            if name == "ours_bf16":
-                logits["ours_bf16"] = ours_logits(tr, init, first)
-            print(f"  {name}: last loss {curves[name][-1]:.4f} ({timings[name]:.0f} s)", flush=True)
-    if torch_runs:
-        logits["torch_f32"] = torch_logits(hf_dir, first, autocast=False)
-        logits["torch_autocast"] = torch_logits(hf_dir, first, autocast=True)
-        result["logits"] = {"f32": logit_error(logits["ours_f32"], logits["torch_f32"]),
-                            "bf16": logit_error(logits.get("ours_bf16", logits["ours_f32"]), logits["torch_autocast"])}
-        print(f"logits f32 {result['logits']['f32']}  bf16 {result['logits']['bf16']}")
+    logits = {}
+    for name in [r for r in OURS if r in args.runs or r == "ours_f32"]:
+        t0 = time.time()
+        trainer, init, losses = ours(config(args, **OURS[name]), vocab, batches, train=name in args.runs)
+        if losses is not None:
+            curves[name], timings[name] = losses, time.time() - t0
+            print(f"  {name}: init sha {digest(init)}, last loss {losses[-1]:.4f} ({timings[name]:.0f} s)", flush=True)
+        if name in ("ours_f32", "ours_bf16"):
+            logits[name] = ours_logits(trainer, init, first)
+        if name == "ours_f32":
+            result["init_sha"] = digest(init)
+            hf_dir = os.path.join(args.out, "hf_init")
+            if any(r.startswith("torch") for r in args.runs):
+                from mixerlab.models import interop
+
+                result["model_type"] = interop.export_model(nnx_model(trainer, init), trainer.cfg, hf_dir,
+                                                            tokenizer_path=base.data.tokenizer.path)
+                logits["torch_f32"] = torch_logits(hf_dir, first, autocast=False)
+                logits["torch_autocast"] = torch_logits(hf_dir, first, autocast=True)
+                result["logits"] = {"f32": logit_error(logits["ours_f32"], logits["torch_f32"])}
+                print(f"logits f32: {result['logits']['f32']}", flush=True)
+    if "ours_bf16" in logits and "torch_autocast" in logits:
+        result["logits"]["bf16"] = logit_error(logits["ours_bf16"], logits["torch_autocast"])
+        result["logits"]["bf16_ours_vs_f32"] = logit_error(logits["ours_bf16"], logits["ours_f32"])
+        result["logits"]["bf16_torch_vs_f32"] = logit_error(logits["torch_autocast"], logits["torch_f32"])
+        print(f"logits bf16: {result['logits']['bf16']}", flush=True)
     for name, autocast in (("torch_f32", False), ("torch_autocast", True)):
         if name in args.runs:
             t0 = time.time()
             _, curves[name] = torch_train(base, hf_dir, batches, autocast=autocast)
             timings[name] = time.time() - t0
             print(f"  {name}: last loss {curves[name][-1]:.4f} ({timings[name]:.0f} s)", flush=True)
+    if args.previous:  # curves of an earlier call on the same batches and initial weights
+        with open(args.previous) as f:
+            prev = json.load(f)
+        if (prev.get("batches_sha"), prev.get("init_sha")) != (result["batches_sha"], result["init_sha"]):
+            raise SystemExit(f"parity_torch: --previous {args.previous} ran other batches or initial weights")
+        curves = {**{k: v for k, v in prev["curves"].items() if k not in curves}, **curves}
+        timings = {**prev.get("timings_s", {}), **timings}
     result.update(curves=curves, timings_s=timings, window=args.window, summary=summarize(curves, args.window))
     with open(os.path.join(args.out, "parity.json"), "w") as f:
         json.dump(result, f, indent=1)
     plot(curves, os.path.join(args.out, "parity.png"), f"{args.mixer}: mixerlab vs PyTorch, same init and batches")
     for k, v in result["summary"].items():
-        print(f"  {k:32s} {v:+.4f}")
+        print(f"  {k:40s} {v:+.4f}")
     return 0
 
 
