@@ -55,7 +55,7 @@ def _tokenizer_files(cfg, tokenizer_path: str | None, out_dir: str, eos_id: int 
     kind = cfg.data.tokenizer.kind
     path = tokenizer_path or cfg.data.tokenizer.path
     if kind == "byte":
-        return "tokenizer: byte (ids 0..255 are the bytes, 256 is EOS); no HF tokenizer file exists for it, none written"
+        return "tokenizer: byte (ids 0..255 are the bytes, 256 is EOS); no HF tokenizer file written"
     if not path or not os.path.isfile(path):
         return f"tokenizer: {kind} file {path!r} not found; no tokenizer files written"
     if kind == "sentencepiece":
