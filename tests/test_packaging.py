@@ -20,6 +20,8 @@ SCRIPTS = {
     "mixerlab-generate": "mixerlab.eval.generate:main",
     "mixerlab-prepare-data": "mixerlab.training.prepare_data:main",
     "mixerlab-train-tokenizer": "mixerlab.training.train_tokenizer:main",
+    "mixerlab-export": "mixerlab.models.interop.export:main",
+    "mixerlab-import": "mixerlab.models.interop.import_:main",
 }
 
 

@@ -1,0 +1,12 @@
+"""Checkpoint interop: a mixerlab model <-> an HF transformers / flash-linear-attention model directory.
+
+``export_model(model, cfg, out_dir, tokenizer_path=None) -> model_type`` and ``import_model(hf_dir) -> (cfg,
+model)`` work on in-memory models; ``export_run`` / ``import_run`` on run directories (config.yaml + orbax
+checkpoints); the console scripts are ``mixerlab-export`` and ``mixerlab-import``. docs/interop.md has the
+mapping tables (code: ``tables.py``), the targets and every refused setting.
+"""
+from mixerlab.models.interop.errors import InteropRefused
+from mixerlab.models.interop.hf_dir import export_model, import_model
+from mixerlab.models.interop.run_dir import export_run, import_run
+
+__all__ = ["InteropRefused", "export_model", "import_model", "export_run", "import_run"]
