@@ -135,6 +135,12 @@ def torch_schedule(cfg):
     return factor
 
 
+def DEVICE():  # noqa: N802  the GPU when torch sees one (the measurements), else the CPU (smoke tests)
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def torch_model(hf_dir):
     import torch
     import transformers
@@ -143,8 +149,8 @@ def torch_model(hf_dir):
         import fla  # noqa: F401  registers fla's model classes with transformers' Auto classes
     except ImportError:
         pass
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=True)
-    return model.cuda()
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, use_kernels=False)
+    return model.to(DEVICE())
 
 
 def torch_train(cfg, hf_dir, batches, *, autocast: bool):
@@ -157,12 +163,12 @@ def torch_train(cfg, hf_dir, batches, *, autocast: bool):
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
-                            lr=o.lr, betas=(o.b1, o.b2), eps=o.eps, fused=True)
+                            lr=o.lr, betas=(o.b1, o.b2), eps=o.eps, fused=DEVICE() == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, torch_schedule(cfg))
     losses = []
     for rows in batches:
-        x = torch.from_numpy(np.ascontiguousarray(rows)).long().cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        x = torch.from_numpy(np.ascontiguousarray(rows)).long().to(DEVICE())
+        with torch.autocast(DEVICE(), dtype=torch.bfloat16, enabled=autocast):
             logits = model(input_ids=x[:, :-1]).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
@@ -179,8 +185,8 @@ def torch_logits(hf_dir, rows, *, autocast: bool):
     import torch
 
     model = torch_model(hf_dir).eval()
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        x = torch.from_numpy(np.ascontiguousarray(rows[:, :-1])).long().cuda()
+    with torch.no_grad(), torch.autocast(DEVICE(), dtype=torch.bfloat16, enabled=autocast):
+        x = torch.from_numpy(np.ascontiguousarray(rows[:, :-1])).long().to(DEVICE())
         return model(input_ids=x).logits.float().cpu().numpy()
 
 
@@ -269,17 +275,31 @@ def main(argv=None) -> int:
     result = {"mixer": args.mixer, "shape": SHAPE, "set": args.set, "steps": args.steps, "batches_sha": digest(batches)}
     first = batches[0][:4]
     logits = {}
-    for name in [r for r in OURS if r in args.runs or r == "ours_f32"]:
+    # ours_f32 first (its weights are exported), then the torch runs, then the other runs of ours
+    hf_dir = os.path.join(args.out, "hf_init")
+    order = ["ours_f32"] + [r for r in args.runs if r.startswith("torch")] + [r for r in OURS if r in args.runs]
+    for name in dict.fromkeys(order):
         t0 = time.time()
+        if name.startswith("torch"):
+            _, curves[name] = torch_train(base, hf_dir, batches, autocast=name == "torch_autocast")
+            timings[name] = time.time() - t0
+            print(f"  {name}: last loss {curves[name][-1]:.4f} ({timings[name]:.0f} s)", flush=True)
+            save_partial(args, result, curves)
+            continue
         trainer, init, losses = ours(config(args, **OURS[name]), vocab, batches, train=name in args.runs)
         if losses is not None:
             curves[name], timings[name] = losses, time.time() - t0
             print(f"  {name}: init sha {digest(init)}, last loss {losses[-1]:.4f} ({timings[name]:.0f} s)", flush=True)
-        if name in ("ours_f32", "ours_bf16"):
-            logits[name] = ours_logits(trainer, init, first)
+            save_partial(args, result, curves)
+        if name == "ours_bf16" and "torch_autocast" in logits:
+            bf16 = ours_logits(trainer, init, first)
+            result["logits"].update(bf16=logit_error(bf16, logits["torch_autocast"]),
+                                    bf16_ours_vs_f32=logit_error(bf16, logits["ours_f32"]),
+                                    bf16_torch_vs_f32=logit_error(logits["torch_autocast"], logits["torch_f32"]))
+            print(f"logits bf16: {result['logits']['bf16']}", flush=True)
         if name == "ours_f32":
             result["init_sha"] = digest(init)
-            hf_dir = os.path.join(args.out, "hf_init")
+            logits["ours_f32"] = ours_logits(trainer, init, first)
             if any(r.startswith("torch") for r in args.runs):
                 from mixerlab.models import interop
 
@@ -289,17 +309,18 @@ def main(argv=None) -> int:
                 logits["torch_autocast"] = torch_logits(hf_dir, first, autocast=True)
                 result["logits"] = {"f32": logit_error(logits["ours_f32"], logits["torch_f32"])}
                 print(f"logits f32: {result['logits']['f32']}", flush=True)
-    if "ours_bf16" in logits and "torch_autocast" in logits:
-        result["logits"]["bf16"] = logit_error(logits["ours_bf16"], logits["torch_autocast"])
-        result["logits"]["bf16_ours_vs_f32"] = logit_error(logits["ours_bf16"], logits["ours_f32"])
-        result["logits"]["bf16_torch_vs_f32"] = logit_error(logits["torch_autocast"], logits["torch_f32"])
-        print(f"logits bf16: {result['logits']['bf16']}", flush=True)
-    for name, autocast in (("torch_f32", False), ("torch_autocast", True)):
-        if name in args.runs:
-            t0 = time.time()
-            _, curves[name] = torch_train(base, hf_dir, batches, autocast=autocast)
-            timings[name] = time.time() - t0
-            print(f"  {name}: last loss {curves[name][-1]:.4f} ({timings[name]:.0f} s)", flush=True)
+    finish(args, result, curves, timings)
+    return 0
+
+
+def save_partial(args, result, curves) -> None:
+    """The curves so far (a call cut short by its time limit keeps them)."""
+    with open(os.path.join(args.out, "parity_partial.json"), "w") as f:
+        json.dump({**result, "curves": curves}, f)
+
+
+def finish(args, result, curves, timings) -> None:
+    """Joins --previous's curves, writes parity.json and parity.png, prints the summary."""
     if args.previous:  # curves of an earlier call on the same batches and initial weights
         with open(args.previous) as f:
             prev = json.load(f)
@@ -313,7 +334,6 @@ def main(argv=None) -> int:
     plot(curves, os.path.join(args.out, "parity.png"), f"{args.mixer}: mixerlab vs PyTorch, same init and batches")
     for k, v in result["summary"].items():
         print(f"  {k:40s} {v:+.4f}")
-    return 0
 
 
 def nnx_model(trainer, params):
