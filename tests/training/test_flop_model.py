@@ -109,7 +109,7 @@ def test_trainer_logs_mfu_from_each_batchs_documents(tmp_path, monkeypatch, caps
     fake = chips.Chip("fake", ("cpu",), 1e14, 5e13, None, None, "test")
     monkeypatch.setattr(flop_model, "device_chip", lambda device=None: fake)
     cfg = load_config("configs/tiny.yaml", [f"train.output_dir={tmp_path / 'run'}", "model.num_layers=1",
-                                            "data.seq_len=128", "train.steps=2", "train.log_every=1",
+                                            "train.steps=2", "train.log_every=1",
                                             "train.eval_every=0", "checkpoint.every=0", "optim.warmup_steps=1"])
     result = train(cfg, progress=False)
     rows = [r for r in map(json.loads, open(result.metrics_path)) if r["split"] == "train"]
