@@ -7,8 +7,19 @@ the step the device waits for the host, peak device memory.
         --set data.train_path=data/embedded/train --set data.tokenizer.kind=hf \\
         --set data.tokenizer.path=data/embedded/tokenizer.json
 
-Each RUN is ``name=config.yaml[,section.key=value,...]``; ``--set`` overrides apply to every run. Each run
-goes in its own process (``--in_process`` to change that): peak memory is per run, and an out-of-memory run
+Each RUN is ``name=config.yaml[,section.key=value,...]``; ``--set`` overrides apply to every run. A
+long-context table at a fixed number of tokens per step, on documents longer than the context:
+
+    python tools/bench_train.py --long-docs --seq-lens 4096,8192,16384,32768 --tokens-per-step 131072 \
+        transformer=configs/paper/transformer_166m.yaml gdn2=configs/paper/gdn2_166m.yaml \
+        muir=configs/paper/muir_166m.yaml --set data.train_path=data/embedded/train ...
+
+(``--seq-lens`` runs every RUN at each length with train.batch_size = tokens per step / length, named
+``name@length``). ``--long-docs`` joins the packed documents of every row into one (segment ids 1, positions
+0..T−1, the EOS tokens left in as ordinary tokens): each row is then one document as long as the context, so
+softmax attention does its full T(T+1)/2 pairs per row instead of the within-document pairs of short documents.
+
+Each run goes in its own process (``--in_process`` to change that): peak memory is per run, and an out-of-memory run
 is reported as such instead of ending the benchmark. Like train.py, each run applies ``train.gpu_memory_fraction``
 before it touches the GPU (with ``--in_process`` only the first run's share can take effect).
 
@@ -18,8 +29,12 @@ Three timings per run, all after ``--warmup`` compiled steps:
   * device — the same step on one batch already on the device: what the device alone needs;
   * synced — the previous loop: assemble the batch after the step, then wait for its loss (one host sync per
     step). Its difference to pipeline is what the prefetch buys.
-device idle = 1 − device / pipeline (clipped at 0). MFU uses training/flop_model.py and the chip's peak bf16
-FLOP/s (the H200: 790 TFLOP/s measured); mixers the flop model does not cover count their projections only.
+device idle = 1 − device / pipeline (clipped at 0). Model FLOPs per step: training/flop_model.py, with softmax
+attention counted from the timed batches' documents (docs/flops.md); mixers the flop model does not cover count
+their projections only. MFU is against the chip's datasheet dense bf16 peak (pallas_kernels/chips.py; the H200:
+989 TFLOP/s), "MFU (measured peak)" against the project's measured matmul rate (the H200: 790 TFLOP/s); a
+device the table does not know gets none. An MFU above 100 % is refused: the run is reported as an error naming
+the configuration and the FLOP count.
 """
 from __future__ import annotations
 
@@ -29,6 +44,8 @@ import os
 import subprocess
 import sys
 import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -58,7 +75,38 @@ class _PolicyOutOfMemory(Exception):
         self.policy = policy
 
 
-def measure(config: str, overrides: list[str], steps: int, warmup: int, depth: int) -> dict:
+def one_document_per_row(batch: dict) -> dict:
+    """A packed batch with its document boundaries removed: every row one document of T tokens (padding, id 0,
+    stays padding). The targets are the packed stream's next tokens, so they stay right; the loss now also covers
+    each document's last token (its target is the next document's first)."""
+    seg = np.asarray(batch["segment_ids"])
+    real = seg != 0
+    t = seg.shape[-1]
+    out = dict(batch)
+    out["segment_ids"] = real.astype(seg.dtype)
+    out["positions"] = np.where(real, np.arange(t, dtype=np.asarray(batch["positions"]).dtype), 0)
+    out["loss_mask"] = real.astype(np.asarray(batch["loss_mask"]).dtype)
+    return out
+
+
+class _Mapped:
+    """An iterator of batches passed through ``fn`` (close() reaches the data workers)."""
+
+    def __init__(self, parent, fn):
+        self.parent, self.fn = parent, fn
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.fn(next(self.parent))
+
+    def close(self):
+        if hasattr(self.parent, "close"):
+            self.parent.close()
+
+
+def measure(config: str, overrides: list[str], steps: int, warmup: int, depth: int, long_docs: bool = False) -> dict:
     """One run's numbers. Under ``model.remat=auto`` a chosen policy whose steps run out of device memory is
     replaced by the next more frugal one, as train.py does; the row lists the failed ones (``remat_out_of_memory``)."""
     import gc
@@ -70,7 +118,7 @@ def measure(config: str, overrides: list[str], steps: int, warmup: int, depth: i
     failed, policy = [], []
     while True:
         try:
-            row = _measure(config, overrides + policy, steps, warmup, depth, fallback=auto)
+            row = _measure(config, overrides + policy, steps, warmup, depth, fallback=auto, long_docs=long_docs)
             return {**row, "remat_out_of_memory": failed} if failed else row
         except _PolicyOutOfMemory as err:
             failed.append(err.policy)
@@ -83,9 +131,9 @@ def measure(config: str, overrides: list[str], steps: int, warmup: int, depth: i
         gc.collect()  # the failed attempt's arrays
 
 
-def _measure(config: str, overrides: list[str], steps: int, warmup: int, depth: int, fallback: bool) -> dict:
+def _measure(config: str, overrides: list[str], steps: int, warmup: int, depth: int, fallback: bool,
+             long_docs: bool = False) -> dict:
     import jax
-    import numpy as np
 
     from mixerlab.training import config as config_lib
     from mixerlab.training import data as data_lib
@@ -103,11 +151,21 @@ def _measure(config: str, overrides: list[str], steps: int, warmup: int, depth: 
     trainer = Trainer(cfg, vocab)
     trainer.initialize()
     host = data_lib.train_iterator(cfg.data, tokenizer, global_batch_size=cfg.train.batch_size, seed=cfg.train.seed)
+    if long_docs:
+        host = _Mapped(host, one_document_per_row)
     state = {"params": trainer.params, "opt": trainer.opt_state}
+    pairs = []  # each step's attention pairs, on the device until a timing is over
 
     def step(batch):
         state["params"], state["opt"], metrics = trainer.train_step(state["params"], state["opt"], batch)
+        pairs.append(metrics["attention_pairs"])
         return metrics["loss"]
+
+    def timed_pairs(fn) -> tuple[float, float]:
+        """(seconds per step, mean attention pairs per step) of ``steps`` timed steps."""
+        pairs.clear()
+        seconds = _timed(fn, steps)
+        return seconds, float(np.mean(jax.device_get(pairs)))
 
     try:
         with DevicePrefetcher(host, trainer.global_batch, depth=depth) as batches:
@@ -116,10 +174,10 @@ def _measure(config: str, overrides: list[str], steps: int, warmup: int, depth: 
             compile_s = time.perf_counter() - compile_start
             for _ in range(max(warmup - 1, 0)):
                 jax.block_until_ready(step(next(batches)))
-            pipeline = _timed(lambda: step(next(batches)), steps)
+            pipeline, pipeline_pairs = timed_pairs(lambda: step(next(batches)))
             fixed = next(batches)
-            device = _timed(lambda: step(fixed), steps)
-        synced = _timed(lambda: float(step(trainer.global_batch(next(host)))), steps)
+            device, device_pairs = timed_pairs(lambda: step(fixed))
+        synced, synced_pairs = timed_pairs(lambda: float(step(trainer.global_batch(next(host)))))
         loss = float(step(fixed))
     except Exception as err:  # noqa: BLE001 - only the device's out-of-memory error under auto is retried
         if not (fallback and remat_auto.out_of_memory(err)):
@@ -131,9 +189,12 @@ def _measure(config: str, overrides: list[str], steps: int, warmup: int, depth: 
 
     tokens = cfg.train.batch_size * cfg.data.seq_len
     flops = flop_model.training_flops(cfg, trainer.abstract_params, vocab)
-    chip = flop_model.peak_flops()
+    chip = flop_model.device_chip()
     stats = jax.devices()[0].memory_stats() or {}
-    mfu = (lambda t: tokens / t * flops.per_token / (jax.device_count() * chip[1])) if chip else (lambda t: None)
+    what = f"{config} {' '.join(overrides)} ({cfg.train.batch_size}x{cfg.data.seq_len}{', long docs' * long_docs})"
+    use = {name: flop_model.utilisation(flops.step_flops(tokens, p), t, jax.device_count(), chip, f"{what}, {name}")
+           for name, t, p in (("pipeline", pipeline, pipeline_pairs), ("device", device, device_pairs),
+                              ("synced", synced, synced_pairs))}
     return {"config": config, "overrides": overrides, "mixers": sorted(set(cfg.layer_mixers)),
             "params_M": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract_params)) / 1e6,
             "batch": cfg.train.batch_size, "seq_len": cfg.data.seq_len, "devices": jax.device_count(),
@@ -141,20 +202,53 @@ def _measure(config: str, overrides: list[str], steps: int, warmup: int, depth: 
             "gpu_memory_fraction": gpu_share,
             "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
             "compile_s": compile_s, "step_s": pipeline, "device_step_s": device, "synced_step_s": synced,
-            "tokens_per_s": tokens / pipeline, "mfu": mfu(pipeline), "synced_mfu": mfu(synced),
+            "tokens_per_s": tokens / pipeline, "long_docs": long_docs,
+            "model_flops_per_step": flops.step_flops(tokens, pipeline_pairs),
+            "attention_flops_per_step": flops.per_attention_pair * pipeline_pairs,
+            "attention_pairs_per_row": pipeline_pairs / cfg.train.batch_size,
+            "model_tflops_per_s": use["pipeline"]["model_tflops_per_s"],
+            "peak_chip": chip.name if chip else None, "peak_tflops": chip.bf16_peak / 1e12 if chip else None,
+            "mfu": use["pipeline"].get("mfu"), "mfu_measured_peak": use["pipeline"].get("mfu_measured_peak"),
+            "device_mfu": use["device"].get("mfu"), "synced_mfu": use["synced"].get("mfu"),
+            "dtype": cfg.model.dtype,
             "device_idle": max(0.0, 1.0 - device / pipeline), "synced_device_idle": max(0.0, 1.0 - device / synced),
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30 or None, "loss_after": loss,
             "flop_notes": list(flops.notes), "jax": jax.__version__}
 
 
+HEADER = ("| run | batch | step | tokens/s | model TFLOP/s | attention share | MFU | MFU (measured peak) | device idle "
+          "| peak GiB | previous loop (per-step sync) |")
+
+
 def _row(name: str, r: dict) -> str:
     if "error" in r:
-        return f"| {name} | — | — | — | — | — | — | {r['error'].split(' / ')[-1][:100]} |"
+        return f"| {name} | — | — | — | — | — | — | — | — | — | {r['error'].split(' / ')[-1][:300]} |"
     pct = lambda x: "n/a" if x is None else f"{100 * x:.1f} %"  # noqa: E731
     peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+    share = r["attention_flops_per_step"] / r["model_flops_per_step"]
     return (f"| {name} | {r['batch']}×{r['seq_len']} | {r['step_s']:.3f} s | {r['tokens_per_s'] / 1e3:,.0f}K | "
-            f"{pct(r['mfu'])} | {pct(r['device_idle'])} | {peak} | synced loop {r['synced_step_s']:.3f} s "
+            f"{r['model_tflops_per_s']:.1f} | {pct(share)} | {pct(r['mfu'])} | {pct(r['mfu_measured_peak'])} | "
+            f"{pct(r['device_idle'])} | {peak} | synced loop {r['synced_step_s']:.3f} s "
             f"({pct(r['synced_mfu'])}, idle {pct(r['synced_device_idle'])}); remat {r.get('remat', '?')} |")
+
+
+def expand_runs(runs: list[str], seq_lens: list[int], tokens_per_step: int | None) -> list[str]:
+    """Every RUN at every length of ``seq_lens`` with batch = tokens_per_step / length, named name@length (no
+    lengths: the runs as given)."""
+    if not seq_lens:
+        return list(runs)
+    if not tokens_per_step:
+        raise SystemExit("bench_train: --seq-lens needs --tokens-per-step (tokens in every step)")
+    out = []
+    for run in runs:
+        name, config, overrides = _parse_run(run)
+        for length in seq_lens:
+            if tokens_per_step % length:
+                raise SystemExit(f"bench_train: --tokens-per-step {tokens_per_step} is not a multiple of the "
+                                 f"--seq-lens length {length}")
+            out.append(",".join([f"{name}@{length}={config}", *overrides, f"data.seq_len={length}",
+                                 f"train.batch_size={tokens_per_step // length}"]))
+    return out
 
 
 def main(argv=None) -> None:
@@ -164,6 +258,11 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps per timing (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first, the compile included (default 3)")
     p.add_argument("--depth", type=int, default=2, help="batches prefetched ahead (default 2)")
+    p.add_argument("--long-docs", action="store_true",
+                   help="one document per row (the packed documents joined): attention over the whole context")
+    p.add_argument("--seq-lens", type=lambda t: [int(x) for x in t.split(",") if x], default=[],
+                   metavar="T1,T2,...", help="run every RUN at each context length (with --tokens-per-step)")
+    p.add_argument("--tokens-per-step", type=int, help="tokens per step for --seq-lens (batch = tokens / length)")
     p.add_argument("--out", help="write every run's numbers to this JSON file")
     p.add_argument("--in_process", action="store_true", help="run every config in this process")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -171,20 +270,23 @@ def main(argv=None) -> None:
 
     if args.child:  # one run, its JSON on the last line of stdout
         _, config, overrides = _parse_run(args.child)
-        print(json.dumps(measure(config, overrides + args.set, args.steps, args.warmup, args.depth)), flush=True)
+        print(json.dumps(measure(config, overrides + args.set, args.steps, args.warmup, args.depth,
+                                 long_docs=args.long_docs)), flush=True)
         return
     if not args.runs:
         p.error("give at least one RUN (name=config.yaml[,section.key=value,...])")
     results = {}
-    for run in args.runs:
+    for run in expand_runs(args.runs, args.seq_lens, args.tokens_per_step):
         name, config, overrides = _parse_run(run)
         print(f"bench_train: {name} ...", file=sys.stderr, flush=True)
         try:
             if args.in_process:
-                results[name] = measure(config, overrides + args.set, args.steps, args.warmup, args.depth)
+                results[name] = measure(config, overrides + args.set, args.steps, args.warmup, args.depth,
+                                        long_docs=args.long_docs)
             else:
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", run, "--steps", str(args.steps),
-                       "--warmup", str(args.warmup), "--depth", str(args.depth), *[f"--set={s}" for s in args.set]]
+                       "--warmup", str(args.warmup), "--depth", str(args.depth), *[f"--set={s}" for s in args.set],
+                       *(["--long-docs"] if args.long_docs else [])]
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 auto = [line for line in out.stdout.splitlines() if line.startswith("model.remat=auto")]  # its choice
                 if out.returncode != 0:  # the error's last lines, after what model.remat=auto decided
@@ -199,8 +301,8 @@ def main(argv=None) -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
-    print("| run | batch | step | tokens/s | MFU | device idle | peak GiB | previous loop (per-step sync) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(HEADER)
+    print("|---" * HEADER.count(" | ") + "|---|")
     for name, r in results.items():
         print(_row(name, r))
 

@@ -5,7 +5,9 @@
 libtpu (``jax[tpu]``) compiles for a named topology (``jax.experimental.topologies``); the report gives the
 per-chip parameter / optimizer / activation memory, whether it fits the chip's HBM, FLOPs per step (ours
 and the compiler's), the compiler's estimated step time, a roofline step time from the compiler's FLOPs and
-bytes and the chip's peaks, and the MFU those imply — to compare mixers on a slice before renting it.
+bytes and the chip's peaks, and the MFU those imply — to compare mixers on a slice before renting it. Without
+data, our FLOPs count softmax attention as one document per row (flop_model.full_row_pairs: the most a step
+can do; a step on packed short documents does less).
 """
 from __future__ import annotations
 
@@ -15,10 +17,8 @@ import time
 import jax
 import numpy as np
 
+from mixerlab.pallas_kernels import chips
 from mixerlab.training import flop_model
-
-# HBM per chip (bytes), from the Cloud TPU documentation.
-HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
 
 
 @dataclasses.dataclass
@@ -42,12 +42,11 @@ class CompileReport:
     def roofline_seconds(self) -> float | None:
         """max(compiler FLOPs / peak FLOP/s, compiler bytes / HBM bandwidth) per chip: a lower bound on the
         step time on this chip generation (the compiler counts each Pallas kernel by its CostEstimate)."""
-        from mixerlab.pallas_kernels.delta_rule.flops import PEAKS
-
-        peak = PEAKS.get(chip_generation(self.topology))
-        if peak is None or not self.compiler_flops_per_chip:
+        chip = chips.by_name(chip_generation(self.topology))
+        if chip is None or not chip.hbm_bandwidth or not self.compiler_flops_per_chip:
             return None
-        return max(self.compiler_flops_per_chip / peak.flops, (self.compiler_bytes_per_chip or 0.0) / peak.bandwidth)
+        return max(self.compiler_flops_per_chip / chip.roofline_flops,
+                   (self.compiler_bytes_per_chip or 0.0) / chip.hbm_bandwidth)
 
     @property
     def estimated_seconds(self) -> float | None:
@@ -55,12 +54,24 @@ class CompileReport:
         return self.compiler_seconds or self.roofline_seconds
 
     def estimated_mfu(self) -> float | None:
-        from mixerlab.pallas_kernels.delta_rule.flops import PEAKS
-
-        peak, seconds = PEAKS.get(chip_generation(self.topology)), self.estimated_seconds
-        if peak is None or not seconds:
+        """Model FLOPs over the estimated step time against the datasheet dense bf16 peak (None when either is
+        unknown); raises flop_model.ImpossibleMFU above 100 %."""
+        chip, seconds = chips.by_name(chip_generation(self.topology)), self.estimated_seconds
+        if chip is None or not seconds:
             return None
-        return self.model_flops_per_step / (seconds * self.chips * peak.flops)
+        return flop_model.utilisation(self.model_flops_per_step, seconds, self.chips, chip,
+                                      f"--compile_only for {self.topology}")["mfu"]
+
+    def _mfu_line(self) -> str:
+        try:
+            mfu = self.estimated_mfu()
+        except flop_model.ImpossibleMFU as err:
+            return f"refused: {err}"
+        if mfu is None:
+            return "n/a"
+        chip = chips.by_name(chip_generation(self.topology))
+        return (f"{100 * mfu:.1f} % of the {chip.bf16_peak / 1e12:.0f} TFLOP/s dense bf16 peak (model FLOPs over the "
+                f"estimated step time; real steps are slower)")
 
     @property
     def fits(self) -> bool | None:
@@ -77,16 +88,15 @@ class CompileReport:
             ("optimizer / chip", gib(self.opt_bytes_per_chip)),
             ("activations+temp / chip", gib(self.temp_bytes_per_chip)),
             ("total / chip", f"{gib(self.total_bytes_per_chip)} of {hbm} HBM: fits {fits}"),
-            ("model FLOPs / step", f"{self.model_flops_per_step:.4e} (analytic, training/flop_model.py)"),
+            ("model FLOPs / step", f"{self.model_flops_per_step:.4e} (analytic, training/flop_model.py; softmax "
+                                   f"attention as one document per row)"),
             ("compiler FLOPs / chip", "n/a" if self.compiler_flops_per_chip is None
              else f"{self.compiler_flops_per_chip:.4e} (cost_analysis; Pallas kernels count their CostEstimate)"),
             ("compiler step time", "n/a" if self.compiler_seconds is None
              else f"{self.compiler_seconds * 1e3:.2f} ms (cost_analysis 'optimal_seconds', an estimate)"),
             ("roofline step time", "n/a" if self.roofline_seconds is None
              else f"{self.roofline_seconds * 1e3:.2f} ms (max of compiler FLOPs / peak and bytes / HBM bandwidth)"),
-            ("estimated MFU", "n/a" if self.estimated_mfu() is None
-             else f"{100 * self.estimated_mfu():.1f} % (model FLOPs over the estimated step time; real steps "
-                  f"are slower)"),
+            ("estimated MFU", self._mfu_line()),
             ("compile time", f"{self.compile_seconds:.1f} s"),
         ]
         width = max(len(k) for k, _ in rows)
@@ -103,6 +113,12 @@ def _bytes_per_chip(abstract, shardings) -> float:
 
 def chip_generation(topology: str) -> str:
     return topology.split(":", 1)[0].strip().lower()
+
+
+def hbm_bytes(topology: str) -> float | None:
+    """HBM per chip of the topology's generation (pallas_kernels/chips.py), None when unknown."""
+    chip = chips.by_name(chip_generation(topology))
+    return chip.hbm_bytes if chip else None
 
 
 def compile_train_step(cfg, topology: str, vocab_size: int):
@@ -153,8 +169,9 @@ def compile_for_topology(cfg, topology: str, vocab_size: int) -> CompileReport:
     return CompileReport(
         topology=topology, chips=int(mesh.devices.size), mesh=dict(mesh.shape), params=n_params,
         param_bytes_per_chip=param_b, opt_bytes_per_chip=opt_b, temp_bytes_per_chip=temp_b,
-        total_bytes_per_chip=total_b, hbm_bytes_per_chip=HBM_BYTES.get(chip_generation(topology)),
-        model_flops_per_step=flops.per_token * cfg.train.batch_size * cfg.data.seq_len,
+        total_bytes_per_chip=total_b, hbm_bytes_per_chip=hbm_bytes(topology),
+        model_flops_per_step=flops.step_flops(cfg.train.batch_size * cfg.data.seq_len,
+                                              flop_model.full_row_pairs(cfg.train.batch_size, cfg.data.seq_len)),
         compiler_flops_per_chip=cost.get("flops"), compiler_bytes_per_chip=cost.get("bytes accessed"),
         compiler_seconds=(cost.get("optimal_seconds") or 0) > 0 and cost.get("optimal_seconds") or None,
         compile_seconds=compile_seconds)

@@ -146,7 +146,8 @@ class Trainer:
         # A non-finite loss or gradient leaves parameters and optimizer state untouched (the step is skipped).
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "skipped": 1.0 - ok.astype(jnp.float32)}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "skipped": 1.0 - ok.astype(jnp.float32),
+                   "attention_pairs": flop_model.causal_pairs(batch["segment_ids"])}  # this batch's attention work
         return keep(new_params, params), keep(new_opt_state, opt_state), metrics
 
     def _eval_step(self, params, batch):
@@ -344,7 +345,7 @@ class _Loop:
         self.trainer.initialize()
         self.n_params = sum(x.size for x in jax.tree.leaves(self.trainer.params))
         self.flops = flop_model.training_flops(cfg, self.trainer.abstract_params, vocab_size)
-        self.chip = flop_model.peak_flops()
+        self.chip = flop_model.device_chip()
         for note in self.flops.notes:
             log.info("flop model: %s", note)
         self.data_iter = data_lib.train_iterator(cfg.data, tokenizer, global_batch_size=t_cfg.batch_size,
@@ -370,11 +371,12 @@ class _Loop:
                f"vocab {vocab_size} ({tokenizer.name}), {t_cfg.steps} steps of {t_cfg.batch_size}x"
                f"{cfg.data.seq_len} tokens on {jax.device_count()} {jax.devices()[0].platform} device(s), mesh "
                f"{dict(self.trainer.mesh.shape)}; {self.flops.per_token / 1e6:.1f} MFLOP/token"
-               + (f", MFU against {self.chip[0]} peak" if self.chip else "")
+               + f"; {flop_model.peak_description(self.chip, cfg.model.dtype)}"
                + (f"; resuming at step {self.start_step}" if self.start_step else ""))
         self.train_losses: dict[int, float] = {}
         self.skipped_steps: list[int] = []
         self.consecutive_skips = 0
+        self.mfu_refused = False  # an impossible MFU is said once
         self.val_loss = None
         self.last_step = self.start_step
         self.preemption = _SigtermFlag()
@@ -419,6 +421,7 @@ class _Loop:
 
     def _reset_window(self) -> None:  # throughput over train steps only: no evals/checkpoints
         self.window_tokens, self.window_seconds, self.steps_in_window = 0.0, 0.0, 0
+        self.window_flops = 0.0
         self.window_start = time.perf_counter()
 
     def run(self, stop_at_step: int | None) -> None:
@@ -474,6 +477,8 @@ class _Loop:
             m = {k: float(v) for k, v in m.items()}
             self.train_losses[step] = m["loss"]
             self.window_tokens += m["tokens"]
+            self.window_flops += self.flops.step_flops(self.cfg.train.batch_size * self.cfg.data.seq_len,
+                                                       m["attention_pairs"])
             self.steps_in_window += 1
             skipped = self._check_skip(step, m)
             self._log(step, m, force=skipped)
@@ -509,10 +514,8 @@ class _Loop:
         tok_s = self.window_tokens / max(self.window_seconds, 1e-9)
         row = {"loss": m["loss"], "grad_norm": m["grad_norm"], "lr": float(self.trainer.lr(step - 1)),
                "tokens_per_s": tok_s, "step_time_s": self.window_seconds / max(self.steps_in_window, 1),
-               "model_tflops_per_s": tok_s * self.flops.per_token / 1e12, "skipped": m["skipped"],
-               "skipped_total": len(self.skipped_steps)}
-        if self.chip is not None:
-            row["mfu"] = tok_s * self.flops.per_token / (jax.device_count() * self.chip[1])
+               "skipped": m["skipped"], "skipped_total": len(self.skipped_steps)}
+        row.update(self._utilisation())
         self.metrics.write(step, "train", row)
         self.tracker.write(step, "train", row)
         if self.bar is not None:
@@ -520,6 +523,22 @@ class _Loop:
             self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tok_s:,.0f}", **extra)
         if step % t_cfg.log_every == 0 or step == t_cfg.steps:  # a skipped step's extra row keeps the window
             self.window_tokens, self.window_seconds, self.steps_in_window = 0.0, 0.0, 0
+            self.window_flops = 0.0
+
+    def _utilisation(self) -> dict:
+        """Model TFLOP/s and MFU of the window (training/flop_model.py); an MFU above 100 % is not logged, and
+        said once."""
+        n, cfg = max(self.steps_in_window, 1), self.cfg
+        what = (f"train.output_dir={cfg.train.output_dir} ({','.join(sorted(set(cfg.layer_mixers)))}, "
+                f"{cfg.train.batch_size}x{cfg.data.seq_len})")
+        try:
+            return flop_model.utilisation(self.window_flops / n, self.window_seconds / n, jax.device_count(),
+                                          self.chip, what)
+        except flop_model.ImpossibleMFU as err:
+            if not self.mfu_refused:
+                _say(f"error: {err}", self.bar)
+                self.mfu_refused = True
+            return {"model_tflops_per_s": self.window_flops / max(self.window_seconds, 1e-12) / 1e12}
 
     def _maybe_eval(self, step: int) -> None:
         t_cfg = self.cfg.train

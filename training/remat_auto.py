@@ -25,7 +25,6 @@ import os
 from typing import Callable, Optional
 
 from mixerlab.training import flop_model
-from mixerlab.training.aot import HBM_BYTES
 
 CANDIDATES = ("none", "dots", "kernels", "block")  # fastest first
 HEADROOM = 0.9  # of the limit: the allocator also holds what compiling took (autotuning) and fragments
@@ -51,8 +50,8 @@ def device_memory_limit(device) -> Optional[float]:
         return float(stats["bytes_limit"])
     if device.platform == "cpu":
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    chip = flop_model.peak_flops(device)
-    return float(HBM_BYTES[chip[0]]) if chip and chip[0] in HBM_BYTES else None
+    chip = flop_model.device_chip(device)
+    return float(chip.hbm_bytes) if chip and chip.hbm_bytes else None
 
 
 class OutOfDeviceMemory(MemoryError):

@@ -28,6 +28,8 @@ import sys
 import unicodedata
 from typing import Literal, Sequence
 
+from mixerlab.pallas_kernels import chips
+
 Algo = Literal["ours", "naive"]
 
 
@@ -251,13 +253,12 @@ class Peak:
     source: str
 
 
-PEAKS: dict[str, Peak] = {p.name: p for p in (
-    Peak("v4", 275e12, 1.2e12, "Google Cloud TPU v4 datasheet (per chip)"),
-    Peak("v5e", 197e12, 819e9, "Google Cloud TPU v5e docs"),
-    Peak("v5p", 459e12, 2.76e12, "Google Cloud TPU v5p docs"),
-    Peak("v6e", 918e12, 1.6e12, "Google Cloud TPU v6e docs"),
-    Peak("H200", 790e12, 4.2e12, "measured here: bf16 matmul, device copy"),
-)}
+# The roofline's chips (pallas_kernels/chips.py, those with a bandwidth): the measured matmul rate where the
+# project measured one (H200), else the datasheet's.
+PEAKS: dict[str, Peak] = {
+    c.name: Peak(c.name, c.roofline_flops, c.hbm_bandwidth,
+                 "measured here: bf16 matmul, device copy" if c.measured_bf16 else c.source)
+    for c in chips.CHIPS if c.hbm_bandwidth}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,13 +29,14 @@ import math
 import sys
 from typing import Sequence
 
+from mixerlab.pallas_kernels import chips
 from mixerlab.pallas_kernels.delta_rule.flops import shape_parser
 
 # run only in a forward without backward: K2_scan_output in place of K2_scan + K3_output, K1_intra_alone (with
 # fold_solve) in place of K1_intra
 FORWARD_ALONE = ("K1_intra_alone", "K2_scan_output")
-BF16_FLOPS = 790e12  # a large bf16 matmul measured on the H200; TF32 charged at half of it
-HBM_BYTES_S = 4.2e12  # measured device copy on the H200
+BF16_FLOPS = chips.by_name("H200").measured_bf16  # a large bf16 matmul measured on the H200; TF32 at half of it
+HBM_BYTES_S = chips.by_name("H200").hbm_bandwidth  # measured device copy on the H200
 
 
 def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, save_matrices=True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"))
@@ -44,3 +45,52 @@ def test_an_explicit_policy_is_not_retried(monkeypatch):
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
         bench_train.measure("configs/tiny.yaml", TINY + ["model.remat=dots"], steps=1, warmup=1, depth=1)
     assert failed == ["dots"]
+
+
+def test_one_document_per_row_joins_the_packed_documents():
+    seg = np.array([[1, 1, 2, 2, 2, 3], [1, 1, 1, 1, 0, 0]], np.int32)
+    batch = {"inputs": np.arange(12).reshape(2, 6), "segment_ids": seg,
+             "positions": np.array([[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 0, 0]], np.int32),
+             "loss_mask": np.array([[1, 0, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]], np.float32)}
+    out = bench_train.one_document_per_row(batch)
+    np.testing.assert_array_equal(out["segment_ids"], [[1] * 6, [1, 1, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(out["positions"], [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 0, 0]])
+    np.testing.assert_array_equal(out["loss_mask"], [[1] * 6, [1, 1, 1, 1, 0, 0]])
+    assert out["inputs"] is batch["inputs"] and batch["segment_ids"] is seg  # the input batch is left alone
+
+
+def test_seq_lens_expand_every_run_at_fixed_tokens_per_step():
+    runs = bench_train.expand_runs(["a=x.yaml,model.remat=none", "b=y.yaml"], [4096, 8192], 32768)
+    assert runs == ["a@4096=x.yaml,model.remat=none,data.seq_len=4096,train.batch_size=8",
+                    "a@8192=x.yaml,model.remat=none,data.seq_len=8192,train.batch_size=4",
+                    "b@4096=y.yaml,data.seq_len=4096,train.batch_size=8",
+                    "b@8192=y.yaml,data.seq_len=8192,train.batch_size=4"]
+    assert bench_train.expand_runs(["a=x.yaml"], [], None) == ["a=x.yaml"]
+    with pytest.raises(SystemExit, match="not a multiple"):
+        bench_train.expand_runs(["a=x.yaml"], [3000], 32768)
+
+
+def test_long_docs_pay_full_attention_and_mfu_uses_the_datasheet_peak(monkeypatch):
+    from mixerlab.pallas_kernels import chips
+    from mixerlab.training import flop_model
+
+    fake = chips.Chip("fake", ("cpu",), 1e14, 5e13, None, None, "test")
+    monkeypatch.setattr(flop_model, "device_chip", lambda device=None: fake)
+    t = 128
+    row = bench_train.measure("configs/tiny.yaml", TINY + [f"data.seq_len={t}"], steps=1, warmup=1, depth=1,
+                              long_docs=True)
+    assert row["attention_pairs_per_row"] == t * (t + 1) / 2 and row["long_docs"]
+    assert row["mfu"] == pytest.approx(row["model_tflops_per_s"] * 1e12 / 1e14)
+    assert row["mfu_measured_peak"] == pytest.approx(2 * row["mfu"])
+    assert row["model_flops_per_step"] == pytest.approx(row["model_tflops_per_s"] * 1e12 * row["step_s"])
+    assert "| 2×128 |" in bench_train._row("tiny", row)
+
+
+def test_an_mfu_above_100_percent_is_refused(monkeypatch):
+    from mixerlab.pallas_kernels import chips
+    from mixerlab.training import flop_model
+
+    slow = chips.Chip("slow", ("cpu",), 1.0, None, None, None, "test")
+    monkeypatch.setattr(flop_model, "device_chip", lambda device=None: slow)
+    with pytest.raises(flop_model.ImpossibleMFU, match=r"configs/tiny\.yaml .*2x64.*is above 100 %.*model FLOPs"):
+        bench_train.measure("configs/tiny.yaml", TINY, steps=1, warmup=1, depth=1)

@@ -23,6 +23,37 @@ def test_tiny_model_compiles_for_tpu_generations(topology):
     out = _compile_only("configs/tiny.yaml", topology, "mesh.data=1", "mesh.fsdp=-1")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "fits yes" in out.stdout and "params / chip" in out.stdout
+    if topology == "v5e:2x2":  # the estimate's FLOPs: per-token FLOPs + attention over whole rows
+        from mixerlab.training import flop_model
+        from mixerlab.training.config import load_config
+        from mixerlab.training.loop import Trainer
+
+        cfg = load_config("configs/tiny.yaml", ["mesh.data=1", "mesh.fsdp=1"])
+        count = flop_model.training_flops(cfg, Trainer(cfg, 8192).abstract_params, 8192)
+        b, t = cfg.train.batch_size, cfg.data.seq_len
+        want = count.per_token * b * t + count.per_attention_pair * b * t * (t + 1) / 2
+        line = next(x for x in out.stdout.splitlines() if x.startswith("model FLOPs / step"))
+        assert float(line.split()[4]) == pytest.approx(want, rel=1e-4), line
+        assert "of the 197 TFLOP/s dense bf16 peak" in out.stdout
+
+
+def _report(model_flops, seconds, topology="v5e:2x2", chips=4):
+    from mixerlab.training.aot import CompileReport
+
+    return CompileReport(topology=topology, chips=chips, mesh={}, params=1, param_bytes_per_chip=0,
+                         opt_bytes_per_chip=0, temp_bytes_per_chip=0, total_bytes_per_chip=0,
+                         hbm_bytes_per_chip=None, model_flops_per_step=model_flops, compiler_flops_per_chip=None,
+                         compiler_bytes_per_chip=None, compiler_seconds=seconds, compile_seconds=0.0)
+
+
+def test_compile_only_estimate_uses_the_datasheet_peak_and_refuses_above_100_percent():
+    assert _report(0.5 * 4 * 197e12 * 0.2, 0.2).estimated_mfu() == pytest.approx(0.5)  # v5e: 197 TFLOP/s
+    assert _report(0.5 * 4 * 918e12 * 0.2, 0.2, "v6e:2x2").estimated_mfu() == pytest.approx(0.5)
+    assert _report(1e12, 0.2, "v9x:2x2").estimated_mfu() is None  # no peak known: no MFU
+    too_fast = _report(2 * 4 * 197e12 * 0.2, 0.2)
+    line = next(x for x in too_fast.table().splitlines() if x.startswith("estimated MFU"))
+    assert "refused" in line and "200.0 % is above 100 %" in line and "v5e:2x2" in line
+    assert "3.1520e+14 model FLOPs" in line
 
 
 @pytest.mark.extended  # 4-5 min on 2 cores; the tiny-config compile above keeps the --compile_only path in make test
