@@ -4,7 +4,8 @@
     python train.py --config configs/base.yaml model.mixer=gdn2 train.steps=200     # the same, from a checkout
 
 Dotted ``section.key=value`` arguments override the YAML config (see training/config.py for every key).
-Config and data paths are relative to the working directory.
+``--config`` is a file or a config shipped in the package (``base``, ``paper/muir_166m``: training/config_files.py);
+data paths are relative to the working directory.
 """
 from __future__ import annotations
 
