@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 
 import pytest
@@ -52,7 +53,7 @@ def test_checkout_imports_each_file_under_one_name_only():
     assert os.path.realpath(files["mixerlab.mixers"]) == os.path.join(os.path.realpath(ROOT), "mixers", "__init__.py")
 
 
-def _build_wheel(tmp_path):
+def _copy_checkout(tmp_path):
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
                            capture_output=True).stdout.decode().split("\0")
     src = tmp_path / "src"
@@ -63,6 +64,11 @@ def _build_wheel(tmp_path):
         elif os.path.isfile(os.path.join(ROOT, rel)):
             os.makedirs(os.path.dirname(src / rel), exist_ok=True)
             shutil.copy2(os.path.join(ROOT, rel), src / rel)
+    return src
+
+
+def _build_wheel(tmp_path, src=None):
+    src = src or _copy_checkout(tmp_path)
     cmd = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "-q", "-w", str(tmp_path / "dist")]
     try:  # the venvs built from the locks have a new enough setuptools: no download needed
         from setuptools import __version__ as setuptools_version
@@ -156,3 +162,23 @@ def test_installed_wheel_imports_and_runs_packaged_configs_outside_the_checkout(
     assert printed.splitlines()[1] == str(target / "mixerlab" / "mixers" / "__init__.py")
     assert "mixer: muir" in printed  # paper/muir_166m.yaml -> _muir_common.yaml -> ../base.yaml, all packaged
     assert printed.splitlines().count("model:") == 2  # and the default, configs/base.yaml, from the package
+
+
+@pytest.mark.slow
+def test_sdist_holds_the_real_folders_once_and_builds_the_same_wheel(wheel_path, tmp_path):
+    src = _copy_checkout(tmp_path)
+    code = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "sdist")], cwd=src, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    with tarfile.open(tmp_path / "sdist" / out.stdout.split()[-1]) as sdist:
+        members = sdist.getmembers()
+        names = [m.name.split("/", 1)[1] for m in members if "/" in m.name]
+        assert not [m.name for m in members if m.issym() or m.islnk()], "the sdist must hold files, not links"
+        assert len(names) == len(set(names))
+        assert "mixers/__init__.py" in names and "configs/paper/muir_166m.yaml" in names
+        assert [n for n in names if n.startswith("mixerlab/")] == ["mixerlab/__init__.py"]
+        sdist.extractall(tmp_path / "unpacked", filter="data")
+    (unpacked,) = (tmp_path / "unpacked").iterdir()
+    rebuilt = _build_wheel(tmp_path / "unpacked", src=unpacked)
+    assert sorted(zipfile.ZipFile(rebuilt).namelist()) == sorted(zipfile.ZipFile(wheel_path).namelist())
