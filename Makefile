@@ -60,8 +60,11 @@ venv: $(STAMP)
 train: $(STAMP)
 	$(PY) train.py --config $(CONFIG) $(ARGS)
 
+# ruff, then basedpyright (pyproject.toml's [tool.basedpyright]): fails on any import it cannot resolve, over every
+# Python file of the repository, against this venv's packages.
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m basedpyright --pythonpath $(PY)
 
 test: lint
 	$(PY) -m pytest -n 2 --dist loadgroup -q --durations=25 -m "not extended" $(ARGS)

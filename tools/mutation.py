@@ -70,7 +70,8 @@ def check_catalogue(mutants, root=REPO_ROOT) -> list[str]:
 def _project_files(root):
     out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root, check=True,
                          capture_output=True).stdout.decode()
-    return [p for p in out.split("\0") if p and os.path.isfile(os.path.join(root, p))]
+    return [p for p in out.split("\0") if p and (os.path.isfile(os.path.join(root, p))
+                                                   or os.path.islink(os.path.join(root, p)))]
 
 
 def make_copy(root) -> str:
@@ -78,7 +79,10 @@ def make_copy(root) -> str:
     for rel in _project_files(root):
         target = os.path.join(dest, rel)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        shutil.copy2(os.path.join(root, rel), target)
+        if os.path.islink(os.path.join(root, rel)):  # mixerlab/<folder> -> ../<folder>: the copy's own folders
+            os.symlink(os.readlink(os.path.join(root, rel)), target)
+        else:
+            shutil.copy2(os.path.join(root, rel), target)
     return dest
 
 

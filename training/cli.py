@@ -4,7 +4,8 @@
     python train.py --config configs/base.yaml model.mixer=gdn2 train.steps=200     # the same, from a checkout
 
 Dotted ``section.key=value`` arguments override the YAML config (see training/config.py for every key).
-Config and data paths are relative to the working directory.
+``--config`` is a file or a config shipped in the package (``base``, ``paper/muir_166m``: training/config_files.py);
+data paths are relative to the working directory.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ _OWN_PACKAGE = __package__
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/base.yaml", help="YAML config (default: configs/base.yaml)")
+    parser.add_argument("--config", default="configs/base.yaml",
+                        help="YAML config: a file, or a config shipped with the package by name, e.g. base, tiny, "
+                        "paper/muir_166m (default: configs/base.yaml)")
     parser.add_argument("--print_config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--compile_only", action="store_true",
                         help="AOT-compile the train step for --topology (no TPU needed) and print a memory/FLOP report")
@@ -39,9 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger().handlers[0].setLevel(level)  # the run's log file gets more detail than the terminal
 
     from .config import ConfigError, load_config
+    from .config_files import resolve_config_path
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(resolve_config_path(args.config), args.overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
