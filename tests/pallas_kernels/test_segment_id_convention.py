@@ -28,8 +28,7 @@ from mixerlab.pallas_kernels.vla import api as vla_api
 # (lengths, ids) per row: row 0 is 0…0 1…1 0…0 (the reused id), row 1 alternates two ids over five documents.
 ROWS = (((4, 3, 6), (0, 1, 0)), ((2, 3, 2, 5, 1), (7, 3, 7, 3, 7)))
 ONE_ROW = ROWS[:1]  # the chunked forms and kernels of the recurrent ops: each document alone is one more compile
-T = 13  # odd: no chunk or block multiple
-B = 2  # inputs are made for both rows; a one-row layout uses row 0
+T = 13  # odd: no chunk or block multiple. Inputs have both rows; a one-row layout uses row 0
 
 
 def _kernels_slow(paths):
@@ -147,7 +146,7 @@ DELTA_RULE_PATHS = {  # implementation: (dims, dtype, tolerance, interpret optio
 }
 
 
-@pytest.mark.parametrize("implementation", list(DELTA_RULE_PATHS))
+@pytest.mark.parametrize("implementation", _kernels_slow(DELTA_RULE_PATHS))
 def test_delta_rule_reused_ids_are_new_documents(implementation, monkeypatch):
     """(The Pallas TPU kernel's reused-id case: tests/pallas_kernels/test_delta_rule_pallas_tpu.py,
     test_float32_segments_odd_length_c64.)"""
