@@ -4,7 +4,8 @@ The same block as FLA's ``ShortConvolution`` [FLA ``fla/modules/conv/short_conv.
 per channel), causal (left padding K-1), no bias, SiLU after the convolution. Two additions for mixerlab:
 
 * **Segment resets.** With packed documents the window of token t only sees tokens t-i of the *same*
-  segment: ``y_t = sum_i W[K-1-i] * x_{t-i} * [seg_{t-i} == seg_t]``. Nothing crosses a boundary.
+  document: ``y_t = sum_i W[K-1-i] * x_{t-i} * [d_{t-i} == d_t]``, d the document index (a new document
+  wherever the segment id changes, so a reused id is a new document). Nothing crosses a boundary.
 * **Decode cache.** The last K-1 *pre-conv* inputs per channel, ``[B, K-1, C]`` (oldest first).
 
 Kernel init is PyTorch's ``nn.Conv1d`` default (what FLA gets): U(-1/sqrt(K), 1/sqrt(K)), fan_in = K for a
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mixerlab.pallas_kernels import common
 from mixerlab.pallas_kernels.short_conv import api, reference
 
 # The op lives in pallas_kernels/short_conv/; these names stay importable from here.
@@ -24,7 +26,7 @@ _pre_activation = reference.pre_activation
 
 
 def causal_conv(x_BTC, w_KC, segment_ids_BT, activation: bool, out_dtype, implementation: str = "auto"):
-    """y_t = act(Σ_i W[K−1−i] x_{t−i} [seg_{t−i} == seg_t]) in ``out_dtype``, float32 inside (the op's
+    """y_t = act(Σ_i W[K−1−i] x_{t−i} [d_{t−i} == d_t]) (d: document index) in ``out_dtype``, float32 inside (the op's
     ``causal_conv``: the Pallas-Triton kernels on GPU, the XLA custom VJP elsewhere)."""
     return api.causal_conv(x_BTC, w_KC, segment_ids_BT, activation, out_dtype, implementation)
 
@@ -76,11 +78,12 @@ class ShortConv(nnx.Module):
         return y, window[:, window.shape[1] - km1:].astype(cache_BKC.dtype)
 
     def cache_from_sequence(self, x_BTC: jax.Array, segment_ids_BT: jax.Array | None = None) -> jax.Array:
-        """The decode cache after a prefill of ``x``: its last K-1 inputs of the last token's segment."""
+        """The decode cache after a prefill of ``x``: its last K-1 inputs of the last token's document."""
         B, T, C = x_BTC.shape
         km1 = self.kernel_size - 1
         x = jnp.pad(x_BTC, ((0, 0), (max(km1 - T, 0), 0), (0, 0)))[:, -km1:]
-        if segment_ids_BT is not None:
-            seg = jnp.pad(segment_ids_BT, ((0, 0), (max(km1 - T, 0), 0)), constant_values=-1)[:, -km1:]
-            x = jnp.where((seg == segment_ids_BT[:, -1:])[..., None], x, 0)
+        if segment_ids_BT is not None:  # the document index: an id reused after another document is a new one
+            document = common.document_index(segment_ids_BT, B, T)
+            doc = jnp.pad(document, ((0, 0), (max(km1 - T, 0), 0)), constant_values=-1)[:, -km1:]
+            x = jnp.where((doc == document[:, -1:])[..., None], x, 0)
         return x.astype(self.dtype)

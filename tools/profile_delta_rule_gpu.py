@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 
 from mixerlab.pallas_kernels import common  # noqa: E402
 from mixerlab.pallas_kernels.delta_rule import pallas_triton as ptr  # noqa: E402
+from mixerlab.pallas_kernels.delta_rule import pallas_triton_kernels, pallas_triton_tiles  # noqa: E402
 from bench_delta_rule_gpu import gdn2_numpy, time_jax  # noqa: E402
 
 
@@ -35,15 +36,25 @@ def patched(obj, name, value):
         setattr(obj, name, old)
 
 
+@contextlib.contextmanager
+def patched_in(modules, name, value):
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            stack.enter_context(patched(module, name, value))
+        yield
+
+
 VARIANTS = {  # name: (context-manager factory, Config overrides)
     "base": (contextlib.nullcontext, {}),
     # no pair products at all (neither the exact levels nor the factored pairs)
     "no_levels": (lambda: patched(ptr.Config, "levels", property(lambda self: 0)), {"bounded_span": None}),
-    "no_inverse": (lambda: patched(ptr, "_inverse", lambda a, cfg: a), {}),
+    # a helper is patched where its caller looks it up: the kernel bodies call _inverse and _bounded_cut
+    "no_inverse": (lambda: patched(pallas_triton_kernels, "_inverse", lambda a, cfg: a), {}),
     "tree": (contextlib.nullcontext, {"bounded_span": None}),  # every pair through the exact pivot tree
     # the factored pairs with no cut search and no exact levels compiled beside them (wrong numbers where a
     # key block needs the tree; what a kernel specialised to the factored path could gain)
-    "factored_only": (lambda: patched(ptr, "_bounded_cut", lambda parts, cfg, keep_sums: (
+    "factored_only": (lambda: patched_in((pallas_triton_kernels, pallas_triton_tiles), "_bounded_cut",
+                                         lambda parts, cfg, keep_sums: (
         cfg.levels, ptr._cut_sums(cfg.levels, parts, cfg) if keep_sums else None)), {}),
     "sums_tf32x2": (contextlib.nullcontext, {"decay_sums": "tf32x2"}),
     "end_difference": (contextlib.nullcontext, {"end_decays": "difference"}),  # E's exponent: total − π's

@@ -79,7 +79,8 @@ def attention(q, k, v, *, segment_ids=None, scale: Optional[float] = None, imple
     Args:
       q, k, v: [B, T, H, D], one floating dtype (rotary embeddings already applied).
       segment_ids: [B, T] int; a token attends only to tokens of its own document (a document starts at every
-        t with seg[t] != seg[t−1], as in every op of this package). None = one document per row.
+        t with seg[t] != seg[t−1], as in every op of this package: an id reused after another document is a new
+        document, docs/architecture.md 'Packing'). None = one document per row.
       scale: score scale; default 1/√D.
       implementation: "auto" (a Pallas kernel when the backend has one, else "xla") | "reference" | "xla" |
         "pallas_tpu" | "cudnn_packed" | "pallas_triton" | "cudnn".

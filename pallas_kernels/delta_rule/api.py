@@ -161,8 +161,9 @@ def delta_rule(q, k, v, *, erase_key=None, log_decay=None, initial_state=None, s
       erase_key: [B, T, H, Dk] erase/read key k̂ (e.g. β·k or b⊙k); None = no erase (linear attention).
       log_decay: λ ≤ 0, [B, T, H, Dk] (channel-wise) or [B, T, H] (per head); None = no decay.
       initial_state: [B, H, Dk, Dv] state before token 0 (any float dtype); None = zeros.
-      segment_ids: [B, T] int; the state resets to zero at every t with seg[t] != seg[t−1]. The initial
-        state belongs to the first segment of each row.
+      segment_ids: [B, T] int; the state resets to zero at every t with seg[t] != seg[t−1] (an id reused after
+        another document is a new document, docs/architecture.md 'Packing'). The initial state belongs to the
+        first segment of each row; the final state is that of each row's last document.
       chunk_size, leaf_size: chunkwise tiling (see ``resolve_chunking``); ignored by "reference".
       implementation: "auto" | "reference" | "xla" (Pallas kernels will register in the same table).
 

@@ -3,7 +3,7 @@ the roofline time each would have on the H200 — to set the measured times of
 ``tools/bench_delta_rule_gpu.py`` against (no JAX needed).
 
 Unlike ``pallas_kernels.delta_rule.flops`` (the ideal fused TPU kernel, Muir's Table 8), this counts what the
-kernels in ``pallas_kernels/delta_rule/pallas_triton.py`` execute:
+kernels of ``pallas_kernels/delta_rule/pallas_triton.py`` (bodies in ``pallas_triton_kernels.py``) execute:
   * every matmul over its full tiles (the masked C×C pivot-level products count in full: they are computed
     in full and masked afterwards);
   * decay sums (0/1 matrix × λ) and the inverse run on TF32 tensor cores, charged at half the bf16 rate

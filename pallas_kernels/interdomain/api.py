@@ -223,7 +223,9 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
       readout: Ĝ, [H, 2M, 2M] real (see ``readout_matrix``).
       initial_state: ``InterdomainState`` (key [B, H, 2M, R], value [B, H, 2M, Dv]) or None (zeros). It
         belongs to the first segment of each row.
-      segment_ids: [B, T] int; both states reset to zero at every t with seg[t] != seg[t−1].
+      segment_ids: [B, T] int; both states reset to zero at every t with seg[t] != seg[t−1] (an id reused after
+        another document is a new document, docs/architecture.md 'Packing'); the final states are those of each
+        row's last document.
       chunk_size: chunk length (default 128 for "toeplitz", 64 otherwise; any positive int, T need not be a
         multiple).
       sub_chunk_size: sub-chunk length of "xla" inside a chunk (docs/math/interdomain.md 'Chunked form': exact

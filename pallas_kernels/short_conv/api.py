@@ -1,9 +1,10 @@
 """Public entry of the short-convolution op: validation, dispatch.
 
-    y_t = act(Σ_{i<K} W[K−1−i] · x_{t−i} · [seg_{t−i} = seg_t])        (depthwise, causal, no bias)
+    y_t = act(Σ_{i<K} W[K−1−i] · x_{t−i} · [d_{t−i} = d_t])        (depthwise, causal, no bias; d = document index)
 
 The causal depthwise convolution of FLA's ``ShortConvolution`` with packed-document resets: a tap never reads
-a token of another segment. Implementations:
+a token of another document. The entry turns ``segment_ids`` into the document index (``common.document_index``:
+a new document wherever the id changes) before any implementation compares them. Implementations:
   * ``reference`` — tap by tap in the accumulation dtype (float64 under x64), plain autodiff: the test oracle;
   * ``xla`` — the same forward with a hand-written VJP that recomputes the pre-activation (portable default);
   * ``pallas_triton`` — one forward and one backward kernel on GPU (Pallas' Triton backend).
@@ -57,7 +58,7 @@ def validate(x_BTC, w_KC, segment_ids_BT, activation, out_dtype) -> ShortConvCal
 
 
 # ---------------------------------------------------------------------------------------------------------
-# implementations. Contract: run(x [B, T, C], w [K, C], segment_ids [B, T] | None, activation, out_dtype)
+# implementations. Contract: run(x [B, T, C], w [K, C], document_BT [B, T] | None, activation, out_dtype)
 # -> y [B, T, C] in out_dtype, differentiable in x and w.
 
 
@@ -98,7 +99,9 @@ def causal_conv(x_BTC, w_KC, segment_ids_BT, activation: bool, out_dtype, implem
     Args:
       x_BTC: [B, T, C] input (float32 / bfloat16 / float16; float64 for the reference and xla).
       w_KC: [K, C] kernel; row K−1 multiplies the current token, row K−1−i the token i steps back.
-      segment_ids_BT: [B, T] int or None; a tap reads token t−i only when seg[t−i] == seg[t].
+      segment_ids_BT: [B, T] int or None; a tap reads token t−i only when it lies in token t's document (a
+        document starts at every t with seg[t] != seg[t−1], as in every op of this package: an id reused after
+        another document is a new document).
       activation: SiLU after the convolution (True) or none (False).
       out_dtype: dtype of y. Accumulation is float32 (float64 for float64 x).
       implementation: "auto" (the Pallas-Triton kernels on GPU, else "xla"), "xla", "pallas_triton" or
@@ -112,4 +115,7 @@ def causal_conv(x_BTC, w_KC, segment_ids_BT, activation: bool, out_dtype, implem
     run = impl.run
     if impl.name.startswith("pallas_"):
         run = _per_shard(run, call.channels)
-    return run(x_BTC, w_KC, segment_ids_BT, activation, call.out_dtype)
+    # the implementations compare ids for equality: give them the document index, so that an id reused after
+    # another document (0,0,1,1,0,0) is a new document as in every op (docs/architecture.md, 'Packing')
+    document_BT = None if segment_ids_BT is None else common.document_index(segment_ids_BT, call.batch, call.length)
+    return run(x_BTC, w_KC, document_BT, activation, call.out_dtype)

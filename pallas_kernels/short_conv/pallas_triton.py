@@ -2,6 +2,8 @@
 
     y_t = act(a_t),   a_t = Σ_{i<K} W[K−1−i] · x_{t−i} · [seg_{t−i} = seg_t]
 
+(seg: the document index the op's entry derives from the segment ids, so equal values = same document.)
+
 Forward, grid (B, T/BT, C/BC): a program owns y[b, t0:t0+BT, c0:c0+BC]. For each tap i it loads the x block
 shifted i tokens back (masked before the row's start and where seg_{t−i} ≠ seg_t), accumulates in float32,
 applies SiLU and stores in the output dtype. The K shifted loads overlap, so HBM sees x about once.

@@ -2,7 +2,9 @@
 
     y_t = act(Σ_{i<K} W[K−1−i] · x_{t−i} · [seg_{t−i} = seg_t])        (depthwise: per channel)
 
-Tap i looks i tokens back; a tap that reaches before the row's start or into another segment adds nothing.
+Tap i looks i tokens back; a tap that reaches before the row's start or into another document adds nothing.
+``seg`` here is the document index that the op's entry derives from the segment ids (``common.document_index``:
+equal values = same document); raw ids would join a reused id to the earlier document of the same id.
 Accumulates in float32, or float64 for float64 inputs (so tests can compare against float64); differentiated
 by plain autodiff.
 """
@@ -23,7 +25,8 @@ def unshift(x_BTC, i):
 
 
 def same_segment(segment_ids_BT, i):
-    """[B, T, 1]: token t − i is in token t's segment (None without segments)."""
+    """[B, T, 1]: token t − i is in token t's document (``segment_ids_BT``: the document index; None without
+    segments)."""
     if segment_ids_BT is None:
         return None
     back = jnp.pad(segment_ids_BT, ((0, 0), (i, 0)), constant_values=-1)[:, :segment_ids_BT.shape[1]]

@@ -302,7 +302,9 @@ def vla(q, k, v, *, penalty_key=None, initial_state=None, segment_ids=None, init
       initial_state: (S [B,H,Dk,Dv], A [B,H,Dk,Dk]) before token 0 (any float dtype); None: (0, I/λ₀). A must
         be symmetric positive definite; its symmetric part (A + Aᵀ)/2 is used.
         It belongs to the first segment of each row; every later segment starts from (0, I/λ₀).
-      segment_ids: [B, T] int; a document starts at every t with seg[t] != seg[t−1].
+      segment_ids: [B, T] int; a document starts at every t with seg[t] != seg[t−1] (an id reused after another
+        document is a new document, docs/architecture.md 'Packing'); the final state is that of each row's
+        last document.
       initial_position: int or [B] int: document position of token 0 (tokens already consumed by the first
         segment, e.g. after a prefill); sets the refresh phase only.
       lambda0: λ₀ > 0 (A₀ = I/λ₀). refresh_period: P ≥ 0 (0 = never). refresh_magnitude: ρ ≥ 0.

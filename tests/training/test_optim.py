@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from mixerlab.mixers.base import DynamicsParam, SSMParam
 from mixerlab.models.decoder import Decoder
 from mixerlab.training.config import load_config
-from mixerlab.training.optim import make_optimizer, param_groups
+from mixerlab.training.optim import make_optimizer, param_groups, schedule
 
 
 class _Kinds(nnx.Module):
@@ -101,3 +102,38 @@ def test_one_unit_gradient_adamw_step_caps_the_ssm_learning_rate():
     decayed = 2.0 - 0.1 - 0.1 * 0.5 * 2.0
     _assert_step(_one_step(1.0), {"matrix": decayed, "embedding": decayed, "norm_scale": 1.9, "gate_bias": 1.9,
                                   "a_log": 2.0 - 1e-3})
+
+
+def _expected_lr(i, *, lr, warmup, steps, floor_ratio):
+    """The intended schedule written out: linear warmup 0 → lr over ``warmup`` steps, then a half cosine from
+    lr at step ``warmup`` to lr·min_lr_ratio at step ``train.steps`` (the decay spans steps − warmup), flat after."""
+    floor = lr * floor_ratio
+    if i < warmup:
+        return lr * i / warmup
+    frac = min(i - warmup, steps - warmup) / (steps - warmup)
+    return floor + (lr - floor) * 0.5 * (1 + np.cos(np.pi * frac))
+
+
+@pytest.mark.parametrize("steps, warmup", [(100, 10), (37, 0), (12, 11)])
+def test_schedule_warmup_peak_cosine_end_and_floor(steps, warmup):
+    """Every step 0…steps+5 against the closed form, and its landmarks: 0 at step 0 (with a warmup), linear
+    warmup, the peak lr at ``warmup_steps``, the half-way value at the middle of the decay, the floor
+    lr·min_lr_ratio reached exactly at ``train.steps`` and not before, monotone decay after the peak."""
+    lr, ratio = 3e-3, 0.1
+    cfg = load_config("configs/tiny.yaml", [f"optim.lr={lr}", f"optim.warmup_steps={warmup}",
+                                            f"optim.min_lr_ratio={ratio}", f"train.steps={steps}"])
+    sched = schedule(cfg)
+    got = np.asarray([float(sched(i)) for i in range(steps + 6)])
+    want = np.asarray([_expected_lr(i, lr=lr, warmup=warmup, steps=steps, floor_ratio=ratio)
+                       for i in range(steps + 6)])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-10)
+    if warmup:
+        assert got[0] == 0.0 and np.all(np.diff(got[:warmup + 1]) > 0)
+        np.testing.assert_allclose(got[warmup // 2], lr * (warmup // 2) / warmup, rtol=1e-6)
+    np.testing.assert_allclose(got[warmup], lr, rtol=1e-6)
+    assert got.max() == pytest.approx(lr, rel=1e-6)
+    if (steps - warmup) % 2 == 0:
+        np.testing.assert_allclose(got[warmup + (steps - warmup) // 2], lr * (1 + ratio) / 2, rtol=1e-5)
+    assert np.all(np.diff(got[warmup:]) <= 1e-12)
+    np.testing.assert_allclose(got[steps:], lr * ratio, rtol=1e-6)
+    assert got[steps - 1] > lr * ratio * (1 + 1e-4)  # the floor is reached at train.steps, not earlier

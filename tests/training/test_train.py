@@ -1,6 +1,7 @@
 """End-to-end training on the embedded sample: loss decreases, interrupt + resume is bitwise identical,
 the mixer swaps with one override, and the run writes its outputs."""
 import json
+import math
 import os
 
 import jax
@@ -34,13 +35,27 @@ def _trainer_and_batch(tmp_path, name, batch_size, *extra):
 
 def test_tiny_run_writes_outputs_and_validates(tmp_path):
     # one block: the same train-step program as the softmax case of the every-mixer test (compiled once)
-    cfg = _cfg(tmp_path, "outputs", "model.num_layers=1", "train.steps=30", "train.eval_every=15")
+    cfg = _cfg(tmp_path, "outputs", "model.num_layers=1", "train.steps=30", "train.eval_every=15",
+               "train.log_every=1")
     result = train(cfg, progress=False)
     losses = [result.train_losses[s] for s in sorted(result.train_losses)]
     assert len(losses) == 30
     assert result.val_loss is not None and result.val_loss < losses[0]
     rows = [json.loads(line) for line in open(result.metrics_path)]
     assert {r["split"] for r in rows} == {"train", "val"}
+    # the lr the run logs: row of step s = the lr of its update, schedule(s − 1): linear warmup over
+    # optim.warmup_steps (tiny: 5), the peak at update warmup_steps + 1, then the cosine that would reach
+    # lr·min_lr_ratio at train.steps (the next step after the last), falling monotonically
+    logged = {r["step"]: r["lr"] for r in rows if r["split"] == "train"}
+    assert sorted(logged) == list(range(1, 31))
+    o, w = cfg.optim, cfg.optim.warmup_steps
+    floor = o.lr * o.min_lr_ratio
+    for step, value in logged.items():
+        i = step - 1
+        want = o.lr * i / w if i < w else floor + (o.lr - floor) * 0.5 * (1 + math.cos(math.pi * (i - w) / (30 - w)))
+        assert value == pytest.approx(want, rel=1e-5, abs=1e-12), (step, value, want)
+    assert logged[w + 1] == pytest.approx(o.lr, rel=1e-6) and logged[30] > floor
+    assert all(logged[s + 1] <= logged[s] for s in range(w + 1, 30))
     assert [r["step"] for r in rows if r["split"] == "val"] == [15, 30]
     assert os.path.exists(result.plot_path)
     assert os.listdir(os.path.join(result.run_dir, "tensorboard"))
