@@ -364,7 +364,8 @@ def test_staging_folders_of_killed_processes_are_removed_and_live_or_failed_ones
         }
         for name in folders.values():
             (tmp_path / name / "checkpoints").mkdir(parents=True)
-        storage.mark_upload_failed(str(tmp_path / folders["dead_failed"]), "metrics.jsonl: upload failed")
+        # the marker a failed upload leaves (its message named the folder as the only copy)
+        (tmp_path / folders["dead_failed"] / "UPLOAD-FAILED.txt").write_text("metrics.jsonl: upload failed\n")
         staging = storage.Staging("gs://bkt/run")  # a remote run's staging folder clears the stale ones first
         kept = sorted(os.listdir(tmp_path))
         assert folders["dead_checkpoints"] not in kept and folders["dead_staging"] not in kept
