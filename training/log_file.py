@@ -28,12 +28,8 @@ class QuietFileHandler(logging.FileHandler):
     def flush(self) -> None:
         try:
             super().flush()
-        except OSError as e:
-            if self.failed is None:
-                try:
-                    raise e
-                except OSError:
-                    self.handleError(None)
+        except OSError:
+            self.handleError(None)  # reads the error from sys.exc_info(), as logging's own calls do
 
     def close(self) -> None:
         try:
