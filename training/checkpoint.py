@@ -270,8 +270,9 @@ class Checkpointer:
         """Deletes the oldest local step before a save when the device has less free space than the newest
         step takes: orbax prunes to ``keep`` only after a save, which a full disk never lets finish. Only when
         ``keep`` steps are already there (the save would have pruned that one anyway) and ``keep`` >= 2 (the
-        newest complete step is never deleted)."""
-        if not self._primary or self.keep < 2 or storage.is_url(self.local_directory):
+        newest complete step is never deleted). Single-process runs only: a delete by process 0 alone must not
+        race the other processes' view of the folder."""
+        if jax.process_count() > 1 or self.keep < 2 or storage.is_url(self.local_directory):
             return
         steps = self._complete_local_steps()
         if len(steps) < self.keep:
