@@ -1,10 +1,13 @@
 """Orbax checkpoints of everything a run needs to continue bit-for-bit: parameters, optimizer state, the
 grain iterator position and the step. Keeps the newest ``checkpoint.keep``; resume takes the newest good one.
 
-Every finished save gets a manifest (``<step>/manifest.mixerlab.json``: size and CRC32 of each file) once
-orbax reports the step complete. On restore the manifest is checked; a step that fails the check, fails to
-restore or holds non-finite parameters is moved to ``<run dir>/checkpoints.quarantine/`` (so it neither
-blocks later saves at its step nor counts toward ``keep``) and the next older step is tried.
+Every finished save gets a manifest (``<step>/manifest.mixerlab.json``: size and CRC32 of each file) as soon
+as orbax reports the step complete (asynchronous saves: from a background thread, not at the next save). On
+restore the manifest is checked; a step without one (killed between the save and its manifest) gets the checks
+that need none: every parameter and optimizer value finite and of a plausible magnitude, every shape the
+model's. A step that fails a check, fails to restore or holds non-finite values is moved to
+``<run dir>/checkpoints.quarantine/`` (so it neither blocks later saves at its step nor counts toward ``keep``)
+and the next older step is tried.
 
 The directory may be a gs:// or s3:// URL (see ``Checkpointer`` for how each is written).
 """
@@ -16,6 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import zlib
 
 import jax
@@ -105,6 +109,60 @@ def all_finite(tree) -> bool:
     return not leaves or bool(_finite(leaves))
 
 
+# No weight or optimizer moment of a model that trains gets near this; a flipped exponent bit in a float32
+# file gives values around 1e30 and more (loss ~1e28, then only skipped steps).
+PLAUSIBLE_MAGNITUDE = 1e8
+
+
+@jax.jit
+def _largest_magnitude(leaves):
+    return jnp.max(jnp.stack([jnp.max(jnp.abs(x)).astype(jnp.float32) for x in leaves]))
+
+
+def implausible(tree, template, name: str) -> str | None:
+    """What is wrong with restored ``tree`` without a manifest to check it against: a shape other than the
+    template's, a non-finite value, or one above PLAUSIBLE_MAGNITUDE (None: nothing found)."""
+    got, want = jax.tree.leaves(tree), jax.tree.leaves(template)
+    if len(got) != len(want):
+        return f"its {name} have {len(got)} arrays, the model {len(want)}"
+    for (path, x), w in zip(jax.tree_util.tree_flatten_with_path(tree)[0], want):
+        if tuple(x.shape) != tuple(w.shape):
+            return f"{name} {jax.tree_util.keystr(path)} has shape {tuple(x.shape)}, the model {tuple(w.shape)}"
+    leaves = [x for x in got if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
+    if not leaves:
+        return None
+    if not bool(_finite(leaves)):
+        return f"its {name} hold non-finite values"
+    largest = float(_largest_magnitude(leaves))
+    if largest > PLAUSIBLE_MAGNITUDE:
+        return f"its {name} hold a value of magnitude {largest:.3g} (above {PLAUSIBLE_MAGNITUDE:.0e}: corrupt)"
+    return None
+
+
+def implausible_opt_state(tree, template) -> str | None:
+    """As ``implausible`` for the optimizer state, without the magnitude bound (second moments of large
+    gradients can be large legitimately)."""
+    got, want = jax.tree.leaves(tree), jax.tree.leaves(template)
+    if len(got) != len(want):
+        return f"its optimizer state has {len(got)} arrays, the optimizer {len(want)}"
+    for (path, x), w in zip(jax.tree_util.tree_flatten_with_path(tree)[0], want):
+        if tuple(x.shape) != tuple(w.shape):
+            return (f"optimizer state {jax.tree_util.keystr(path)} has shape {tuple(x.shape)}, the optimizer "
+                    f"{tuple(w.shape)}")
+    return None if all_finite(tree) else "its optimizer state holds non-finite values"
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
 class Checkpointer:
     """Saves and restores the checkpoints of ``directory``: a local path or a URL.
 
@@ -132,12 +190,16 @@ class Checkpointer:
                     f"checkpoint directory {self.directory}: {storage.protocol(self.directory)}:// checkpoints are "
                     f"staged on one host and uploaded; a run of {jax.process_count()} processes needs gs:// or a "
                     f"folder every host shares (train.output_dir)")
-            self.stage = tempfile.mkdtemp(prefix="mixerlab-checkpoints-")
+            storage.remove_stale_staging()
+            self.stage = tempfile.mkdtemp(prefix=storage.staging_prefix("checkpoints"))
             self.local_directory = os.path.join(self.stage, "checkpoints")
         else:
             self.stage = None
             self.local_directory = self.directory
         self._upload_failed = False
+        self._waiter: threading.Thread | None = None  # async saves: completes the pending steps when orbax is done
+        self._waiter_error: BaseException | None = None
+        self._lock = threading.Lock()  # the waiter thread and the caller's thread both complete steps
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=True)
         with storage.errors(self.directory, "train.output_dir"):
@@ -171,8 +233,8 @@ class Checkpointer:
         written (False). Errors are one-line ``CheckpointError``s."""
         if not all_finite(params):
             return False
-        if self._pending:  # orbax waits for the previous async save anyway: its manifest can be written now
-            self.finish()
+        self.finish()  # orbax waits for the previous async save anyway (and its error is reported here)
+        self._make_room()
         try:
             saved = self.manager.save(step, args=ocp.args.Composite(
                 params=ocp.args.StandardSave(params),
@@ -184,25 +246,103 @@ class Checkpointer:
             raise self._save_error(step, e) from e
         if saved:
             self._pending.append(step)
-            if not self._async:
+            if self._async:  # the manifest is written when the save completes, not when the next one starts
+                self._waiter_error = None
+                self._waiter = threading.Thread(target=self._complete_in_background, daemon=True,
+                                                name=f"mixerlab-checkpoint-{step}")
+                self._waiter.start()
+            else:
                 self.finish()
         return bool(saved)
 
+    def _complete_in_background(self) -> None:
+        try:
+            self._complete()
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread by the next finish()
+            self._waiter_error = e
+
+    # ------------------------------------------------------------------------------------------- disk space
+    def _complete_local_steps(self) -> list[int]:
+        return sorted(s for s in self.manager.all_steps() if os.path.isdir(os.path.join(self.local_directory,
+                                                                                            str(s))))
+
+    def _make_room(self) -> None:
+        """Deletes the oldest local step before a save when the device has less free space than the newest
+        step takes: orbax prunes to ``keep`` only after a save, which a full disk never lets finish. Only when
+        ``keep`` steps are already there (the save would have pruned that one anyway) and ``keep`` >= 2 (the
+        newest complete step is never deleted). Single-process runs only: a delete by process 0 alone must not
+        race the other processes' view of the folder."""
+        if jax.process_count() > 1 or self.keep < 2 or storage.is_url(self.local_directory):
+            return
+        steps = self._complete_local_steps()
+        if len(steps) < self.keep:
+            return
+        needed = _tree_bytes(os.path.join(self.local_directory, str(steps[-1])))
+        free = shutil.disk_usage(self.local_directory).free
+        if free >= 1.2 * needed:
+            return
+        oldest = steps[0]
+        log.warning("checkpoint: %.0f MiB free on the device of %s, a step takes %.0f MiB: deleting the oldest "
+                    "step %d before saving (checkpoint.keep=%d would delete it after the save)", free / 2**20,
+                    self.local_directory, needed / 2**20, oldest, self.keep)
+        try:
+            self.manager.delete(oldest)
+        except Exception:  # noqa: BLE001 - the save below then reports the lack of space
+            log.info("deleting checkpoint step %d failed", oldest, exc_info=True)
+
+    def _remove_partial(self, step: int) -> None:
+        """Deletes what a failed save of ``step`` left (orbax's temporary folder) so that it frees its space."""
+        if not self._primary or storage.is_url(self.local_directory):
+            return
+        for name in os.listdir(self.local_directory) if os.path.isdir(self.local_directory) else []:
+            if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                shutil.rmtree(os.path.join(self.local_directory, name), ignore_errors=True)
+
     def _save_error(self, step: int, e: BaseException) -> CheckpointError:
-        local = self.local_directory
         if disk_full(e):
-            free = shutil.disk_usage(local).free if os.path.isdir(local) else 0
-            return CheckpointError(
-                f"checkpoint step {step}: no space left on the device of {local} ({free / 2**20:.0f} MiB "
-                f"free); free space or set checkpoint.keep lower, then run the same command to resume from the "
-                f"newest complete checkpoint")
+            return CheckpointError(self._disk_full_advice(step))
         if storage.is_url(self.directory) and not isinstance(e, storage.StorageError):
             e = storage.describe(e, self.directory, "train.output_dir")
         return CheckpointError(f"checkpoint step {step} could not be written to {self.directory}: {short_error(e)}")
 
+    def _disk_full_advice(self, step: int) -> str:
+        """One line: how much is free, which folders can be deleted (every complete step but the newest) and
+        that the same command then resumes."""
+        local = self.local_directory
+        self._remove_partial(step)
+        free = shutil.disk_usage(local).free if os.path.isdir(local) else 0
+        steps = self._complete_local_steps() if os.path.isdir(local) else []
+        newest = f"step {steps[-1]}" if steps else "step 0 (no complete checkpoint)"
+        if len(steps) > 1:
+            older = [os.path.join(local, str(s)) for s in steps[:-1]]
+            size = sum(_tree_bytes(p) for p in older)
+            shown = ", ".join(older[:4]) + (f" and {len(older) - 4} more" if len(older) > 4 else "")
+            what = (f"delete older checkpoints ({shown}: {size / 2**20:.0f} MiB; the newest, "
+                    f"{os.path.join(local, str(steps[-1]))}, is the one resumed from) or other files there")
+        else:
+            what = "delete other files there or move train.output_dir to a device with more space"
+        return (f"checkpoint step {step}: no space left on the device of {local} ({free / 2**20:.0f} MiB free); "
+                f"{what}, then run the same command to resume from {newest}")
+
     def finish(self) -> list[int]:
         """Waits for pending saves, then writes their manifests (a manifest means: this step is complete) and,
         staged, uploads them. Returns the steps completed."""
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter.join()
+            error, self._waiter_error = self._waiter_error, None
+            if error is not None:
+                if isinstance(error, CheckpointError):
+                    raise error
+                raise CheckpointError(f"checkpoint could not be completed in {self.directory}: "
+                                      f"{short_error(error)}") from error
+        return self._complete()
+
+    def _complete(self) -> list[int]:
+        with self._lock:
+            return self._complete_locked()
+
+    def _complete_locked(self) -> list[int]:
         try:
             self.manager.wait_until_finished()
         except Exception as e:
@@ -251,6 +391,7 @@ class Checkpointer:
             storage.upload(os.path.join(local, MANIFEST), storage.join(remote, MANIFEST), "train.output_dir")
         except storage.StorageError as e:
             self._upload_failed = True  # the staged copy is then the only one: close() keeps it
+            storage.mark_upload_failed(self.stage, f"checkpoint step {step}: {e}")
             raise CheckpointError(f"checkpoint step {step} could not be uploaded to {remote}: {e}; the local copy "
                                   f"is kept at {local}") from e
 
@@ -380,8 +521,8 @@ class Checkpointer:
                 except Exception as e:  # orbax raises many types for truncated/corrupt files
                     log.info("restoring checkpoint step %d failed", step, exc_info=True)
                     problem = f"could not be restored ({short_error(e)})"
-            if restored is not None and not all_finite(restored[0]):
-                problem = "holds non-finite parameters"
+            if restored is not None:
+                problem = self._check_restored(step, restored, params=params, opt_state=opt_state)
             if problem is None:
                 return (step, *restored)
             if self._primary:
@@ -390,6 +531,22 @@ class Checkpointer:
                        f"trying an older one")
             else:
                 report(f"warning: checkpoint step {step}: {problem}; trying an older one")
+        return None
+
+    def _check_restored(self, step: int, restored, *, params, opt_state) -> str | None:
+        """What is wrong with the restored arrays of ``step`` (None: nothing found). A step whose files matched
+        its manifest needs only the finiteness checks; one without a manifest (a kill between the save and its
+        manifest, or a copy without it) also gets the shape and magnitude checks, as a flipped byte there
+        would otherwise go unnoticed until the loss explodes."""
+        new_params, new_opt = restored[0], restored[1]
+        if not self.has_manifest(step):
+            log.info("checkpoint step %d has no manifest: checking its values instead", step)
+            return (implausible(new_params, params, "parameters")
+                    or implausible_opt_state(new_opt, opt_state))
+        if not all_finite(new_params):
+            return "holds non-finite parameters"
+        if not all_finite(new_opt):
+            return "holds a non-finite optimizer state"
         return None
 
     def wait(self) -> None:

@@ -22,7 +22,9 @@ from mixerlab.models.decoder import Decoder, cross_entropy
 from mixerlab.training import data as data_lib
 from mixerlab.training import storage
 from mixerlab.training import run_dir as run_dir_lib
+from mixerlab.training import run_lock
 from mixerlab.training.checkpoint import Checkpointer
+from mixerlab.training.log_file import QuietFileHandler
 from mixerlab.training import flop_model, mesh as mesh_lib, remat_auto
 from mixerlab.training.prefetch import DevicePrefetcher
 from mixerlab.training import tracking
@@ -195,7 +197,17 @@ def train(cfg, *, stop_at_step: int | None = None, progress: bool = True) -> Run
 
     Everything that can be checked is checked before the first step (folders writable, the run directory's
     checkpoints made by the same model/optimizer/data config, the text columns), and nothing in the run
-    directory is changed when a check fails."""
+    directory is changed when a check fails. The run directory is locked for the length of the run: a second
+    trainer on it is refused (training/run_lock.py)."""
+    lock = run_lock.acquire_for_run(cfg.train.output_dir, report=_say)
+    try:
+        return _train(cfg, stop_at_step=stop_at_step, progress=progress)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg, *, stop_at_step: int | None, progress: bool) -> RunResult:
     t_cfg = cfg.train
     run_dir, ckpt_dir, notes = _check_run_dir(cfg)
     notes += [f"warning: {note}" for note in _check_data(cfg)]
@@ -290,7 +302,7 @@ class _RunLog:
         primary = jax.process_index() == 0
         if primary:
             staging.pull(LOG_NAME)  # a remote log is continued, as a local one is appended to
-        self.handler = logging.FileHandler(staging.path(LOG_NAME)) if primary else logging.NullHandler()
+        self.handler = QuietFileHandler(staging.path(LOG_NAME)) if primary else logging.NullHandler()
         self.handler.setLevel(logging.INFO)
         self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logger = logging.getLogger("mixerlab.training")

@@ -220,6 +220,13 @@ def isfile(path: str, key: str = "") -> bool:
     return _test("isfile", path, key)
 
 
+def refresh(path: str) -> None:
+    """Forgets fsspec's cached listings around ``path`` (URLs), so that the next call sees other writers."""
+    if is_url(path):
+        fs, p = _fs_path(path)
+        fs.invalidate_cache(p)
+
+
 def listdir(path: str, key: str = "") -> list[str]:
     """Names (not paths) of the entries of a directory; FileNotFoundError (local) or StorageError (URL)."""
     if not is_url(path):
@@ -300,7 +307,30 @@ def move(src: str, dst: str, key: str = "") -> None:
         return
     with errors(src, key):
         fs, p = _fs_path(src, key)
-        fs.mv(p, fs._strip_protocol(dst), recursive=True)
+        move_objects(fs, p, fs._strip_protocol(dst))
+
+
+def move_objects(fs, src: str, dst: str) -> None:
+    """Moves the object ``src``, or every object under the prefix ``src`` (a pseudo-folder), to ``dst``: copy
+    each object, then delete the originals. fsspec's ``mv(recursive=True)`` on a pseudo-folder (S3, GCS) copies
+    the objects and then raises FileNotFoundError for the folder itself, which has no object of its own."""
+    fs.invalidate_cache(src)
+    if not fs.isdir(src):
+        fs.copy(src, dst)
+        fs.rm(src)
+        return
+    base = src.rstrip("/")
+    files = [f for f in fs.find(base) if f.rstrip("/") != base]
+    for f in files:
+        fs.copy(f, dst.rstrip("/") + "/" + f[len(base) + 1:])
+    if files:
+        fs.rm(files)
+    fs.invalidate_cache(base)
+    try:  # a folder marker object (written by some tools), if any
+        if fs.exists(base):
+            fs.rm(base, recursive=True)
+    except FileNotFoundError:
+        pass
 
 
 def sizes(directory: str, key: str = "") -> dict[str, dict]:
@@ -371,6 +401,66 @@ def local_copy(path: str, key: str = "") -> str:
         return target
 
 
+# ------------------------------------------------------------------------------------------------ staging folders
+STAGING_KINDS = ("checkpoints", "staging")
+UPLOAD_FAILED = "UPLOAD-FAILED.txt"  # written into a staging folder whose upload failed: it holds the only copy
+_STAGING_NAME = re.compile(r"^mixerlab-(?:" + "|".join(STAGING_KINDS) + r")-(\d+)-")
+
+
+def staging_prefix(kind: str) -> str:
+    """``mkdtemp`` prefix of a staging folder: ``mixerlab-<kind>-<pid>-``; the pid tells a live owner from a
+    killed one (``remove_stale_staging``)."""
+    return f"mixerlab-{kind}-{os.getpid()}-"
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process of this host (a zombie counts as gone)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def remove_stale_staging(directory: str | None = None) -> list[str]:
+    """Deletes the staging folders (``mixerlab-checkpoints-<pid>-*``, ``mixerlab-staging-<pid>-*``) of processes
+    that are gone (a killed run never cleans up), except those holding a failed upload (``UPLOAD_FAILED``:
+    their message named them as the only copy). Returns the folders deleted."""
+    directory = directory or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _STAGING_NAME.match(name)
+        path = os.path.join(directory, name)
+        if not m or int(m.group(1)) == os.getpid() or process_alive(int(m.group(1))):
+            continue
+        if not os.path.isdir(path) or os.path.exists(os.path.join(path, UPLOAD_FAILED)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def mark_upload_failed(folder: str, message: str) -> None:
+    """Marks a staging folder as holding the only copy of something (kept by ``remove_stale_staging``)."""
+    try:
+        with open(os.path.join(folder, UPLOAD_FAILED), "a", encoding="utf-8") as f:
+            f.write(message + "\n")
+    except OSError:
+        pass
+
+
 class Staging:
     """A local working copy of a run-directory entry kept at ``url``.
 
@@ -383,7 +473,9 @@ class Staging:
     def __init__(self, url: str, key: str = "train.output_dir"):
         self.url, self.key = url, key
         self.remote = is_url(url)
-        self.root = tempfile.mkdtemp(prefix="mixerlab-staging-") if self.remote else _local(url)
+        if self.remote:
+            remove_stale_staging()
+        self.root = tempfile.mkdtemp(prefix=staging_prefix("staging")) if self.remote else _local(url)
         self.failed: list[str] = []  # messages of pushes that failed (their local copies are kept)
 
     def path(self, name: str) -> str:
@@ -409,6 +501,7 @@ class Staging:
         except StorageError as e:
             message = f"{e}; the local copy is kept at {self.path(name)}"
             self.failed.append(message)
+            mark_upload_failed(self.root, message)
             if strict:
                 raise StorageError(message) from e
             print(f"warning: {message}", file=sys.stderr, flush=True)

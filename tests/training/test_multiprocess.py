@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -16,7 +17,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(run_dir, steps):
+def _launch(run_dir, steps, expect=0):
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     common = ["--config", "configs/tiny.yaml", f"train.output_dir={run_dir}", f"train.steps={steps}",
@@ -28,7 +29,7 @@ def _launch(run_dir, steps):
              for i in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for p, out in zip(procs, outs):
-        assert p.returncode == 0, out
+        assert p.returncode == expect, out
     return outs
 
 
@@ -39,6 +40,7 @@ def test_two_processes_train_checkpoint_and_resume(tmp_path):
     assert "2 cpu device(s)" in outs[0]
     assert "mixerlab:" not in outs[1]  # only process 0 prints and logs
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["3", "6"]
+    assert not (run_dir / "mixerlab.lock").exists()  # process 0 took the run lock and released it
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2, 3, 4, 5, 6]
 
@@ -49,3 +51,21 @@ def test_two_processes_train_checkpoint_and_resume(tmp_path):
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["3", "6", "9"]
     state = json.load(open(run_dir / "checkpoints" / "9" / "data" / "metadata"))
     assert len(state["per_process"]) == 2 and state["per_process"][0] != state["per_process"][1]
+
+
+def test_every_process_is_refused_when_the_run_directory_is_locked(tmp_path):
+    """Process 0 alone takes the run lock; the refusal reaches every process (none waits at a collective)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        (run_dir / "mixerlab.lock").write_text(json.dumps({
+            "host": socket.gethostname(), "pid": holder.pid, "started": time.time(), "heartbeat": time.time(),
+            "token": "another-trainer"}))
+        outs = _launch(run_dir, steps=6, expect=2)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"is in use by another trainer (host {socket.gethostname()}, pid {holder.pid}" in outs[0]
+    assert "is in use by another trainer (process 0 names it)" in outs[1]
+    assert sorted(os.listdir(run_dir)) == ["mixerlab.lock"]

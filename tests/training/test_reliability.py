@@ -4,6 +4,7 @@ import errno
 import glob
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -320,3 +321,183 @@ def test_sigkill_ends_the_grain_workers_too(tmp_path):
     for p in alive:
         p.kill()
     assert not alive, f"worker processes outlived the trainer: {[p.pid for p in alive]}"
+
+
+# ------------------------------------------------------------------------------------ checkpoint faults
+def _small_state(value=1.0):
+    params = {"w": jnp.full((16, 8), value, jnp.float32), "b": jnp.zeros((8,), jnp.float32)}
+    opt = {"m": jnp.zeros((16, 8), jnp.float32), "count": jnp.zeros((), jnp.int32)}
+    return params, opt
+
+
+def test_an_async_save_gets_its_manifest_when_it_completes_not_at_the_next_save(tmp_path):
+    """A kill after an async save completes but before the next save must not leave the newest step unchecked."""
+    checker = Checkpointer(str(tmp_path / "async"), keep=3, async_save=True)
+    try:
+        params, opt = _small_state()
+        assert checker.save(1, params=params, opt_state=opt, data_state={}, meta={})
+        deadline = time.time() + 30
+        while time.time() < deadline and not os.path.exists(tmp_path / "async" / "1" / MANIFEST):
+            time.sleep(0.05)
+        assert os.path.exists(tmp_path / "async" / "1" / MANIFEST), "no manifest until the next save"
+        assert checker.verify(1) is None
+    finally:
+        checker.close()
+
+
+def test_an_async_save_that_fails_in_the_background_is_reported_at_the_next_save(tmp_path, monkeypatch):
+    checker = Checkpointer(str(tmp_path / "async"), keep=3, async_save=True)
+    params, opt = _small_state()
+
+    def fail(step):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(checker, "_write_manifest", fail)
+    assert checker.save(1, params=params, opt_state=opt, data_state={}, meta={})
+    with pytest.raises(Exception, match="Input/output error"):
+        checker.save(2, params=params, opt_state=opt, data_state={}, meta={})
+    monkeypatch.undo()
+    checker.close()
+
+
+@pytest.mark.parametrize("damage, problem", [
+    ("huge_param", "parameters hold a value of magnitude"),
+    ("nan_moment", "optimizer state holds non-finite values"),
+])
+def test_a_step_without_manifest_is_checked_by_its_values_and_quarantined(tmp_path, damage, problem):
+    """A step killed between its save and its manifest, with damage orbax reads back without complaint (a
+    flipped exponent bit: 1e30; a NaN moment): quarantined, and the previous step is restored."""
+    directory = str(tmp_path / "ckpt")
+    checker = Checkpointer(directory, keep=3, async_save=False)
+    try:
+        params, opt = _small_state(1.0)
+        assert checker.save(1, params=params, opt_state=opt, data_state={"s": 1}, meta={})
+        if damage == "huge_param":
+            params = {**params, "w": params["w"].at[3, 2].set(3e30)}
+        else:
+            opt = {**opt, "m": opt["m"].at[0, 0].set(jnp.nan)}
+        assert checker.save(2, params=params, opt_state=opt, data_state={"s": 2}, meta={})
+    finally:
+        checker.close()
+    os.remove(os.path.join(directory, "2", MANIFEST))
+    fresh = Checkpointer(directory, keep=3, async_save=False)
+    messages = []
+    try:
+        template = _small_state(0.0)
+        step, restored, _opt, data, _meta = fresh.restore_newest(params=template[0], opt_state=template[1],
+                                                                 report=messages.append)
+    finally:
+        fresh.close()
+    assert step == 1 and data == {"s": 1} and float(restored["w"][3, 2]) == 1.0
+    assert len(messages) == 1 and "checkpoint step 2" in messages[0] and problem in messages[0], messages
+    assert os.listdir(directory + ".quarantine") == ["2", "2.reason.txt"] or \
+        sorted(os.listdir(directory + ".quarantine")) == ["2", "2.reason.txt"]
+
+
+def test_a_step_without_manifest_and_plausible_values_is_still_restored(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    checker = Checkpointer(directory, keep=3, async_save=False)
+    params, opt = _small_state(2.0)
+    assert checker.save(3, params=params, opt_state=opt, data_state={}, meta={})
+    checker.close()
+    os.remove(os.path.join(directory, "3", MANIFEST))
+    fresh = Checkpointer(directory, keep=3, async_save=False)
+    try:
+        template = _small_state(0.0)
+        assert fresh.restore_newest(params=template[0], opt_state=template[1], report=print)[0] == 3
+    finally:
+        fresh.close()
+
+
+def _disk_that_holds(monkeypatch, n_steps):
+    """Saves fail with ENOSPC while ``n_steps`` steps are on disk; the free space reported is below one step."""
+    import orbax.checkpoint as ocp
+
+    from mixerlab.training import checkpoint as checkpoint_lib
+
+    real_save = ocp.CheckpointManager.save
+
+    def save(self, step, *a, **k):
+        if len([s for s in os.listdir(self.directory) if s.isdigit()]) >= n_steps:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(self, step, *a, **k)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+    monkeypatch.setattr(checkpoint_lib.shutil, "disk_usage", lambda path: shutil_usage(free=1024))
+
+
+def shutil_usage(free):
+    import collections
+
+    return collections.namedtuple("usage", "total used free")(10 * 2**30, 10 * 2**30 - free, free)
+
+
+def test_a_full_disk_that_holds_keep_steps_prunes_before_saving(tmp_path, monkeypatch):
+    """orbax deletes the oldest step only after a save; a disk with room for exactly checkpoint.keep steps never
+    lets that save finish. The oldest step (which the save would have deleted) goes first instead."""
+    _disk_that_holds(monkeypatch, 2)
+    checker = Checkpointer(str(tmp_path / "ckpt"), keep=2, async_save=False)
+    try:
+        params, opt = _small_state()
+        for step in (1, 2, 3, 4):
+            assert checker.save(step, params=params, opt_state=opt, data_state={}, meta={})
+        assert checker.steps() == [3, 4]
+    finally:
+        checker.close()
+
+
+def test_a_full_disk_names_the_folders_that_can_be_deleted(tmp_path, monkeypatch):
+    from mixerlab.training.checkpoint import CheckpointError
+
+    directory = str(tmp_path / "ckpt")
+    checker = Checkpointer(directory, keep=4, async_save=False)
+    params, opt = _small_state()
+    for step in (2, 4, 6):
+        assert checker.save(step, params=params, opt_state=opt, data_state={}, meta={})
+    _disk_that_holds(monkeypatch, 3)
+    with pytest.raises(CheckpointError) as info:
+        checker.save(8, params=params, opt_state=opt, data_state={}, meta={})
+    message = str(info.value)
+    assert "\n" not in message and "checkpoint step 8: no space left on the device of" in message
+    assert f"{directory}/2, {directory}/4" in message and f"the newest, {directory}/6, is the one resumed from" \
+        in message and "resume from step 6" in message
+    assert "keep lower" not in message  # pruning happens after a save: that advice frees nothing
+    checker.close()
+
+
+@pytest.mark.slow
+def test_disk_full_is_the_same_line_again_when_the_log_cannot_be_written_either(tmp_path, monkeypatch, capsys):
+    """The second run on a full disk: its train.log cannot be written either. Still one line, the same one, and
+    no "--- Logging error ---" dumps."""
+    import io
+    import logging
+
+    import orbax.checkpoint as ocp
+
+    def full(self, *a, **k):
+        logging.getLogger("absl").error("orbax write failed\n" + "  tensorstore spec ...\n" * 60)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full)
+    run = tmp_path / "full"
+    args = ["--config", "configs/tiny.yaml", *_args(run, "train.steps=6", "checkpoint.every=2")]
+    errors = []
+    for attempt in range(2):
+        if attempt == 1:
+            class FullFile(io.StringIO):
+                def write(self, s):
+                    raise OSError(errno.ENOSPC, "No space left on device")
+
+                def flush(self):
+                    raise OSError(errno.ENOSPC, "No space left on device")
+
+            monkeypatch.setattr(logging.FileHandler, "_open", lambda self: FullFile())
+        code = train_cli.main(args)
+        err = [re.sub(r"^train: .*?(?=warning: |$)", "", l) for l in capsys.readouterr().err.strip().splitlines()]
+        err = [l for l in err if l.strip()]  # the progress bar's lines (the bar and a message may share one)
+        if attempt == 1:  # the log file's failure is said once, not once per record with a traceback each
+            assert err[0].startswith("warning: cannot write the log file") and "No space left" in err[0], err
+            err = err[1:]
+        assert code == 1 and len(err) == 1, err
+        errors.append(re.sub(r"\d+ MiB free", "N MiB free", err[0].split(" (details:")[0]))
+    assert errors[0] == errors[1] and errors[0].startswith("error: checkpoint step 2: no space left"), errors

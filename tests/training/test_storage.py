@@ -304,3 +304,75 @@ def test_eval_finds_a_run_in_a_bucket_and_writes_its_outputs_there(gs):
         resolve_run_dirs("gs://bkt/runs/missing")
     write_json("gs://bkt/runs/a/eval/result.json", {"loss": 1.5, "nan": float("nan")})
     assert json.loads(gs.cat_file("/bkt/runs/a/eval/result.json")) == {"loss": 1.5, "nan": "nan"}
+
+
+class PseudoFolderStore(MemoryFileSystem):
+    """An object store as S3 and GCS are: a "folder" is only a common prefix, with no object of its own.
+    ``mv(recursive=True)`` behaves as s3fs's does on such a prefix (seen against moto): it copies every object
+    and then raises FileNotFoundError for the prefix itself, leaving the originals in place."""
+
+    protocol = ("gs", "gcs")
+    store: dict = {}
+    pseudo_dirs = [""]
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(str(path).removeprefix("gs://"))
+
+    def mv(self, path1, path2, recursive=False, **kwargs):
+        if recursive and self.isdir(path1):
+            for f in self.find(path1):
+                self.cp_file(f, path2.rstrip("/") + f[len(path1.rstrip("/")):])
+            raise FileNotFoundError("The specified key does not exist.")
+        return super().mv(path1, path2, recursive=recursive, **kwargs)
+
+
+def test_moving_a_pseudo_folder_moves_each_object(monkeypatch):
+    """What quarantining an unfinished upload needs on gs:// and s3://: the step's objects end up under the
+    target and nowhere else (the same function serves both protocols)."""
+    monkeypatch.setitem(FSSPEC_REGISTRY, "gs", PseudoFolderStore)
+    PseudoFolderStore.store.clear()
+    fs = fsspec.filesystem("gs")
+    for rel in ("params/a", "params/sub/b", "meta/metadata"):
+        fs.pipe_file(f"/bkt/run/checkpoints/25/{rel}", rel.encode())
+    fs.pipe_file("/bkt/run/checkpoints/20/meta/metadata", b"keep")
+    storage.move("gs://bkt/run/checkpoints/25", "gs://bkt/run/checkpoints.quarantine/25")
+    assert sorted(fs.find("/bkt/run")) == [
+        "/bkt/run/checkpoints.quarantine/25/meta/metadata", "/bkt/run/checkpoints.quarantine/25/params/a",
+        "/bkt/run/checkpoints.quarantine/25/params/sub/b", "/bkt/run/checkpoints/20/meta/metadata"]
+    assert fs.cat_file("/bkt/run/checkpoints.quarantine/25/params/sub/b") == b"params/sub/b"
+    storage.move("gs://bkt/run/checkpoints/20/meta/metadata", "gs://bkt/run/one-object")  # a single object
+    assert fs.cat_file("/bkt/run/one-object") == b"keep" and not fs.exists("/bkt/run/checkpoints/20")
+    PseudoFolderStore.store.clear()
+
+
+def test_staging_folders_of_killed_processes_are_removed_and_live_or_failed_ones_kept(tmp_path, monkeypatch):
+    import subprocess
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid names a process that is no longer running
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        folders = {
+            "dead_checkpoints": f"mixerlab-checkpoints-{gone.pid}-abc",
+            "dead_staging": f"mixerlab-staging-{gone.pid}-def",
+            "dead_failed": f"mixerlab-staging-{gone.pid}-ghi",
+            "live": f"mixerlab-checkpoints-{live.pid}-jkl",
+            "other": "mixerlab-output-xyz",
+        }
+        for name in folders.values():
+            (tmp_path / name / "checkpoints").mkdir(parents=True)
+        # the marker a failed upload leaves (its message named the folder as the only copy)
+        (tmp_path / folders["dead_failed"] / "UPLOAD-FAILED.txt").write_text("metrics.jsonl: upload failed\n")
+        staging = storage.Staging("gs://bkt/run")  # a remote run's staging folder clears the stale ones first
+        kept = sorted(os.listdir(tmp_path))
+        assert folders["dead_checkpoints"] not in kept and folders["dead_staging"] not in kept
+        for key in ("dead_failed", "live", "other"):
+            assert folders[key] in kept, key
+        assert os.path.basename(staging.root).startswith(f"mixerlab-staging-{os.getpid()}-")
+        staging.cleanup()
+    finally:
+        live.kill()
+        live.wait()

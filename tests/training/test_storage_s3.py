@@ -190,3 +190,70 @@ def test_a_failed_run_prints_one_line_and_keeps_the_details_in_the_bucket(s3, ca
     s3.invalidate_cache()
     log = s3.cat_file(f"{BUCKET}/runs/failed/train.log").decode()
     assert "ERROR train.py: data.train_path: no .parquet file matched" in log and "Traceback" in log
+
+
+def _small_state(value):
+    import jax.numpy as jnp
+
+    return {"w": jnp.full((4, 3), value, jnp.float32)}, {"m": jnp.zeros((4, 3), jnp.float32)}
+
+
+def test_a_step_whose_upload_was_killed_is_quarantined_and_the_previous_one_restored(s3):
+    """The bucket after a kill during an upload: step 4's objects, no manifest. Quarantining it moves an S3
+    pseudo-folder (no object of its own); resume then continues from step 2, every time it is asked."""
+    from mixerlab.training import checkpoint as checkpoint_lib
+
+    url = f"s3://{BUCKET}/runs/killed/checkpoints"
+    ckpt = checkpoint_lib.Checkpointer(url, keep=3, async_save=False)
+    for step in (2, 4):
+        params, opt = _small_state(float(step))
+        assert ckpt.save(step, params=params, opt_state=opt, data_state={"s": step}, meta={"step": step})
+    ckpt.close()
+    s3.rm(f"{BUCKET}/runs/killed/checkpoints/4/{checkpoint_lib.MANIFEST}")
+    s3.invalidate_cache()
+    left = s3.find(f"{BUCKET}/runs/killed/checkpoints/4")
+    assert left  # objects without their manifest
+
+    for attempt in range(2):  # and a second resume finds the same state
+        fresh = checkpoint_lib.Checkpointer(url, keep=3, async_save=False)
+        messages = []
+        template = _small_state(0.0)
+        step, params, _opt, data, _meta = fresh.restore_newest(params=template[0], opt_state=template[1],
+                                                              report=messages.append)
+        fresh.close()
+        assert step == 2 and float(params["w"][0, 0]) == 2.0 and data == {"s": 2}
+        if attempt == 0:
+            assert len(messages) == 1 and "its upload did not finish" in messages[0], messages
+        else:
+            assert messages == []
+    s3.invalidate_cache()
+    assert not s3.exists(f"{BUCKET}/runs/killed/checkpoints/4")
+    moved = sorted(p.split("/checkpoints.quarantine/4/")[1] for p in
+                   s3.find(f"{BUCKET}/runs/killed/checkpoints.quarantine/4"))
+    assert moved == sorted(p.split("/checkpoints/4/")[1] for p in left)
+
+
+def test_a_run_directory_in_a_bucket_is_locked_with_a_heartbeat(s3, monkeypatch):
+    import socket
+
+    from mixerlab.training import run_lock
+    from mixerlab.training.run_dir import RunDirError
+
+    monkeypatch.setattr(run_lock, "SETTLE_S", 0.05)
+    run = f"s3://{BUCKET}/runs/locked"
+    with run_lock.RunLock(run) as lock:
+        holder = json.loads(s3.cat_file(f"{BUCKET}/runs/locked/{run_lock.LOCK_NAME}"))
+        assert holder["token"] == lock.token and holder["host"] == socket.gethostname()
+        with pytest.raises(RunDirError, match=rf"{run} is in use by another trainer \(host "):
+            run_lock.RunLock(run).acquire()
+    s3.invalidate_cache()
+    assert not s3.exists(f"{BUCKET}/runs/locked/{run_lock.LOCK_NAME}")
+
+    # a lock object whose heartbeat stopped (another host: its pid cannot be checked) is taken over
+    stale = {"host": "another-host", "pid": 1, "started": 0, "heartbeat": 0, "token": "t"}
+    s3.pipe_file(f"{BUCKET}/runs/locked/{run_lock.LOCK_NAME}", json.dumps(stale).encode())
+    said = []
+    with run_lock.RunLock(run, report=said.append) as lock:
+        s3.invalidate_cache()
+        assert json.loads(s3.cat_file(f"{BUCKET}/runs/locked/{run_lock.LOCK_NAME}"))["token"] == lock.token
+    assert "host another-host" in said[0] and "heartbeat is" in said[0]
