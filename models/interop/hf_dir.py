@@ -156,7 +156,19 @@ def config_from_hf(hf: dict, hf_dir: str):
         data["tokenizer"] = {"kind": "sentencepiece", "path": os.path.abspath(os.path.join(hf_dir, "tokenizer.model"))}
     elif (data.get("tokenizer") or {}).get("kind") != "byte":
         data["tokenizer"] = {"kind": "byte", "path": None}
+    if "vocab_size" in stored and stored["vocab_size"] is None and _tokenizer_vocab(data) == model["vocab_size"]:
+        raw["model"]["vocab_size"] = None  # the stored config took the tokenizer's size, and it still fits
     return from_dict(raw)
+
+
+def _tokenizer_vocab(data: dict) -> int | None:
+    from mixerlab.training.tokenizer import load_tokenizer
+
+    tok = data.get("tokenizer") or {}
+    try:
+        return load_tokenizer(tok.get("kind", "hf"), tok.get("path")).vocab_size
+    except (OSError, ValueError):
+        return None
 
 
 def import_model(hf_dir: str):
@@ -175,7 +187,7 @@ def import_model(hf_dir: str):
     tensors = load_file(weights)
     if cfg.model.tie_embeddings:
         tensors.pop("lm_head.weight", None)  # some writers store the tied head too
-    vocab = cfg.model.vocab_size
+    vocab = int(hf["vocab_size"])
     rows = tables.expand(tables.table(name), cfg.model.num_layers, targets.flags(cfg, name))
     graphdef, abstract, _ = nnx.split(abstract_model(cfg, vocab), nnx.Param, ...)
     shapes = {_path_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract))[0]}

@@ -82,6 +82,14 @@ def test_round_trip_is_bit_exact(case, tmp_path):
     assert json.load(open(tmp_path / "config.json"))["model_type"] == model_type
 
 
+def test_vocab_size_left_to_the_tokenizer_stays_so(tmp_path):
+    cfg = make_cfg("softmax", vocab_size=None)  # the byte tokenizer's 257 ids
+    export_model(build_model(cfg, 257), cfg, str(tmp_path))
+    assert json.load(open(tmp_path / "config.json"))["vocab_size"] == 257
+    cfg2, model2 = import_model(str(tmp_path))
+    assert cfg2.model.vocab_size is None and model2.embed.embedding.shape == (257, D)
+
+
 # ---- the targets' names and shapes, from their source -----------------------------------------------------
 def _backbone(prefix_embed, attn_norm, mlp_norm, tied, d=D, ffn=FFN, v=V, layers=L):
     names = {f"model.{prefix_embed}.weight": (v, d), "model.norm.weight": (d,)}
