@@ -206,7 +206,9 @@ def from_hf(hf: dict) -> tuple[str, dict, dict]:
         _need(hf, "qk_norm", lambda v: v in (None, "l2"), "mixerlab L2-normalises q and k")
         _need(hf, "qk_activation", lambda v: v in (None, "silu"), "mixerlab's q/k activation is silu")
         _need(hf, "use_output_norm", lambda v: v in (None, True), "mixerlab always normalises the output")
-        mixer |= {"use_output_gate": bool(hf.get("use_gate", False)), "gate_act": "silu"}
+        mixer["use_output_gate"] = bool(hf.get("use_gate", False))
+        if mixer["use_output_gate"]:  # fla's gate is swish; without a gate, gate_act stays as stored
+            mixer["gate_act"] = "silu"
     else:
         dk = hf["head_dim"]
         dv = int(dk * hf.get("expand_v", 1.0))

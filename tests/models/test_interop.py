@@ -34,7 +34,7 @@ LOW_RANK = {"norm_eps": EPS, "decay_rank": DV, "gate_rank": DV}
 EXPORTABLE = {
     "softmax": dict(mixer_options={"rope_theta": 5000.0}),
     "softmax_tied_hd24": dict(mixer="softmax", head_dim=24, tie_embeddings=True),
-    "deltanet": dict(mixer_options={"norm_eps": EPS}),
+    "deltanet": dict(mixer_options={"norm_eps": EPS, "gate_act": "sigmoid"}),  # no output gate: act unused
     "deltanet_gate_noconv": dict(mixer="deltanet", mixer_options={"norm_eps": EPS, "use_output_gate": True,
                                                                   "use_short_conv": False}),
     "gated_deltanet": dict(mixer_options={"norm_eps": EPS, "allow_neg_eigval": True, "conv_size": 3}),
@@ -230,14 +230,25 @@ def _exported(tmp_path, case="softmax"):
     return out
 
 
-@pytest.mark.parametrize("field,value,key", [
-    ("num_key_value_heads", 1, "config.json num_key_value_heads"),
-    ("attention_bias", True, "config.json attention_bias"),
-    ("model_type", "mistral", "config.json model_type"),
-    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "config.json rope_scaling"),
+@pytest.mark.parametrize("case,field,value", [
+    ("softmax", "num_key_value_heads", 1),
+    ("softmax", "attention_bias", True),
+    ("softmax", "mlp_bias", True),
+    ("softmax", "model_type", "mistral"),
+    ("softmax", "rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+    ("softmax", "hidden_act", "gelu"),
+    ("gdn2", "attn", {"layers": [1], "num_heads": 2}),
+    ("gdn2", "num_v_heads", 4),
+    ("deltanet", "use_beta", False),
+    ("deltanet", "qk_norm", "sum"),
+    ("deltanet", "qk_activation", "relu"),
+    ("deltanet", "use_output_norm", False),
+    ("gated_deltanet", "output_gate_activation", "relu"),
+    ("kda", "lower_bound", -5.0),
 ])
-def test_import_refuses_what_mixerlab_cannot_hold(field, value, key, tmp_path):
-    out = _exported(tmp_path)
+def test_import_refuses_what_mixerlab_cannot_hold(case, field, value, tmp_path):
+    key = "config.json " + field
+    out = _exported(tmp_path, case)
     hf = json.load(open(out / "config.json"))
     hf[field] = value
     json.dump(hf, open(out / "config.json", "w"))
