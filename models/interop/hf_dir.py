@@ -138,7 +138,7 @@ def config_from_hf(hf: dict, hf_dir: str):
     name, model, mixers = targets.from_hf(hf)
     raw = json.loads(json.dumps(hf.get(MIXERLAB_KEY) or {}))
     stored = raw.get("model") or {}
-    raw_model = {k: v for k, v in stored.items() if k in ("dtype", "remat", "ffn_activation")}
+    raw_model = {k: v for k, v in stored.items() if k not in model}  # dtype, remat, ...: no target field
     # widths the stored config left unset (derived) stay unset when the target's values equal the derived ones
     if stored.get("head_dim") is None and model["head_dim"] == model["d_model"] // model["num_heads"]:
         model["head_dim"] = None

@@ -47,7 +47,9 @@ EXPORTABLE = {
     "kda_softmax_hybrid": dict(mixer="kda", layer_pattern=["kda", "softmax"], mixer_options=LOW_RANK),
     "softmax_gated_deltanet_hybrid": dict(mixer="softmax", layer_pattern=["softmax", "gated_deltanet"],
                                           mixer_options={"rope_theta": 500.0}),
-    "gdn2_tied": dict(mixer="gdn2", tie_embeddings=True, mixer_options=LOW_RANK | {"gate_act": "sigmoid"}),
+    # remat has no target field: it comes back from the stored mixerlab config
+    "gdn2_tied": dict(mixer="gdn2", tie_embeddings=True, remat="block",
+                      mixer_options=LOW_RANK | {"gate_act": "sigmoid"}),
 }
 
 
