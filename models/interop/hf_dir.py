@@ -36,7 +36,7 @@ def flat_params(model) -> dict[str, np.ndarray]:
 
 def to_tensors(cfg, name: str, flat: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The target's tensors; every mixerlab parameter must be used by exactly one row."""
-    rows = tables.expand(tables.table(name), cfg.model.num_layers, targets.flags(cfg, name))
+    rows = tables.rows(cfg.model.layer_mixers, targets.flags(cfg, name))
     used, out = set(), {}
     for target, path, layout in rows:
         if path not in flat:
@@ -135,19 +135,24 @@ def config_from_hf(hf: dict, hf_dir: str):
     mixer options taken from the target's own fields."""
     from mixerlab.training.config import from_dict
 
-    name, model, mixer = targets.from_hf(hf)
+    name, model, mixers = targets.from_hf(hf)
     raw = json.loads(json.dumps(hf.get(MIXERLAB_KEY) or {}))
     stored = raw.get("model") or {}
-    raw_model = {k: v for k, v in stored.items() if k in ("dtype", "remat", "ffn_activation")}
+    raw_model = {k: v for k, v in stored.items() if k not in model}  # dtype, remat, ...: no target field
     # widths the stored config left unset (derived) stay unset when the target's values equal the derived ones
     if stored.get("head_dim") is None and model["head_dim"] == model["d_model"] // model["num_heads"]:
         model["head_dim"] = None
     if stored.get("value_head_dim") is None and model["value_head_dim"] in (None, model["head_dim"]
                                                                            or model["d_model"] // model["num_heads"]):
         model["value_head_dim"] = None
+    if stored.get("layer_pattern") and model.get("layer_pattern"):  # the stored period if it tiles the same way
+        n, period = model["num_layers"], list(stored["layer_pattern"])
+        if [period[i % len(period)] for i in range(n)] == model["layer_pattern"]:
+            model["layer_pattern"] = period
+        model["mixer"] = stored.get("mixer", model["mixer"])  # unused beside a layer_pattern: keep it as stored
     raw["model"] = raw_model | model
-    old = (raw.get("mixers") or {}).get(name) or {}
-    raw["mixers"] = {name: old | mixer}
+    old = raw.get("mixers") or {}
+    raw["mixers"] = {k: (old.get(k) or {}) | v for k, v in mixers.items()}
     data = raw.setdefault("data", {})
     tok = os.path.join(hf_dir, TOKENIZER_JSON)
     if os.path.isfile(tok):
@@ -156,7 +161,19 @@ def config_from_hf(hf: dict, hf_dir: str):
         data["tokenizer"] = {"kind": "sentencepiece", "path": os.path.abspath(os.path.join(hf_dir, "tokenizer.model"))}
     elif (data.get("tokenizer") or {}).get("kind") != "byte":
         data["tokenizer"] = {"kind": "byte", "path": None}
+    if "vocab_size" in stored and stored["vocab_size"] is None and _tokenizer_vocab(data) == model["vocab_size"]:
+        raw["model"]["vocab_size"] = None  # the stored config took the tokenizer's size, and it still fits
     return from_dict(raw)
+
+
+def _tokenizer_vocab(data: dict) -> int | None:
+    from mixerlab.training.tokenizer import load_tokenizer
+
+    tok = data.get("tokenizer") or {}
+    try:
+        return load_tokenizer(tok.get("kind", "hf"), tok.get("path")).vocab_size
+    except (OSError, ValueError):
+        return None
 
 
 def import_model(hf_dir: str):
@@ -168,15 +185,15 @@ def import_model(hf_dir: str):
 
     hf = read_config(hf_dir)
     cfg = config_from_hf(hf, hf_dir)
-    name = cfg.model.mixer
+    name = targets.target_mixer(cfg)
     weights = os.path.join(hf_dir, WEIGHTS)
     if not os.path.isfile(weights):
         raise FileNotFoundError(f"{hf_dir!r}: no {WEIGHTS} (sharded or .bin checkpoints are not read)")
     tensors = load_file(weights)
     if cfg.model.tie_embeddings:
         tensors.pop("lm_head.weight", None)  # some writers store the tied head too
-    vocab = cfg.model.vocab_size
-    rows = tables.expand(tables.table(name), cfg.model.num_layers, targets.flags(cfg, name))
+    vocab = int(hf["vocab_size"])
+    rows = tables.rows(cfg.model.layer_mixers, targets.flags(cfg, name))
     graphdef, abstract, _ = nnx.split(abstract_model(cfg, vocab), nnx.Param, ...)
     shapes = {_path_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract))[0]}
     flat = {}

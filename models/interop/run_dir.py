@@ -31,7 +31,8 @@ def export_run(run_path: str, out_dir: str, step: int | None = None, *, notes: l
 
 
 def import_run(hf_dir: str, run_dir: str, step: int = 0) -> str:
-    """Writes ``run_dir`` (config.yaml + checkpoints/<step>) from an HF directory; returns the mixer name."""
+    """Writes ``run_dir`` (config.yaml + checkpoints/<step>) from an HF directory; returns the mixer names
+    ("+"-joined for a hybrid)."""
     from mixerlab.training.checkpoint import Checkpointer
     from mixerlab.training.config import from_dict
     from mixerlab.training.optim import make_optimizer
@@ -64,4 +65,4 @@ def import_run(hf_dir: str, run_dir: str, step: int = 0) -> str:
             raise ValueError(f"{hf_dir!r}: the imported parameters are not all finite; nothing was saved")
     finally:
         checkpointer.close()
-    return cfg.model.mixer
+    return "+".join(sorted(set(cfg.model.layer_mixers)))

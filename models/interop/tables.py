@@ -69,6 +69,9 @@ _FLA_LOW_RANK = (
     (_A + "dt_bias", _M + "dt_bias", "copy", None),
 )
 
+# softmax layers inside an fla model (its ``attn`` hybrid setting: fla/layers/attn.py ``Attention``)
+FLA_ATTENTION = tuple((_A + f"{n}_proj.weight", _M + f"{n}_proj.kernel", "linear", None) for n in "qkvo")
+
 MIXER_TABLES = {
     "softmax": LLAMA_ATTENTION,
     "deltanet": _FLA_QKVO + (
@@ -92,10 +95,17 @@ MIXER_TABLES = {
 }
 
 
-def table(mixer: str) -> tuple:
-    """The full table of a model whose every layer is ``mixer``: backbone rows + the mixer's rows."""
-    backbone = LLAMA_BACKBONE if mixer == "softmax" else FLA_BACKBONE
-    return backbone + MIXER_TABLES[mixer]
+def rows(layer_mixers, flags: set[str]) -> list[tuple[str, str, str]]:
+    """(target name, mixerlab path, layout) of a model with these per-layer mixers: the backbone (Llama for an
+    all-softmax model, fla otherwise) and each layer's mixer table (softmax layers of an fla model: fla's
+    ``Attention``); rows whose ``when`` is not in ``flags`` are left out."""
+    llama = set(layer_mixers) == {"softmax"}
+    backbone = LLAMA_BACKBONE if llama else FLA_BACKBONE
+    out = _expand(backbone, range(len(layer_mixers)), flags)  # mixer tables hold per-layer rows only
+    for i, mixer in enumerate(layer_mixers):
+        table = FLA_ATTENTION if mixer == "softmax" and not llama else MIXER_TABLES[mixer]
+        out += _expand(table, [i], flags)
+    return out
 
 
 def to_target(layout: str, x: np.ndarray) -> np.ndarray:
@@ -116,14 +126,14 @@ def from_target(layout: str, x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
-def expand(rows, num_layers: int, flags: set[str]) -> list[tuple[str, str, str]]:
-    """(target name, mixerlab path, layout) for every layer, keeping the rows whose ``when`` is in ``flags``."""
+def _expand(table, layers, flags: set[str]) -> list[tuple[str, str, str]]:
+    """Rows with ``{i}`` once per layer in ``layers``; the others (embeddings, final norm, head) once."""
     out = []
-    for name, path, layout, when in rows:
+    for name, path, layout, when in table:
         if when is not None and when not in flags:
             continue
         if "{i}" in name:
-            out.extend((name.format(i=i), path.format(i=i), layout) for i in range(num_layers))
+            out.extend((name.format(i=i), path.format(i=i), layout) for i in layers)
         else:
             out.append((name, path, layout))
     return out

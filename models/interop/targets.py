@@ -26,17 +26,22 @@ _TARGETS = "softmax -> llama; deltanet, gated_deltanet, kda, gdn2 -> fla"
 
 
 def target_mixer(cfg) -> str:
-    """The one mixer of the model (refused: hybrids, mixers without a target)."""
+    """The model's mixer (a hybrid's recurrent one); refused: hybrids a target cannot hold, mixers without one."""
     m = cfg.model
     mixers = sorted(set(m.layer_mixers))
-    if len(mixers) > 1:
+    recurrent = [x for x in mixers if x != "softmax"]
+    if len(recurrent) > 1 or (len(mixers) > 1 and recurrent[0] not in FLA_MODEL_TYPES):
         raise refuse("model.layer_pattern", list(m.layer_pattern),
-                     "a hybrid of several mixers; neither LlamaForCausalLM nor this exporter's fla models mix "
-                     "layer kinds")
-    name = mixers[0]
+                     "a hybrid of these mixers; fla's models hold one recurrent mixer plus softmax layers (attn), "
+                     "Llama holds softmax only", "fla with one of " + ", ".join(FLA_MODEL_TYPES) + " + softmax")
+    name = recurrent[0] if recurrent else "softmax"
     if name not in MODEL_TYPES:
         raise refuse("model.mixer", name, f"no HF transformers or fla model holds this mixer (targets: {_TARGETS})")
     return name
+
+
+def hybrid(cfg) -> bool:
+    return len(set(cfg.model.layer_mixers)) > 1
 
 
 def check(cfg, vocab_size: int, tokenizer_vocab: int | None) -> str:
@@ -50,6 +55,9 @@ def check(cfg, vocab_size: int, tokenizer_vocab: int | None) -> str:
         raise refuse("model.vocab_size", vocab_size, f"smaller than the tokenizer's vocabulary ({tokenizer_vocab}); "
                      "token ids past the embedding cannot be represented")
     _CHECKS[name](cfg, cfg.mixer_options(name))
+    if hybrid(cfg) and m.key_head_dim != m.d_model // m.num_heads:
+        raise refuse("model.head_dim", m.key_head_dim, f"fla's attention layers (attn) have head_dim = hidden_size / "
+                     f"num_heads ({m.d_model // m.num_heads})", "Llama (softmax layers only)")
     return name
 
 
@@ -141,6 +149,10 @@ def hf_config(cfg, name: str, vocab_size: int, eos_id: int | None) -> dict:
                     "norm_eps": m.norm_eps, "use_short_conv": o.use_short_conv, "conv_size": o.conv_size,
                     "allow_neg_eigval": o.allow_neg_eigval, "attn": None, "fuse_norm": True, "fuse_swiglu": True,
                     "fuse_cross_entropy": True, "use_l2warp": False}
+    if hybrid(cfg):
+        fla["attn"] = {"layers": [i for i, x in enumerate(m.layer_mixers) if x == "softmax"],
+                       "num_heads": m.num_heads, "num_kv_heads": m.num_heads, "qkv_bias": False, "window_size": None,
+                       "rope_theta": cfg.mixer_options("softmax").rope_theta}
     if name == "deltanet":
         return fla | {"expand_k": _expand(m, m.key_head_dim), "expand_v": _expand(m, m.value_width),
                       "use_gate": o.use_output_gate, "use_beta": True, "use_output_norm": True, "qk_norm": "l2",
@@ -166,8 +178,8 @@ def _need(hf: dict, key: str, ok, why: str):
 
 
 def from_hf(hf: dict) -> tuple[str, dict, dict]:
-    """(mixer name, mixerlab ``model`` fields, ``mixers.<name>`` fields) of an HF config; refuses what mixerlab's
-    Decoder cannot hold."""
+    """(mixer name, mixerlab ``model`` fields, {mixer: ``mixers.<mixer>`` fields}) of an HF config; refuses what
+    mixerlab's Decoder cannot hold."""
     model_type = hf.get("model_type")
     if model_type not in MIXER_OF:
         raise refuse("config.json model_type", model_type, f"mixerlab imports {_SUPPORTED_IMPORT}")
@@ -191,8 +203,10 @@ def from_hf(hf: dict) -> tuple[str, dict, dict]:
               "mixerlab's RoPE has no scaling")
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         model |= {"head_dim": hf.get("head_dim") or d // heads, "value_head_dim": None, "norm_eps": hf["rms_norm_eps"]}
-        return name, model, {"rope_theta": float(theta)}
-    _need(hf, "attn", lambda v: not v, "fla hybrid layers (attn) are not imported")
+        return name, model, {name: {"rope_theta": float(theta)}}
+    mixers = {}
+    if hf.get("attn"):
+        model["layer_pattern"], mixers["softmax"] = _attn_layers(hf, name, heads)
     _need(hf, "num_v_heads", lambda v: v in (None, heads), "grouped value heads; mixerlab has one value head per "
           "query head")
     eps = hf["norm_eps"]
@@ -206,7 +220,9 @@ def from_hf(hf: dict) -> tuple[str, dict, dict]:
         _need(hf, "qk_norm", lambda v: v in (None, "l2"), "mixerlab L2-normalises q and k")
         _need(hf, "qk_activation", lambda v: v in (None, "silu"), "mixerlab's q/k activation is silu")
         _need(hf, "use_output_norm", lambda v: v in (None, True), "mixerlab always normalises the output")
-        mixer |= {"use_output_gate": bool(hf.get("use_gate", False)), "gate_act": "silu"}
+        mixer["use_output_gate"] = bool(hf.get("use_gate", False))
+        if mixer["use_output_gate"]:  # fla's gate is swish; without a gate, gate_act stays as stored
+            mixer["gate_act"] = "silu"
     else:
         dk = hf["head_dim"]
         dv = int(dk * hf.get("expand_v", 1.0))
@@ -223,7 +239,24 @@ def from_hf(hf: dict) -> tuple[str, dict, dict]:
             _need(hf, "lower_bound", lambda v: v is None, "a clamp without safe_gate; mixerlab's KDA bounds the "
                   "decay only with safe_gate")
     model |= {"head_dim": dk, "value_head_dim": dv}
-    return name, model, mixer
+    return name, model, {name: mixer} | mixers
+
+
+def _attn_layers(hf: dict, name: str, heads: int) -> tuple[list, dict]:
+    """fla's ``attn`` hybrid setting -> (mixerlab layer_pattern, mixers.softmax fields)."""
+    specs = hf["attn"] if isinstance(hf["attn"], list) else [hf["attn"]]
+    if len(specs) != 1:
+        raise refuse("config.json attn", specs, "several attention specs; mixerlab has one softmax mixer setting")
+    spec = specs[0]
+    for key, ok, why in (("num_kv_heads", lambda v: v in (None, heads), "grouped-query attention"),
+                         ("num_heads", lambda v: v == heads, "attention heads other than the model's num_heads"),
+                         ("qkv_bias", lambda v: not v, "q/k/v biases"), ("qk_norm", lambda v: not v, "q/k norms"),
+                         ("window_size", lambda v: v is None, "sliding-window attention")):
+        if not ok(spec.get(key)):
+            raise refuse(f"config.json attn.{key}", spec.get(key), f"{why}; mixerlab's softmax mixer has none")
+    layers = set(spec["layers"])
+    pattern = ["softmax" if i in layers else name for i in range(hf["num_hidden_layers"])]
+    return pattern, {"rope_theta": float(spec.get("rope_theta") or 10000.0)}
 
 
 def options_dict(options) -> dict:

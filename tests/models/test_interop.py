@@ -34,7 +34,7 @@ LOW_RANK = {"norm_eps": EPS, "decay_rank": DV, "gate_rank": DV}
 EXPORTABLE = {
     "softmax": dict(mixer_options={"rope_theta": 5000.0}),
     "softmax_tied_hd24": dict(mixer="softmax", head_dim=24, tie_embeddings=True),
-    "deltanet": dict(mixer_options={"norm_eps": EPS}),
+    "deltanet": dict(mixer_options={"norm_eps": EPS, "gate_act": "sigmoid"}),  # no output gate: act unused
     "deltanet_gate_noconv": dict(mixer="deltanet", mixer_options={"norm_eps": EPS, "use_output_gate": True,
                                                                   "use_short_conv": False}),
     "gated_deltanet": dict(mixer_options={"norm_eps": EPS, "allow_neg_eigval": True, "conv_size": 3}),
@@ -44,12 +44,22 @@ EXPORTABLE = {
     "kda": dict(mixer_options=LOW_RANK),
     "kda_safe_gate": dict(mixer="kda", mixer_options=LOW_RANK | {"safe_gate": True, "safe_gate_lower_bound": -3.0}),
     "gdn2": dict(mixer_options=LOW_RANK | {"gate_act": "sigmoid"}),
-    "gdn2_tied": dict(mixer="gdn2", tie_embeddings=True, mixer_options=LOW_RANK | {"gate_act": "sigmoid"}),
+    "kda_softmax_hybrid": dict(mixer="kda", layer_pattern=["kda", "softmax"], mixer_options=LOW_RANK),
+    "softmax_gated_deltanet_hybrid": dict(mixer="softmax", layer_pattern=["softmax", "gated_deltanet"],
+                                          mixer_options={"rope_theta": 500.0}),
+    # remat has no target field: it comes back from the stored mixerlab config
+    "gdn2_tied": dict(mixer="gdn2", tie_embeddings=True, remat="block",
+                      mixer_options=LOW_RANK | {"gate_act": "sigmoid"}),
 }
 
 
 def _cfg(case):
     spec = dict(EXPORTABLE[case])
+    if case == "softmax_gated_deltanet_hybrid":  # options for two mixers
+        cfg = make_cfg("softmax", layer_pattern=spec["layer_pattern"])
+        raw = cfg.to_dict()
+        raw["mixers"] = {"softmax": spec["mixer_options"], "gated_deltanet": {"norm_eps": EPS}}
+        return from_dict(raw)
     return make_cfg(spec.pop("mixer", case), **spec)
 
 
@@ -78,8 +88,17 @@ def test_round_trip_is_bit_exact(case, tmp_path):
     for k in a:
         assert a[k].dtype == b[k].dtype == np.float32 and np.array_equal(a[k], b[k]), k
     np.testing.assert_array_equal(np.asarray(model(TOKENS)), np.asarray(model2(TOKENS)))
-    assert cfg2.model == cfg.model and cfg2.mixer_options(cfg.model.mixer) == cfg.mixer_options(cfg.model.mixer)
+    assert cfg2.model == cfg.model
+    assert all(cfg2.mixer_options(x) == cfg.mixer_options(x) for x in set(cfg.model.layer_mixers))
     assert json.load(open(tmp_path / "config.json"))["model_type"] == model_type
+
+
+def test_vocab_size_left_to_the_tokenizer_stays_so(tmp_path):
+    cfg = make_cfg("softmax", vocab_size=None)  # the byte tokenizer's 257 ids
+    export_model(build_model(cfg, 257), cfg, str(tmp_path))
+    assert json.load(open(tmp_path / "config.json"))["vocab_size"] == 257
+    cfg2, model2 = import_model(str(tmp_path))
+    assert cfg2.model.vocab_size is None and model2.embed.embedding.shape == (257, D)
 
 
 # ---- the targets' names and shapes, from their source -----------------------------------------------------
@@ -134,17 +153,27 @@ EXPECTED = {
     "gdn2": _backbone("embeddings", "attn_norm", "mlp_norm", False) | _per_layer(
         _fla_qkvo(D, D) | _fla_low_rank(D, D, DV) | {"attn.b_proj.weight": (D, D), "attn.w_proj.weight": (D, D)}),
 }
+_ATTN = {f"attn.{n}_proj.weight": (D, D) for n in "qkvo"}
+EXPECTED["kda_softmax_hybrid"] = _backbone("embeddings", "attn_norm", "mlp_norm", False) | {
+    f"model.layers.0.{k}": v for k, v in (_fla_qkvo(D, D) | _fla_low_rank(D, D, DV) | {"attn.b_proj.weight": (H, D)})
+    .items()} | {f"model.layers.1.{k}": v for k, v in _ATTN.items()}
+EXPECTED["softmax_gated_deltanet_hybrid"] = _backbone("embeddings", "attn_norm", "mlp_norm", False) | {
+    f"model.layers.0.{k}": v for k, v in _ATTN.items()} | {f"model.layers.1.{k}": v for k, v in (
+        _fla_qkvo(D, D) | {"attn.a_proj.weight": (H, D), "attn.b_proj.weight": (H, D), "attn.A_log": (H,),
+                           "attn.dt_bias": (H,), "attn.g_proj.weight": (D, D)}).items()}
 EXPECTED["gated_deltanet_sigmoid"] = EXPECTED["gated_deltanet"] | _per_layer(_fla_qkvo(D, D, conv=4))
 EXPECTED["kda_safe_gate"] = EXPECTED["kda"]
 EXPECTED["gdn2_tied"] = {k: v for k, v in EXPECTED["gdn2"].items() if k != "lm_head.weight"}
-MODEL_TYPES = {"softmax": "llama", "deltanet": "delta_net", "gated_deltanet": "gated_deltanet", "kda": "kda",
+MODEL_TYPES = {"softmax_gated_deltanet_hybrid": "gated_deltanet",
+               "softmax": "llama", "deltanet": "delta_net", "gated_deltanet": "gated_deltanet", "kda": "kda",
                "gdn2": "gdn2"}
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED))
 def test_tensor_names_and_shapes_are_the_targets(case, tmp_path):
     cfg = _cfg(case)
-    assert export_model(build_model(cfg, V), cfg, str(tmp_path)) == MODEL_TYPES[cfg.model.mixer]
+    assert export_model(build_model(cfg, V), cfg, str(tmp_path)) == MODEL_TYPES.get(case, MODEL_TYPES[
+        cfg.model.mixer])
     tensors = safetensors_numpy.load_file(str(tmp_path / "model.safetensors"))
     assert {k: tuple(x.shape) for k, x in tensors.items()} == EXPECTED[case]
     assert all(x.dtype == np.float32 for x in tensors.values())
@@ -178,7 +207,9 @@ def test_config_json_fields(tmp_path):
 
 # ---- refusals: one line naming the key ---------------------------------------------------------------------
 REFUSED = {
-    "model.layer_pattern": dict(mixer="gdn2", layer_pattern=["gdn2", "softmax"]),
+    "model.layer_pattern": dict(mixer="gdn2", layer_pattern=["gdn2", "kda"]),
+    "model.head_dim": dict(mixer="kda", layer_pattern=["kda", "softmax"], head_dim=24,
+                           mixer_options=LOW_RANK | {"decay_rank": 24, "gate_rank": 24}),
     "model.mixer": dict(mixer="linear_attention"),
     "model.ffn_kind": dict(mixer="softmax", ffn_kind="mlp"),
     "model.vocab_size": dict(mixer="softmax", vocab_size=200),  # the byte tokenizer has 257 ids
@@ -222,16 +253,33 @@ def _exported(tmp_path, case="softmax"):
     return out
 
 
-@pytest.mark.parametrize("field,value,key", [
-    ("num_key_value_heads", 1, "config.json num_key_value_heads"),
-    ("attention_bias", True, "config.json attention_bias"),
-    ("model_type", "mistral", "config.json model_type"),
-    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "config.json rope_scaling"),
+@pytest.mark.parametrize("case,field,value", [
+    ("softmax", "num_key_value_heads", 1),
+    ("softmax", "attention_bias", True),
+    ("softmax", "mlp_bias", True),
+    ("softmax", "model_type", "mistral"),
+    ("softmax", "rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+    ("softmax", "hidden_act", "gelu"),
+    ("kda_softmax_hybrid", "attn", [{"layers": [1], "num_heads": 2}, {"layers": [0], "num_heads": 2}]),
+    ("kda_softmax_hybrid", "attn.window_size", 64),
+    ("kda_softmax_hybrid", "attn.num_kv_heads", 1),
+    ("kda_softmax_hybrid", "attn.qkv_bias", True),
+    ("gdn2", "num_v_heads", 4),
+    ("deltanet", "use_beta", False),
+    ("deltanet", "qk_norm", "sum"),
+    ("deltanet", "qk_activation", "relu"),
+    ("deltanet", "use_output_norm", False),
+    ("gated_deltanet", "output_gate_activation", "relu"),
+    ("kda", "lower_bound", -5.0),
 ])
-def test_import_refuses_what_mixerlab_cannot_hold(field, value, key, tmp_path):
-    out = _exported(tmp_path)
+def test_import_refuses_what_mixerlab_cannot_hold(case, field, value, tmp_path):
+    key = "config.json " + field
+    out = _exported(tmp_path, case)
     hf = json.load(open(out / "config.json"))
-    hf[field] = value
+    if field.startswith("attn."):
+        hf["attn"][field[5:]] = value
+    else:
+        hf[field] = value
     json.dump(hf, open(out / "config.json", "w"))
     with pytest.raises(InteropRefused) as e:
         import_model(str(out))
