@@ -62,8 +62,8 @@ class ModelConfig:
     init_std: float = 0.02
     dtype: Literal["float32", "bfloat16"] = "float32"  # activation/compute dtype; parameters stay float32
     residual_dtype: Literal["float32", "bfloat16"] | None = "float32"  # the residual stream between blocks (and the
-    #   norms on it); None: model.dtype. float32 keeps a bfloat16 run as close to float32 as torch autocast is
-    #   (docs/benchmarks/mixed_precision_h200.md)
+    #   norms on it); None: model.dtype. float32 is what torch autocast keeps; the branches compute in model.dtype
+    #   (docs/benchmarks/parity_h200.md)
     remat: Literal["none", "block", "kernels", "dots", "mixer", "auto"] = "none"  # activation checkpointing, per
     #   block: keep only its input; kernels: + the mixer kernels' outputs/residuals; dots: + every matmul output;
     #   mixer: recompute only the token mixer; auto: the fastest of none/dots/kernels/block whose compiled train
