@@ -49,6 +49,7 @@ class RunResult:
     checkpoint_dir: str
     skipped_steps: list  # steps whose update was skipped (non-finite loss or gradient)
     preempted: bool = False  # stopped early by SIGTERM (after saving a checkpoint)
+    vocab_size: int | None = None  # the model's (the reference for "diverged": ln(vocab_size), training/run_summary.py)
 
 
 class Trainer:
@@ -340,6 +341,7 @@ class _Loop:
     def setup(self, tokenizer, vocab_size: int, *, progress: bool) -> None:
         """Model, data, outputs and the restored state (close() undoes whatever part of this ran)."""
         cfg, run_dir, ckpt_dir, t_cfg = self.cfg, self.run_dir, self.ckpt_dir, self.cfg.train
+        self.vocab_size = vocab_size
         self.trainer = Trainer(cfg, vocab_size)
         self.trainer.initialize()
         self.n_params = sum(x.size for x in jax.tree.leaves(self.trainer.params))
@@ -362,6 +364,7 @@ class _Loop:
         # after the restore: a refused checkpoint leaves the metrics alone
         self.metrics = MetricsWriter(run_dir, self.staging)
         self._resume_metrics()
+        self._record_config_changes()
         self.tracker = tracking.open_tracker(cfg, run_dir)  # W&B when logging.wandb; else a no-op
         if jax.process_index() == 0:
             storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False),
@@ -416,6 +419,16 @@ class _Loop:
         if dropped:
             _say(f"resuming at step {self.start_step}: dropped {dropped} metrics rows logged after it "
                  f"(they are logged again as the steps rerun)")
+
+    def _record_config_changes(self) -> None:
+        """A resumed run whose settings changed (optim.lr, train.steps, ...) says so in metrics.jsonl, from what to
+        what (the terminal and train.log got the same notes before the run started)."""
+        if not self.start_step:
+            return
+        changed = {k: {"from": a, "to": b} for k, (a, b) in run_dir_lib.changed_settings(self.cfg, self.run_dir).items()
+                   if k not in ("train.output_dir", "train.resume")}
+        if changed:
+            self.metrics.write_event(self.start_step, "config_change", {"changed": changed})
 
     def _reset_window(self) -> None:  # throughput over train steps only: no evals/checkpoints
         self.window_tokens, self.window_seconds, self.steps_in_window = 0.0, 0.0, 0
@@ -591,7 +604,7 @@ class _Loop:
         return RunResult(run_dir=self.run_dir, final_step=self.last_step, train_losses=self.train_losses,
                          val_loss=self.val_loss, metrics_path=self.metrics.jsonl_url, plot_path=plot_path,
                          checkpoint_dir=self.ckpt_dir, skipped_steps=self.skipped_steps,
-                         preempted=self.preemption.requested)
+                         preempted=self.preemption.requested, vocab_size=self.vocab_size)
 
 
 class _Profiler:
