@@ -528,6 +528,8 @@ class _Loop:
             row["mfu"] = tok_s * self.flops.per_token / (jax.device_count() * self.chip[1])
         self.metrics.write(step, "train", row)
         self.tracker.write(step, "train", row)
+        log.info("step %d: loss %.4f, grad norm %.3g, lr %.3g, %.0f tokens/s%s", step, m["loss"], m["grad_norm"],
+                 row["lr"], tok_s, " (update skipped)" if m["skipped"] else "")
         if self.bar is not None:
             extra = {"mfu": f"{row['mfu']:.1%}"} if "mfu" in row else {}
             self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tok_s:,.0f}", **extra)
@@ -664,11 +666,12 @@ def _progress(enabled: bool, start: int, total: int):
 
 def _say(msg: str, bar=None) -> None:
     """A message for the terminal that also goes to the run's log file."""
-    log.info(msg)
     _print(msg, bar)
 
 
 def _print(msg: str, bar=None) -> None:
+    """Everything the run prints also goes to train.log (INFO: the terminal's handler shows WARNING and up)."""
+    log.info(msg)
     if jax.process_index() != 0:
         return
     if bar is not None:
