@@ -14,10 +14,13 @@ import os
 import sys
 import time
 
+from .cli_errors import entry_point
+
 # errors raised by this package (training or mixerlab.training, by layout) are already one readable line
 _OWN_PACKAGE = __package__
 
 
+@entry_point("mixerlab-train")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/base.yaml", help="YAML config (default: configs/base.yaml)")

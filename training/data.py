@@ -124,7 +124,7 @@ def _not_parquet_message(path: str, key: str, text_column: str) -> str:
             f"(data.text_column): one .parquet file, a directory of them or a glob; or token shards with "
             f"data.format=pretokenized. Convert a JSONL file (one {{\"{text_column}\": ...}} object per line; "
             f"plain text: one such line per document) with `mixerlab-prepare-data --source FILE.jsonl --out DIR` "
-            f"and set {key}=DIR/{'val' if 'val' in key else 'train'}")
+            f"and point {key} at DIR/{'train' if key == 'data.train_path' else 'val'}")
 
 
 def _remote_parquet_files(url: str, key: str) -> list[str]:
