@@ -43,3 +43,30 @@ def quiet_cpu_setup(environ: MutableMapping[str, str] | None = None, platform: s
     if environ is None and "JAX_PLATFORMS" in made and "jax" in sys.modules:
         sys.modules["jax"].config.update("jax_platforms", "cpu")  # no effect once a backend is running
     return made
+
+
+def select_test_platform(environ: MutableMapping[str, str] | None = None,
+                         platform: str | None = None) -> tuple[str, str]:
+    """The JAX platform of a test session and why (tests/conftest.py; its report header prints both).
+
+    JAX_PLATFORMS set by the user or the Makefile wins. Otherwise the machine decides: without a GPU or TPU the
+    CPU settings above; with one, ``JAX_PLATFORMS=<it>,cpu`` (its tests run on it, the CPU backend stays
+    available to the tests that ask for it by name) and, on a GPU, no preallocation (the test process and the
+    processes it starts share the one GPU)."""
+    env = os.environ if environ is None else environ
+    if "JAX_PLATFORMS" in env:
+        chosen, why = env["JAX_PLATFORMS"] or "JAX's default", "JAX_PLATFORMS is set"
+    else:
+        found = platform or detect_platform()
+        if found == "cpu":
+            env["JAX_PLATFORMS"] = chosen = "cpu"
+            why = "no GPU or TPU found"
+        else:
+            env["JAX_PLATFORMS"] = chosen = f"{found},cpu"
+            why = f"{'a GPU' if found == 'cuda' else 'a TPU'} found"
+            if found == "cuda":
+                env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if chosen == "cpu":  # libtpu is loaded on CPU too (TPU topology compiles): keep it quiet
+        for key, value in CPU_SETTINGS.items():
+            env.setdefault(key, value)
+    return chosen, why
