@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 LOG_NAME = "train.log"
 PROFILE_NAME = "profile"
 PLOT_NAME = "loss_curve.png"
+# The first steps of a process compile the train step (the first; the second can compile again for the layouts
+# of the step's own outputs): the profile window and the progress bar's rate and ETA start after them.
+WARMUP_STEPS = 2
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
@@ -382,7 +385,8 @@ class _Loop:
         self.last_step = self.start_step
         self.preemption = _SigtermFlag()
         self.profiler = _Profiler(cfg.profile, self.staging.path(PROFILE_NAME),
-                                  storage.join(run_dir, PROFILE_NAME))
+                                  storage.join(run_dir, PROFILE_NAME), process_start=self.start_step,
+                                  busy=self._busy_step, last_step=t_cfg.steps)
         self.bar = _progress(progress, self.start_step, t_cfg.steps)
         self._reset_window()
 
@@ -473,7 +477,13 @@ class _Loop:
         self.profiler.after(step)
         self.last_step = step
         if self.bar is not None:
-            self.bar.update(1)
+            _advance(self.bar, step - self.start_step)
+
+    def _busy_step(self, step: int) -> bool:
+        """A step followed by host work: the metrics fetch, an evaluation or a checkpoint."""
+        t_cfg, every = self.cfg.train, self.cfg.checkpoint.every
+        return (step % t_cfg.log_every == 0 or step == t_cfg.steps or bool(every and step % every == 0)
+                or bool(self.val_batches and step % t_cfg.eval_every == 0))
 
     def _fetch_metrics(self) -> None:
         """One host sync for the pending steps; then, step by step: losses, skip checks and rows."""
@@ -609,11 +619,47 @@ class _Loop:
                          preempted=self.preemption.requested, vocab_size=self.vocab_size)
 
 
-class _Profiler:
-    """Captures a jax.profiler trace (TensorBoard/xprof + a Perfetto JSON) of profile.num_steps steps."""
+def steady_profile_window(requested: int, num_steps: int, process_start: int, busy, last_step: int) -> int:
+    """The first step of a profile window of ``num_steps`` steps that measures the steady state: not before the
+    process's compile steps (WARMUP_STEPS after ``process_start``), and, when one exists a little later, a window
+    whose steps before its last are not followed by host work (``busy``: metrics fetch, evaluation, checkpoint;
+    the last step's work comes after the trace stops)."""
+    first = max(requested, process_start + WARMUP_STEPS + 1)
+    for start in range(first, min(first + 64, last_step - num_steps + 2)):
+        if not any(busy(s) for s in range(start, start + num_steps - 1)):
+            return start
+    return first
 
-    def __init__(self, cfg, directory: str, url: str | None = None):
-        self.first, self.last = cfg.start_step, cfg.start_step + cfg.num_steps - 1
+
+def _advance(bar, nth: int) -> None:
+    """One step on the progress bar; the rate (and ETA) counts only the steps after the process's compile steps."""
+    if nth > WARMUP_STEPS:
+        bar.update(1)
+        return
+    from tqdm.std import EMA
+
+    bar.n += 1
+    bar.initial = bar.last_print_n = bar.n  # the rate restarts from here
+    bar.last_print_t = bar.start_t = bar._time()
+    bar._ema_dn, bar._ema_dt = EMA(bar.smoothing), EMA(bar.smoothing)
+    bar.refresh()
+
+
+class _Profiler:
+    """Captures a jax.profiler trace (TensorBoard/xprof + a Perfetto JSON) of profile.num_steps steps, moved past
+    the compile steps and host work when needed (steady_profile_window)."""
+
+    def __init__(self, cfg, directory: str, url: str | None = None, *, process_start: int = 0, busy=None,
+                 last_step: int | None = None):
+        first = cfg.start_step
+        if cfg.start_step > 0 and last_step is not None:
+            first = steady_profile_window(cfg.start_step, cfg.num_steps, process_start, busy or (lambda s: False),
+                                          last_step)
+            if first != cfg.start_step and jax.process_index() == 0:
+                _say(f"profile: steps {first}-{first + cfg.num_steps - 1} instead of {cfg.start_step}-"
+                     f"{cfg.start_step + cfg.num_steps - 1} (profile.start_step): after the steps that compile and "
+                     f"clear of logging, evaluation and checkpoint steps")
+        self.first, self.last = first, first + cfg.num_steps - 1
         self.enabled = cfg.start_step > 0 and (cfg.all_hosts or jax.process_index() == 0)
         self.directory, self.active = directory, False  # written locally; uploaded to url (if remote) at the end
         self.url = url or directory
