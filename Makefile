@@ -8,6 +8,9 @@
 #   cpu   anything else (CI)                   -> .venv from requirements/cpu.lock (Python 3.11, JAX 0.10.2 with
 #         libtpu: the tests compile TPU programs, so only here JAX is forced onto the CPU and given a fake TPU
 #         topology)
+# `make test` runs the platform's tests: on cpu the suite without the extended tests (2 workers); on cuda the
+# tests marked gpu, on the GPU (one worker: the processes would share the GPU); on tpu the suite on the TPU (one
+# worker: a TPU belongs to one process). TEST_MARKERS=... and TEST_WORKERS=... override (docs/testing.md).
 # PYTHON=... picks another interpreter for the platform's venv, LOCK=... another lock.
 ifeq ($(origin PLATFORM),undefined)
   ifneq ($(shell nvidia-smi -L >/dev/null 2>&1 && echo yes),)
@@ -31,9 +34,17 @@ ifeq ($(PLATFORM),cpu)
   export TPU_ACCELERATOR_TYPE ?= v5litepod-4
   export TPU_WORKER_HOSTNAMES ?= localhost
   export ALLOW_MULTIPLE_LIBTPU_LOAD ?= 1
+  TEST_MARKERS ?= not extended
+  TEST_WORKERS ?= 2
 else ifneq ($(filter $(PLATFORM),cuda tpu),)
   PYTHON ?= python3.12
   VENV := .venv-$(PLATFORM)
+  TEST_WORKERS ?= 1
+  ifeq ($(PLATFORM),cuda)
+    TEST_MARKERS ?= gpu and not extended
+  else
+    TEST_MARKERS ?= not extended
+  endif
 else
   $(error PLATFORM=$(PLATFORM) is not one of: cpu, cuda, tpu)
 endif
@@ -66,11 +77,17 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m basedpyright --pythonpath $(PY)
 
+# the tests on a GPU/TPU host: its platform first (tests/conftest.py picks the same when JAX_PLATFORMS is unset)
+ifneq ($(PLATFORM),cpu)
+test test-all: export JAX_PLATFORMS ?= $(PLATFORM),cpu
+endif
+
 test: lint
-	$(PY) -m pytest -n 2 --dist loadgroup -q --durations=25 -m "not extended" $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -q --durations=25 -m "$(TEST_MARKERS)" $(ARGS)
 
 test-all: lint  # make test plus the tests marked extended (larger shapes and variants; ~2x the time)
-	MIXERLAB_TEST_ALL=1 $(PY) -m pytest -n 2 --dist loadgroup -q --durations=25 $(ARGS)
+	MIXERLAB_TEST_ALL=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -q --durations=25 \
+	  $(if $(filter cuda,$(PLATFORM)),-m gpu) $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -48,6 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mixerlab.training.cli_errors import entry_point
+
 MIN_BUCKET = 16
 PREFILL_CHUNK = 2048  # tokens per parallel prefill chunk (a power of two)
 
@@ -351,6 +353,7 @@ def _generate_batch(model, ids, args, stop, seed):
     return _finish(out, n_out, stop_ids), t1 - t0, t2 - t1
 
 
+@entry_point("mixerlab-generate")
 def main(argv: Sequence[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)

@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from mixerlab.models.decoder import extend_logits
+from mixerlab.training.cli_errors import entry_point, naming
 from mixerlab.training import storage
 
 LN2 = math.log(2.0)
@@ -313,7 +314,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def evaluate_run(args: argparse.Namespace) -> dict:
     from mixerlab.eval.checkpoint import load_run, resolve_run_dirs
 
-    run = load_run(args.run, args.step)
+    with naming(f"--run {args.run}" + (f" --step {args.step}" if args.step is not None else "")):
+        run = load_run(args.run, args.step)
     cfg, tok, model = run.cfg, run.tokenizer, run.model
     t = cfg.data.seq_len
     data = args.data or cfg.data.val_path
@@ -354,6 +356,7 @@ def evaluate_run(args: argparse.Namespace) -> dict:
     return report
 
 
+@entry_point("mixerlab-eval")
 def main(argv=None) -> int:
     args = parse_args(argv)
     report = evaluate_run(args)

@@ -1,13 +1,14 @@
-"""Test-wide settings: CPU JAX, quiet libtpu, the repo root as the working directory, and one persistent XLA
-compile cache per test session."""
+"""Test-wide settings: the JAX platform (the machine's: CPU with a quiet libtpu, or its GPU/TPU; JAX_PLATFORMS
+wins), the repo root as the working directory, and one persistent XLA compile cache per test session."""
 import os
 import shutil
 import tempfile
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
-os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several test workers may load libtpu at once
+from mixerlab.training.environment import select_test_platform
+
+# Before JAX is imported. On a CPU machine: JAX_PLATFORMS=cpu and libtpu's quieting variables (several test
+# workers may load libtpu at once); on a GPU/TPU host its platform first, so that the gpu tests run there.
+PLATFORM, PLATFORM_WHY = select_test_platform()
 
 import pytest  # noqa: E402
 
@@ -26,6 +27,16 @@ XLA_CACHE_SETTINGS = {  # the JAX option -> its value; the environment variable 
     "jax_persistent_cache_min_compile_time_secs": 0.1,  # not the many tiny eager-mode programs
     "jax_persistent_cache_min_entry_size_bytes": 0,
 }
+
+
+def pytest_report_header(config):
+    return f"mixerlab: JAX platform {PLATFORM} ({PLATFORM_WHY})"
+
+
+def pytest_terminal_summary(terminalreporter):
+    # also after the results: make test runs pytest -q, which leaves the header out
+    if not hasattr(terminalreporter.config, "workerinput"):
+        terminalreporter.write_line(f"mixerlab: JAX platform {PLATFORM} ({PLATFORM_WHY})")
 
 
 def pytest_configure(config):

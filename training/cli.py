@@ -15,10 +15,13 @@ import os
 import sys
 import time
 
+from .cli_errors import entry_point
+
 # errors raised by this package (training or mixerlab.training, by layout) are already one readable line
 _OWN_PACKAGE = __package__
 
 
+@entry_point("mixerlab-train")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/base.yaml",
@@ -71,19 +74,60 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # one readable line here; the traceback goes to the run's log file
         return _report_error(cfg, e)
     minutes = (time.perf_counter() - start) / 60
-    print(f"\n{'stopped' if result.preempted else 'done'} in {minutes:.1f} min: step {result.final_step}, "
-          f"final train loss {result.train_losses.get(result.final_step, float('nan')):.4f}"
-          + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""))
-    print(f"  metrics:     {result.metrics_path} (TensorBoard: {result.run_dir.rstrip('/')}/tensorboard)")
-    print(f"  checkpoints: {result.checkpoint_dir}")
+    lines, code = _summary(cfg, result, minutes)
+    print("\n" + "\n".join(lines))
+    _append_to_run_log(cfg, "".join(f"{time.strftime('%Y-%m-%d %H:%M:%S')} INFO train.py: {line}\n"
+                                    for line in lines), primary_only=True)
+    return code
+
+
+def _summary(cfg, result, minutes: float) -> tuple[list[str], int]:
+    """The end-of-run lines and the exit code: 0 done, 143 stopped by SIGTERM, 1 diverged."""
+    from .run_summary import completed_run_lines, divergence, divergence_lines
+
+    if not result.train_losses and not result.preempted and result.final_step >= cfg.train.steps:
+        return completed_run_lines(result.metrics_path, cfg.train.steps) + [
+            f"  metrics:     {result.metrics_path}", f"  checkpoints: {result.checkpoint_dir}"], 0
+    diverged = divergence(result.train_losses, result.vocab_size)
+    lines = [f"{'stopped' if result.preempted else 'diverged' if diverged else 'done'} in {minutes:.1f} min: step "
+             f"{result.final_step}, final train loss {result.train_losses.get(result.final_step, float('nan')):.4f}"
+             + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""),
+             f"  metrics:     {result.metrics_path} (TensorBoard: {result.run_dir.rstrip('/')}/tensorboard)",
+             f"  checkpoints: {result.checkpoint_dir}"]
     if result.plot_path:
-        print(f"  loss curve:  {result.plot_path}")
+        lines.append(f"  loss curve:  {result.plot_path}")
     if result.skipped_steps:
-        print(f"  skipped steps (non-finite): {len(result.skipped_steps)}: {result.skipped_steps[:20]}")
+        lines.append(f"  skipped steps (non-finite): {len(result.skipped_steps)}: {result.skipped_steps[:20]}")
+    if diverged:
+        lines += divergence_lines(diverged, result.checkpoint_dir, cfg.optim.lr)
     if result.preempted:
-        print("stopped by SIGTERM before the last step; run the same command to resume")
-        return 143
-    return 0
+        lines.append("stopped by SIGTERM before the last step; run the same command to resume")
+        return lines, 143
+    return lines, 1 if diverged else 0
+
+
+def _append_to_run_log(cfg, text: str, *, primary_only: bool = False) -> str | None:
+    """Appends ``text`` to <output_dir>/train.log (the run's log is closed by now); its path, or None when it
+    is not written (``primary_only`` and not process 0, or an error)."""
+    import jax
+
+    from mixerlab.training import storage
+
+    from .loop import LOG_NAME
+
+    if primary_only and jax.process_index() != 0:
+        return None
+    log_path = storage.join(storage.absolute(cfg.train.output_dir), LOG_NAME)
+    try:
+        if storage.is_url(log_path):  # no append on object stores: the log is rewritten with the entry added
+            previous = storage.read_text(log_path) if storage.exists(log_path) else ""
+            storage.write_text(log_path, previous + text)
+        else:
+            with open(log_path, "a") as f:
+                f.write(text)
+        return log_path
+    except OSError:
+        return None
 
 
 def _report_error(cfg, e: Exception) -> int:
@@ -92,7 +136,6 @@ def _report_error(cfg, e: Exception) -> int:
     import traceback
 
     from .checkpoint import short_error
-    from .loop import LOG_NAME
     from .run_dir import RunDirError
 
     if isinstance(e, RunDirError):  # a refused run writes nothing into the directory it refused
@@ -100,20 +143,9 @@ def _report_error(cfg, e: Exception) -> int:
         return 2
     ours = isinstance(e, FloatingPointError) or type(e).__module__.startswith(_OWN_PACKAGE)
     line = str(e) if ours or isinstance(e, ValueError) else short_error(e, limit=400)
-    from mixerlab.training import storage
-
-    log_path = storage.join(storage.absolute(cfg.train.output_dir), LOG_NAME)
     entry = f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR train.py: {line}\n" + "".join(traceback.format_exception(e))
-    try:
-        if storage.is_url(log_path):  # no append on object stores: the log is rewritten with the entry added
-            previous = storage.read_text(log_path) if storage.exists(log_path) else ""
-            storage.write_text(log_path, previous + entry)
-        else:
-            with open(log_path, "a") as f:
-                f.write(entry)
-        where = f" (details: {log_path})"
-    except OSError:
-        where = ""
+    log_path = _append_to_run_log(cfg, entry)
+    where = f" (details: {log_path})" if log_path else ""
     print(f"error: {line}{where}", file=sys.stderr)
     return 2 if isinstance(e, ValueError) else 1
 

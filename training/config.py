@@ -223,7 +223,11 @@ def _read_yaml_chain(path: str, seen: tuple[str, ...]) -> dict:
         raise ConfigError(f"config file {path!r}: 'inherit' forms a cycle ({' -> '.join(seen + (real,))})")
     with open(path) as f:
         try:
-            data = yaml.safe_load(f) or {}
+            data = yaml.load(f, Loader=_UniqueKeyLoader) or {}
+        except _DuplicateKey as e:
+            raise ConfigError(f"config file {path!r}, line {e.line}: key {e.key!r} appears twice in the same "
+                              f"mapping (first on line {e.first_line}); YAML would keep only the last one, so "
+                              f"merge the two") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
@@ -235,6 +239,33 @@ def _read_yaml_chain(path: str, seen: tuple[str, ...]) -> dict:
         raise ConfigError(f"config file {path!r}: 'inherit' must be a file name, got {parent!r}")
     parent_path = parent if os.path.isabs(parent) else os.path.join(os.path.dirname(path), parent)
     return _deep_merge(_read_yaml_chain(parent_path, seen + (real,)), data)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key, line: int, first_line: int):
+        super().__init__(key)
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping, at any depth (plain YAML keeps the last
+    one silently: a second ``train:`` section would drop the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = {}
+            for key_node, _value in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # <<: *anchor; overriding a merged key is fine
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, line, seen[key])
+                except TypeError:  # an unhashable key: SafeLoader's own error follows
+                    continue
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _deep_merge(base: dict, top: dict) -> dict:

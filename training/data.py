@@ -92,6 +92,8 @@ def resolve_parquet_files(path: str, key: str, text_column: str = "text") -> lis
         except storage.StorageError:
             raise
         except Exception as e:  # not Parquet, truncated, ...
+            if not _starts_like_parquet(f):
+                raise ValueError(_not_parquet_message(f, key, text_column)) from None
             raise ValueError(f"{key}: cannot read the Parquet schema of {f!r}: {e}") from e
         if text_column not in schema.names:
             raise ValueError(f"{key}: {f!r} has no column {text_column!r} (data.text_column); "
@@ -103,6 +105,26 @@ def resolve_parquet_files(path: str, key: str, text_column: str = "text") -> lis
             raise ValueError(f"{key}: column {text_column!r} (data.text_column) of {f!r} has type {kind}, not "
                              f"string{hint}; name a text column")
     return files
+
+
+def _starts_like_parquet(path: str) -> bool:
+    """True unless a local file's first bytes are not Parquet's magic ``PAR1`` (remote files: not checked)."""
+    if storage.is_url(path):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PAR1"
+    except OSError:
+        return True
+
+
+def _not_parquet_message(path: str, key: str, text_column: str) -> str:
+    """JSONL or plain text given where the trainer reads Parquet: which formats are read and how to convert."""
+    return (f"{key}: {path!r} is not a Parquet file. Training reads Parquet with a {text_column!r} string column "
+            f"(data.text_column): one .parquet file, a directory of them or a glob; or token shards with "
+            f"data.format=pretokenized. Convert a JSONL file (one {{\"{text_column}\": ...}} object per line; "
+            f"plain text: one such line per document) with `mixerlab-prepare-data --source FILE.jsonl --out DIR` "
+            f"and point {key} at DIR/{'train' if key == 'data.train_path' else 'val'}")
 
 
 def _remote_parquet_files(url: str, key: str) -> list[str]:

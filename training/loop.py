@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 LOG_NAME = "train.log"
 PROFILE_NAME = "profile"
 PLOT_NAME = "loss_curve.png"
+# The first steps of a process compile the train step (the first; the second can compile again for the layouts
+# of the step's own outputs): the profile window and the progress bar's rate and ETA start after them.
+WARMUP_STEPS = 2
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
@@ -51,6 +54,7 @@ class RunResult:
     checkpoint_dir: str
     skipped_steps: list  # steps whose update was skipped (non-finite loss or gradient)
     preempted: bool = False  # stopped early by SIGTERM (after saving a checkpoint)
+    vocab_size: int | None = None  # the model's (the reference for "diverged": ln(vocab_size), training/run_summary.py)
 
 
 class Trainer:
@@ -353,6 +357,7 @@ class _Loop:
     def setup(self, tokenizer, vocab_size: int, *, progress: bool) -> None:
         """Model, data, outputs and the restored state (close() undoes whatever part of this ran)."""
         cfg, run_dir, ckpt_dir, t_cfg = self.cfg, self.run_dir, self.ckpt_dir, self.cfg.train
+        self.vocab_size = vocab_size
         self.trainer = Trainer(cfg, vocab_size)
         self.trainer.initialize()
         self.n_params = sum(x.size for x in jax.tree.leaves(self.trainer.params))
@@ -375,6 +380,7 @@ class _Loop:
         # after the restore: a refused checkpoint leaves the metrics alone
         self.metrics = MetricsWriter(run_dir, self.staging)
         self._resume_metrics()
+        self._record_config_changes()
         self.tracker = tracking.open_tracker(cfg, run_dir)  # W&B when logging.wandb; else a no-op
         if jax.process_index() == 0:
             storage.write_text(storage.join(run_dir, "config.yaml"), yaml.safe_dump(cfg.to_dict(), sort_keys=False),
@@ -393,7 +399,8 @@ class _Loop:
         self.last_step = self.start_step
         self.preemption = _SigtermFlag()
         self.profiler = _Profiler(cfg.profile, self.staging.path(PROFILE_NAME),
-                                  storage.join(run_dir, PROFILE_NAME))
+                                  storage.join(run_dir, PROFILE_NAME), process_start=self.start_step,
+                                  busy=self._busy_step, last_step=t_cfg.steps)
         self.bar = _progress(progress, self.start_step, t_cfg.steps)
         self._reset_window()
 
@@ -430,6 +437,16 @@ class _Loop:
         if dropped:
             _say(f"resuming at step {self.start_step}: dropped {dropped} metrics rows logged after it "
                  f"(they are logged again as the steps rerun)")
+
+    def _record_config_changes(self) -> None:
+        """A resumed run whose settings changed (optim.lr, train.steps, ...) says so in metrics.jsonl, from what to
+        what (the terminal and train.log got the same notes before the run started)."""
+        if not self.start_step:
+            return
+        changed = {k: {"from": a, "to": b} for k, (a, b) in run_dir_lib.changed_settings(self.cfg, self.run_dir).items()
+                   if k not in ("train.output_dir", "train.resume")}
+        if changed:
+            self.metrics.write_event(self.start_step, "config_change", {"changed": changed})
 
     def _reset_window(self) -> None:  # throughput over train steps only: no evals/checkpoints
         self.window_tokens, self.window_seconds, self.steps_in_window = 0.0, 0.0, 0
@@ -475,7 +492,13 @@ class _Loop:
         self.profiler.after(step)
         self.last_step = step
         if self.bar is not None:
-            self.bar.update(1)
+            _advance(self.bar, step - self.start_step)
+
+    def _busy_step(self, step: int) -> bool:
+        """A step followed by host work: the metrics fetch, an evaluation or a checkpoint."""
+        t_cfg, every = self.cfg.train, self.cfg.checkpoint.every
+        return (step % t_cfg.log_every == 0 or step == t_cfg.steps or bool(every and step % every == 0)
+                or bool(self.val_batches and step % t_cfg.eval_every == 0))
 
     def _fetch_metrics(self) -> None:
         """One host sync for the pending steps; then, step by step: losses, skip checks and rows."""
@@ -530,6 +553,8 @@ class _Loop:
         row.update(self._utilisation())
         self.metrics.write(step, "train", row)
         self.tracker.write(step, "train", row)
+        log.info("step %d: loss %.4f, grad norm %.3g, lr %.3g, %.0f tokens/s%s", step, m["loss"], m["grad_norm"],
+                 row["lr"], tok_s, " (update skipped)" if m["skipped"] else "")
         if self.bar is not None:
             extra = {"mfu": f"{row['mfu']:.1%}"} if "mfu" in row else {}
             self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tok_s:,.0f}", **extra)
@@ -622,14 +647,50 @@ class _Loop:
         return RunResult(run_dir=self.run_dir, final_step=self.last_step, train_losses=self.train_losses,
                          val_loss=self.val_loss, metrics_path=self.metrics.jsonl_url, plot_path=plot_path,
                          checkpoint_dir=self.ckpt_dir, skipped_steps=self.skipped_steps,
-                         preempted=self.preemption.requested)
+                         preempted=self.preemption.requested, vocab_size=self.vocab_size)
+
+
+def steady_profile_window(requested: int, num_steps: int, process_start: int, busy, last_step: int) -> int:
+    """The first step of a profile window of ``num_steps`` steps that measures the steady state: not before the
+    process's compile steps (WARMUP_STEPS after ``process_start``), and, when one exists a little later, a window
+    whose steps before its last are not followed by host work (``busy``: metrics fetch, evaluation, checkpoint;
+    the last step's work comes after the trace stops)."""
+    first = max(requested, process_start + WARMUP_STEPS + 1)
+    for start in range(first, min(first + 64, last_step - num_steps + 2)):
+        if not any(busy(s) for s in range(start, start + num_steps - 1)):
+            return start
+    return first
+
+
+def _advance(bar, nth: int) -> None:
+    """One step on the progress bar; the rate (and ETA) counts only the steps after the process's compile steps."""
+    if nth > WARMUP_STEPS:
+        bar.update(1)
+        return
+    from tqdm.std import EMA
+
+    bar.n += 1
+    bar.initial = bar.last_print_n = bar.n  # the rate restarts from here
+    bar.last_print_t = bar.start_t = bar._time()
+    bar._ema_dn, bar._ema_dt = EMA(bar.smoothing), EMA(bar.smoothing)
+    bar.refresh()
 
 
 class _Profiler:
-    """Captures a jax.profiler trace (TensorBoard/xprof + a Perfetto JSON) of profile.num_steps steps."""
+    """Captures a jax.profiler trace (TensorBoard/xprof + a Perfetto JSON) of profile.num_steps steps, moved past
+    the compile steps and host work when needed (steady_profile_window)."""
 
-    def __init__(self, cfg, directory: str, url: str | None = None):
-        self.first, self.last = cfg.start_step, cfg.start_step + cfg.num_steps - 1
+    def __init__(self, cfg, directory: str, url: str | None = None, *, process_start: int = 0, busy=None,
+                 last_step: int | None = None):
+        first = cfg.start_step
+        if cfg.start_step > 0 and last_step is not None:
+            first = steady_profile_window(cfg.start_step, cfg.num_steps, process_start, busy or (lambda s: False),
+                                          last_step)
+            if first != cfg.start_step and jax.process_index() == 0:
+                _say(f"profile: steps {first}-{first + cfg.num_steps - 1} instead of {cfg.start_step}-"
+                     f"{cfg.start_step + cfg.num_steps - 1} (profile.start_step): after the steps that compile and "
+                     f"clear of logging, evaluation and checkpoint steps")
+        self.first, self.last = first, first + cfg.num_steps - 1
         self.enabled = cfg.start_step > 0 and (cfg.all_hosts or jax.process_index() == 0)
         self.directory, self.active = directory, False  # written locally; uploaded to url (if remote) at the end
         self.url = url or directory
@@ -682,11 +743,12 @@ def _progress(enabled: bool, start: int, total: int):
 
 def _say(msg: str, bar=None) -> None:
     """A message for the terminal that also goes to the run's log file."""
-    log.info(msg)
     _print(msg, bar)
 
 
 def _print(msg: str, bar=None) -> None:
+    """Everything the run prints also goes to train.log (INFO: the terminal's handler shows WARNING and up)."""
+    log.info(msg)
     if jax.process_index() != 0:
         return
     if bar is not None:

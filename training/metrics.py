@@ -44,6 +44,14 @@ class MetricsWriter:
         for k, v in values.items():
             self._tb.add_scalar(f"{split}/{k}", float(v), int(step))
 
+    def write_event(self, step: int, split: str, fields: dict) -> None:
+        """A row that is not a scalar (e.g. ``config_change`` with the settings a resumed run changed): in
+        metrics.jsonl only, where readers select rows by ``split``."""
+        if not self.enabled:
+            return
+        with open(self.jsonl_path, "a") as f:
+            f.write(json.dumps({"step": int(step), "split": split, **fields}) + "\n")
+
     def truncate_after(self, step: int) -> int:
         """On resume, drop rows logged after the checkpoint we restart from (they will be logged again, and
         rows of an attempt that never reached a checkpoint belong to no run). Returns the rows dropped."""
@@ -75,7 +83,7 @@ class MetricsWriter:
             self._tb = SummaryWriter(self.tb_dir, flush_secs=10)
             for row in read_metrics(self.jsonl_path):
                 for k, v in row.items():
-                    if k not in ("step", "split"):
+                    if k not in ("step", "split") and isinstance(v, (int, float)):  # scalars (not events)
                         self._tb.add_scalar(f"{row['split']}/{k}", float(v), int(row["step"]))
             self._tb.flush()
         return dropped

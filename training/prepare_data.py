@@ -46,6 +46,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mixerlab.training.cli_errors import entry_point
+
 TOOL_VERSION = 1
 SPLITS = ("train", "val")
 DATA_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".json")
@@ -337,6 +339,7 @@ def _check(args, ap) -> None:
         ap.error("--seq_len: only meaningful with --pretokenize (it reports packed rows of the token shards)")
 
 
+@entry_point("mixerlab-prepare-data")
 def main(argv: Sequence[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)

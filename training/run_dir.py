@@ -23,14 +23,20 @@ class RunDirError(ValueError):
 
 
 # Keys a resumed run may change: they do not alter the model, the optimizer state or the data order.
+# The optimizer's schedule and decay keys only change the update from the resumed step on (its state, the
+# moments and the step count, has the same shape and meaning): lowering optim.lr after a divergence is allowed.
 SAFE_KEYS = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "train.output_dir",
              "train.resume", "train.max_consecutive_skips", "train.microbatches", "train.loss_chunk", "train.prefetch",
-             "checkpoint.", "profile.", "logging.", "mesh.", "data.val_path", "model.remat")
+             "checkpoint.", "profile.", "logging.", "mesh.", "data.val_path", "model.remat",
+             "optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.weight_decay")
 # Changes that alter which batches follow the saved data position. The position is grain's iterator state per
 # batch row (each row reads its own slice of the documents) and per packed sequence, so it has no meaning for
 # another batch size, sequence length, file set, tokenizer, shuffle seed or worker layout: refused, not remapped.
 DATA_KEYS = ("train.batch_size", "train.seed", "data.")
-NOTES = {"train.steps": "the cosine schedule now decays over the new number of steps"}
+NOTES = {"train.steps": "the cosine schedule now decays over the new number of steps",
+         "optim.lr": "the schedule's peak and floor (optim.lr x optim.min_lr_ratio) change from the resumed step on",
+         "optim.min_lr_ratio": "the cosine schedule now decays to the new floor",
+         "optim.warmup_steps": "the schedule is recomputed from the resumed step on"}
 
 
 def check_writable(path: str, key: str) -> None:
@@ -93,18 +99,54 @@ def _kind(key: str) -> str:
     return "state"
 
 
+_MISSING = "<not set>"
+_LEADING = ("model.mixer", "model.layer_pattern")  # the changes that bring other keys with them
+
+
+def changed_settings(cfg, run_dir: str) -> dict:
+    """{key: (value stored with the newest checkpoint, value now)} of every key that differs; {} without a
+    checkpoint (or without a stored config)."""
+    _step, stored = _newest_stored_config(run_dir)
+    if stored is None:
+        return {}
+    old, new = _flatten(stored), _flatten(cfg.to_dict())
+    return {k: (old.get(k, _MISSING), new.get(k, _MISSING)) for k in sorted(set(old) | set(new))
+            if old.get(k, _MISSING) != new.get(k, _MISSING)}
+
+
+def _describe_refused(refused: dict) -> str:
+    """The user's changes first (keys set on both sides with different values; the mixer first), then the keys
+    they brought or removed (e.g. the old mixer's mixers.<name>.* options), grouped by section."""
+    both = {k: v for k, v in refused.items() if _MISSING not in v}
+    order = sorted(both, key=lambda k: (k not in _LEADING, k))
+    parts = [f"{k}: {both[k][0]!r} in the checkpoint, {both[k][1]!r} now" for k in order]
+    groups: dict = {}
+    for k, (a, _b) in refused.items():
+        if k not in both:
+            groups.setdefault((k.rsplit(".", 1)[0], a == _MISSING), []).append(k)
+    for (section, added), keys in sorted(groups.items()):
+        where = "set now, not in the checkpoint" if added else "in the checkpoint, not set now"
+        names = ", ".join(k.rsplit(".", 1)[1] for k in keys)
+        parts.append(f"{section}.* ({len(keys)} keys: {names}) {where}" if len(keys) > 1 else f"{keys[0]}: {where}")
+    return "; ".join(parts)
+
+
+def _new_output_dir(cfg, run_dir: str) -> str:
+    """A train.output_dir next to ``run_dir`` that holds nothing yet (named after the new mixer when it changed)."""
+    base = f"{run_dir.rstrip('/')}-{cfg.model.mixer}"
+    candidate, n = base, 2
+    while storage.exists(candidate, "train.output_dir"):
+        candidate, n = f"{base}-{n}", n + 1
+    return candidate
+
+
 def compare_with_checkpoint(cfg, run_dir: str) -> list[str]:
     """Notes on the allowed changes; RunDirError naming every refused key with both values."""
-    step, stored = _newest_stored_config(run_dir)
-    if step is None or stored is None:
-        return []
-    old, new = _flatten(stored), _flatten(cfg.to_dict())
-    missing = "<not set>"
-    changed = {k: (old.get(k, missing), new.get(k, missing)) for k in sorted(set(old) | set(new))
-               if old.get(k, missing) != new.get(k, missing)}
+    step, _stored = _newest_stored_config(run_dir)
+    changed = changed_settings(cfg, run_dir) if step is not None else {}
     refused = {k: v for k, v in changed.items() if _kind(k) != "safe"}
     if refused:
-        what = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in refused.items())
+        what = _describe_refused(refused)
         why = []
         if any(_kind(k) == "state" for k in refused):
             why.append("the model or optimizer state would differ")
@@ -113,8 +155,8 @@ def compare_with_checkpoint(cfg, run_dir: str) -> list[str]:
                        "files, tokenizer, order, workers) and cannot be remapped to the new one")
         raise RunDirError(
             f"{run_dir} holds checkpoints (newest step {step}) of a run with a different config: {what}. Refused "
-            f"because {' and '.join(why)}; nothing in the directory was changed. Resume with the old values, "
-            f"or start over with train.resume=false (the old files are kept as *.previous-N) or a new "
-            f"train.output_dir")
+            f"because {' and '.join(why)}; nothing in the directory was changed. Start the new run in a new "
+            f"directory (train.output_dir={_new_output_dir(cfg, run_dir)}), resume with the old values, or start "
+            f"over here with train.resume=false (the old files are kept as *.previous-N)")
     return [f"{k}: {a!r} in the checkpoint, {b!r} now" + (f" ({NOTES[k]})" if k in NOTES else "")
             for k, (a, b) in changed.items() if k not in ("train.output_dir", "train.resume")]

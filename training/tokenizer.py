@@ -84,7 +84,7 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _HFTok
 
         self.path = path
-        self._tok = _HFTok.from_file(path)
+        self._tok = _read_hf_tokenizer(path, _HFTok)
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         for token in HF_EOS_CANDIDATES:
             tid = self._tok.token_to_id(token)
@@ -118,6 +118,28 @@ class HFTokenizer:
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
 
 
+def _read_hf_tokenizer(path: str, loader):
+    """``tokenizers.Tokenizer.from_file`` with errors that name the config key and what was expected (the
+    library's own is a bare ``Exception: EOF while parsing ...``)."""
+    import json
+
+    expected = ("data.tokenizer.kind='hf' expects a HuggingFace tokenizer.json (tokenizers' Tokenizer.save, "
+                "or mixerlab-train-tokenizer)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    except UnicodeDecodeError:
+        raise ValueError(f"data.tokenizer.path: {path!r} is not a text file; {expected}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"data.tokenizer.path: {path!r} is not valid JSON ({e.msg} at line {e.lineno}, "
+                         f"column {e.colno}); {expected}") from None
+    try:
+        return loader.from_file(path)
+    except Exception as e:  # valid JSON, but not a tokenizer (the library raises a bare Exception)
+        raise ValueError(f"data.tokenizer.path: {path!r} is JSON but not a tokenizer ({str(e).strip()}); "
+                         f"{expected}") from None
+
+
 class SentencePieceTokenizer:
     """A SentencePiece ``.model``."""
 
@@ -125,7 +147,12 @@ class SentencePieceTokenizer:
         import sentencepiece as spm
 
         self.path = path
-        self._sp = spm.SentencePieceProcessor(model_file=path)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=path)
+        except (RuntimeError, OSError) as e:  # "INTERNAL: could not parse ModelProto from ..."
+            raise ValueError(f"data.tokenizer.path: {path!r} is not a SentencePiece model (data.tokenizer.kind="
+                             f"'sentencepiece' expects the .model file written by spm.SentencePieceTrainer or "
+                             f"mixerlab-train-tokenizer): {str(e).strip()}") from None
         self.vocab_size = int(self._sp.get_piece_size())
         eos = int(self._sp.eos_id())
         if eos < 0:

@@ -15,6 +15,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from mixerlab.training.cli_errors import entry_point
 from mixerlab.training.prepare_data import PrepareError, epath, iter_documents
 from mixerlab.training.tokenizer import HF_EOS_CANDIDATES
 
@@ -66,6 +67,7 @@ def train(corpus: str, vocab_size: int, out: str, *, text_column: str = "text", 
             "eos_id": tok.token_to_id(EOS_TOKEN)}
 
 
+@entry_point("mixerlab-train-tokenizer")
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.train_tokenizer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--corpus", required=True, help="Parquet/JSONL file, directory or glob (local or bucket)")

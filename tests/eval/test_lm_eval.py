@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import mixerlab.eval.lm_eval_adapter  # noqa: F401  (registers "mixerlab")
 from mixerlab import eval
 from mixerlab.eval.checkpoint import load_run
 from mixerlab.eval.generate import greedy_generate
-from lm_eval import simple_evaluate
-from lm_eval.tasks import TaskManager
+
+pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (extra mixerlab[eval])")
+import mixerlab.eval.lm_eval_adapter  # noqa: E402, F401  (registers "mixerlab")
+from lm_eval import simple_evaluate  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
 
 TASKS = ["mixerlab_tiny_choice", "mixerlab_tiny_rolling", "mixerlab_tiny_generate"]
 DATA = "tests/eval/data"
@@ -34,7 +36,7 @@ def _full_precision_matmuls():
 
 @pytest.fixture(autouse=True)
 def _datasets_cache_in_tmp(tmp_path, monkeypatch):
-    import datasets
+    datasets = pytest.importorskip("datasets")  # lm_eval's own dependency
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets")
 

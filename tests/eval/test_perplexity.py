@@ -5,6 +5,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 
 import jax
@@ -117,8 +118,11 @@ def test_cli_writes_table_json_and_plot(tiny_run, tmp_path, capsys):
     assert os.path.getsize(out / "perplexity.png") > 10_000
     printed = capsys.readouterr().out
     assert "bits/byte" in printed and "Δtail" in printed and "streaming" in printed
-    with pytest.raises(ValueError, match=r"needs documents of at least 6401 tokens .* the longest in .* has \d+"):
-        ppl.main(["--run", tiny_run, "--data", str(src), "--context_multipliers", "100", "--out_dir", str(out)])
+    # a refused input: one line on stderr, exit code 2 (training/cli_errors.py)
+    assert ppl.main(["--run", tiny_run, "--data", str(src), "--context_multipliers", "100", "--out_dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(r"^mixerlab-eval: error: --context_multipliers 100: length extrapolation "
+                                       r"needs documents of at least 6401 tokens .* the longest in .* has \d+", err[0])
     with pytest.raises(SystemExit):  # argparse: a multiplier below 1
         ppl.main(["--run", tiny_run, "--context_multipliers", "0.5,1"])
     assert "must be >= 1" in capsys.readouterr().err

@@ -384,6 +384,30 @@ def test_file_without_text_column(tmp_path):
     assert str(bad) in msg and "'text'" in msg and "data.text_column" in msg and "content" in msg
 
 
+@pytest.mark.parametrize("name, content", [
+    ("docs.jsonl", '{"text": "hello world"}\n{"text": "more text here"}\n'),
+    ("docs.txt", "hello\n"),  # shorter than a Parquet footer
+    ("docs.parquet", "plain text under a Parquet name\n"),
+])
+def test_a_file_that_is_not_parquet_names_the_formats_and_the_converter(tmp_path, name, content):
+    bad = tmp_path / name
+    bad.write_text(content)
+    with pytest.raises(ValueError) as e:
+        data.check_text_data(str(bad), "data.train_path")
+    msg = str(e.value)
+    assert msg.startswith("data.train_path: ") and str(bad) in msg and "is not a Parquet file" in msg, msg
+    assert "data.format=pretokenized" in msg and "mixerlab-prepare-data --source" in msg, msg
+    assert "magic bytes" not in msg and "footer" not in msg, msg
+
+
+def test_a_truncated_parquet_file_keeps_the_reader_error(tmp_path):
+    bad = tmp_path / "cut.parquet"
+    write_parquet(tmp_path / "whole.parquet", ["hello world"] * 3)
+    bad.write_bytes((tmp_path / "whole.parquet").read_bytes()[:-20])
+    with pytest.raises(ValueError, match="cannot read the Parquet schema"):
+        data.check_text_data(str(bad), "data.train_path")
+
+
 def test_batch_not_divisible_by_processes(corpus):
     with pytest.raises(ValueError) as e:
         data.train_iterator(make_cfg(corpus.root / "train"), BYTE, global_batch_size=5, seed=0,

@@ -6,10 +6,7 @@ import os
 import shutil
 import sys
 
-import fsspec
-from fsspec.registry import _registry as FSSPEC_REGISTRY
 import pytest
-from fsspec.implementations.memory import MemoryFileSystem
 
 from mixerlab.training import checkpoint as checkpoint_lib
 from mixerlab.training import data as data_lib
@@ -17,6 +14,11 @@ from mixerlab.training import loop, storage
 from mixerlab.training.config import load_config
 from mixerlab.training.run_dir import RunDirError
 from mixerlab.training.tokenizer import load_tokenizer
+
+fsspec = pytest.importorskip("fsspec", reason="fsspec is not installed (runtime extra mixerlab[cloud])")
+from fsspec.registry import _registry as FSSPEC_REGISTRY  # noqa: E402
+from fsspec.implementations.memory import MemoryFileSystem  # noqa: E402
+
 
 EMBEDDED = "data/embedded"
 
@@ -80,9 +82,7 @@ def test_urls_are_joined_and_kept_whole_and_local_paths_are_unchanged(tmp_path):
 
 
 def test_gcsfs_is_the_gs_filesystem_class():
-    if importlib.util.find_spec("gcsfs") is None:
-        pytest.skip("gcsfs is not installed (runtime extra mixerlab[cloud])")
-    import gcsfs
+    gcsfs = pytest.importorskip("gcsfs", reason="gcsfs is not installed (runtime extra mixerlab[cloud])")
 
     assert fsspec.get_filesystem_class("gs") is gcsfs.GCSFileSystem
 

@@ -34,8 +34,9 @@ EMBEDDED = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.
 @pytest.fixture
 def s3(monkeypatch, tmp_path):
     """A moto S3 server on 127.0.0.1 with the embedded corpus and tokenizer uploaded; yields the s3fs filesystem."""
-    import boto3
-    import s3fs
+    boto3 = pytest.importorskip("boto3", reason="the S3 tests need mixerlab[cloud] and moto (mixerlab[dev])")
+    s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (runtime extra mixerlab[cloud])")
+    pytest.importorskip("moto", reason="moto is not installed (mixerlab[dev])")
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -161,7 +162,7 @@ def test_a_missing_bucket_is_named_with_the_config_key(s3):
 
 
 def test_missing_credentials_are_named_with_the_config_key(s3, monkeypatch):
-    import s3fs
+    s3fs = pytest.importorskip("s3fs")
 
     from mixerlab.training import data as data_lib
     from mixerlab.training.storage import StorageError

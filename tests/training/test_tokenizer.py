@@ -125,3 +125,19 @@ def test_path_rules():
     with pytest.raises(ValueError, match="data.tokenizer.path"):
         load_tokenizer("hf", None)
     assert os.path.exists(SHIPPED)
+
+
+@pytest.mark.parametrize("kind, name, content, expected", [
+    ("hf", "tokenizer.json", '{"model": {"type": "BPE"', "is not valid JSON (Expecting"),  # truncated
+    ("hf", "tokenizer.json", '{"vocab": [1, 2, 3]}', "is JSON but not a tokenizer"),
+    ("hf", "tokenizer.json", b"\x80\x81\xfe binary", "is not a text file"),
+    ("sentencepiece", "tok.model", "not a protobuf", "is not a SentencePiece model"),
+])
+def test_a_file_that_is_not_a_tokenizer_names_key_file_and_expectation(tmp_path, kind, name, content, expected):
+    path = tmp_path / name
+    path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+    with pytest.raises(ValueError) as e:
+        load_tokenizer(kind, str(path))
+    msg = str(e.value)
+    assert msg.startswith("data.tokenizer.path: ") and str(path) in msg and expected in msg, msg
+    assert f"data.tokenizer.kind='{kind}' expects" in msg and "\n" not in msg
