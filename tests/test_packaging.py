@@ -43,7 +43,8 @@ def test_checkout_imports_each_file_under_one_name_only():
     # every module comes from mixerlab.*, and no two module names share a file.
     code = ("import os, sys, json; import mixerlab.training.cli, mixerlab.training.loop, mixerlab.eval.perplexity; "
             "print(json.dumps({n: os.path.realpath(m.__file__) for n, m in list(sys.modules.items()) "
-            "if getattr(m, '__file__', None) and os.path.realpath(m.__file__).startswith(sys.argv[1] + os.sep)}))")
+            "if getattr(m, '__file__', None) and os.path.realpath(m.__file__).startswith(sys.argv[1] + os.sep) "
+            "and not os.path.realpath(m.__file__).startswith(os.path.realpath(sys.prefix) + os.sep)}))")  # a venv inside
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code, ROOT], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120)

@@ -8,8 +8,10 @@ import argparse
 import sys
 
 from mixerlab.models.interop.cli import run
+from mixerlab.training.cli_errors import entry_point
 
 
+@entry_point("mixerlab-export")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="mixerlab-export", description=__doc__.split("\n\n")[0])
     p.add_argument("run", help="run directory (train.output_dir) or its checkpoints/ directory")
@@ -25,7 +27,7 @@ def main(argv=None) -> int:
         yield f"wrote {args.out_dir}: model_type {model_type}, checkpoint step {step}"
         yield from notes
 
-    return run("mixerlab-export", action)
+    return run(action)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ import argparse
 import sys
 
 from mixerlab.models.interop.cli import run
+from mixerlab.training.cli_errors import entry_point
 
 
+@entry_point("mixerlab-import")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="mixerlab-import", description=__doc__.split("\n\n")[0])
     p.add_argument("hf_dir", help="HF model directory (config.json + model.safetensors)")
@@ -23,7 +25,7 @@ def main(argv=None) -> int:
         mixer = import_run(args.hf_dir, args.run_dir, args.step)
         yield f"wrote {args.run_dir}: {mixer} model, checkpoint step {args.step}"
 
-    return run("mixerlab-import", action)
+    return run(action)
 
 
 if __name__ == "__main__":

@@ -332,7 +332,7 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert import_cli.main([str(out), str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "num_key_value_heads=1" in err
-    assert import_cli.main([str(tmp_path / "missing"), str(tmp_path / "run2")]) == 1
+    assert import_cli.main([str(tmp_path / "missing"), str(tmp_path / "run2")]) == 2  # a missing input is the user's
     assert "config.json" in capsys.readouterr().err
 
 

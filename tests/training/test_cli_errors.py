@@ -26,7 +26,7 @@ def _main(script):
 
 # A bad input for each script and the words its one line must hold (a new script adds its row here).
 BAD_INPUT = {
-    "mixerlab-train": (lambda t: ["--config", str(t / "nope.yaml")], ["nope.yaml", "does not exist"]),
+    "mixerlab-train": (lambda t: ["--config", str(t / "nope.yaml")], ["--config", "nope.yaml", "no such file"]),
     "mixerlab-eval": (lambda t: ["--run", str(t / "nope")], ["--run", "no such directory"]),
     "mixerlab-generate": (lambda t: ["--run", str(t / "nope"), "--prompt", "hi"], ["--run", "no such directory"]),
     "mixerlab-prepare-data": (lambda t: ["--source", str(t / "nope.jsonl"), "--out", str(t / "out")],
