@@ -14,7 +14,7 @@ from mixerlab.models.decoder import build_model
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tests.models.test_interop import EXPORTABLE, V, _cfg, _randomize  # noqa: E402
+from tests.models.test_interop import EXPORTABLE, LOW_RANK, V, _cfg, _randomize, make_cfg  # noqa: E402
 
 LOGIT_TOL = 1e-5  # float32 on CPU: measured max |difference| ~2e-7 on logits of size ~1 (tiny models here)
 
@@ -102,6 +102,35 @@ def test_gdn2_needs_trust_remote_code(tmp_path):
     export_model(build_model(cfg, V), cfg, str(tmp_path))
     with pytest.raises(ValueError, match="contains custom code"):
         transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), trust_remote_code=False)
+
+
+def test_gdn2_hybrid_keeps_fla_attention_in_its_softmax_layers(tmp_path, monkeypatch):
+    """The copied model code swaps in GatedDeltaNet2 only where fla's config has no softmax (attn) layer."""
+    _fla_for("gdn2_softmax_hybrid", monkeypatch, forward=False)
+    from mixerlab.models.interop import export_model
+
+    cfg = make_cfg("gdn2", layer_pattern=["gdn2", "softmax"], mixer_options=LOW_RANK | {"gate_act": "sigmoid"})
+    assert export_model(_randomize(build_model(cfg, V, seed=2), seed=5), cfg, str(tmp_path)) == "gdn2"
+    hf = _load_hf(tmp_path)
+    assert [type(b.attn).__name__ for b in hf.model.layers] == ["GatedDeltaNet2", "Attention"]
+    _assert_tensors_equal(hf, tmp_path)
+
+
+def test_load_torch_drops_use_kernels_where_transformers_lacks_it(monkeypatch):
+    calls = []
+
+    def old_from_pretrained(hf_dir, **kwargs):  # an older transformers: no use_kernels argument
+        calls.append(kwargs)
+        if "use_kernels" in kwargs:
+            raise TypeError("__init__() got an unexpected keyword argument 'use_kernels'")
+        return "model"
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", old_from_pretrained)
+    from mixerlab.models.interop import load_torch
+
+    assert load_torch("dir", dtype=torch.float32) == "model"
+    assert calls == [{"use_kernels": False, "trust_remote_code": True, "dtype": torch.float32},
+                     {"trust_remote_code": True, "dtype": torch.float32}]
 
 
 @pytest.mark.parametrize("case", ["softmax", "gdn2_tied"])
