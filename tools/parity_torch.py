@@ -143,14 +143,10 @@ def DEVICE():  # noqa: N802  the GPU when torch sees one (the measurements), els
 
 def torch_model(hf_dir):
     import torch
-    import transformers
 
-    try:
-        import fla  # noqa: F401  registers fla's model classes with transformers' Auto classes
-    except ImportError:
-        pass
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, use_kernels=False)
-    return model.to(DEVICE())
+    from mixerlab.models.interop import load_torch
+
+    return load_torch(hf_dir, dtype=torch.float32).to(DEVICE())
 
 
 def torch_train(cfg, hf_dir, batches, *, autocast: bool):

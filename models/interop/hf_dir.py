@@ -1,6 +1,7 @@
 """An in-memory mixerlab ``Decoder`` <-> an HF model directory (``config.json`` + ``model.safetensors`` + tokenizer
-files). Tensors are written with ``safetensors.numpy`` (no torch needed), float32, in the target's names and
-layouts (``models/interop/tables.py``). ``config.json`` also carries the whole mixerlab config under the key
+files; for a target no library defines, also its model code from ``remote_code/``). Tensors are written with
+``safetensors.numpy`` (no torch needed), float32, in the target's names and layouts
+(``models/interop/tables.py``). ``config.json`` also carries the whole mixerlab config under the key
 ``mixerlab``: import reads it back for the settings the target has no field for (data, optimizer, ...), while
 the model's shape always comes from the target's own fields.
 """
@@ -14,7 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from mixerlab.models.interop import tables, targets
+from mixerlab.models.interop import remote_code, tables, targets
 from mixerlab.models.interop.errors import InteropRefused
 
 CONFIG = "config.json"
@@ -110,11 +111,15 @@ def export_model(model, cfg, out_dir: str, tokenizer_path: str | None = None, *,
     name = targets.check(cfg, vocab_size, tok_vocab)
     tensors = to_tensors(cfg, name, flat_params(model))
     hf = targets.hf_config(cfg, name, vocab_size, eos_id)
+    auto_map = remote_code.auto_map(hf["model_type"])
+    if auto_map:  # a model no library defines: transformers runs the copied model code (trust_remote_code)
+        hf["auto_map"] = auto_map
     hf[MIXERLAB_KEY] = cfg.to_dict()
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out_dir, CONFIG), "w") as f:
         json.dump(hf, f, indent=2)
+    remote_code.write(hf["model_type"], out_dir)
     note = _tokenizer_files(cfg, tokenizer_path, out_dir, eos_id)
     if notes is not None:
         notes.append(note)
@@ -178,7 +183,8 @@ def _tokenizer_vocab(data: dict) -> int | None:
 
 def import_model(hf_dir: str):
     """(cfg, model) of an HF directory written by ``export_model`` (or any checkpoint of the same target whose
-    settings mixerlab can hold); parameters float32, bit for bit the stored tensors."""
+    settings mixerlab can hold); parameters float32, bit for bit the stored tensors. Reads config.json and
+    model.safetensors only: an ``auto_map`` and copied model code are ignored."""
     from safetensors.numpy import load_file
 
     from mixerlab.models.decoder import abstract_model, build_model

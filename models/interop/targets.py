@@ -4,7 +4,8 @@ back from that config to mixerlab's ``model`` / ``mixers`` sections.
 Targets: ``softmax`` -> HF transformers ``LlamaForCausalLM`` (model_type ``llama``); ``deltanet``,
 ``gated_deltanet``, ``kda``, ``gdn2`` -> the flash-linear-attention (fla) models ``delta_net``, ``gated_deltanet``,
 ``kda`` (``fla.models``, flash-linear-attention 0.6.0) and ``gdn2`` (fla 0.6.0 ships the layer
-``fla.layers.GatedDeltaNet2`` but no model class: the directory uses the KDA model's layout, see docs/interop.md).
+``fla.layers.GatedDeltaNet2`` but no model class: the directory uses the KDA model's layout and carries its own
+model code, ``remote_code/``, see docs/interop.md).
 
 Settings that only choose an implementation or an initialisation (``implementation``, ``chunk_size``,
 ``leaf_size``, ``init_scheme``, ``model.remat``, ``model.dtype``) change no weight and no output of the exported

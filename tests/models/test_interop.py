@@ -90,7 +90,55 @@ def test_round_trip_is_bit_exact(case, tmp_path):
     np.testing.assert_array_equal(np.asarray(model(TOKENS)), np.asarray(model2(TOKENS)))
     assert cfg2.model == cfg.model
     assert all(cfg2.mixer_options(x) == cfg.mixer_options(x) for x in set(cfg.model.layer_mixers))
-    assert json.load(open(tmp_path / "config.json"))["model_type"] == model_type
+    hf = json.load(open(tmp_path / "config.json"))
+    assert hf["model_type"] == model_type
+    assert ("auto_map" in hf) == (model_type == "gdn2")  # gdn2: the import ignored its auto_map and model code
+
+
+GDN2_AUTO_MAP = {"AutoConfig": "configuration_mixerlab_gdn2.GDN2Config",
+                 "AutoModelForCausalLM": "modeling_mixerlab_gdn2.GDN2ForCausalLM"}
+GDN2_CODE = ("configuration_mixerlab_gdn2.py", "modeling_mixerlab_gdn2.py")
+
+
+def test_gdn2_export_carries_its_model_code(tmp_path):
+    """No library defines a GDN-2 model: the directory holds the model code and the auto_map that points
+    transformers' Auto classes at it; a target a library defines gets neither."""
+    from mixerlab.models.interop import remote_code
+
+    cfg = _cfg("gdn2")
+    export_model(build_model(cfg, V), cfg, str(tmp_path / "g"))
+    assert json.load(open(tmp_path / "g" / "config.json"))["auto_map"] == GDN2_AUTO_MAP
+    for name in GDN2_CODE:
+        with open(tmp_path / "g" / name, "rb") as a, open(remote_code.template_path(name), "rb") as b:
+            assert a.read() == b.read(), name
+    cfg = _cfg("kda")
+    export_model(build_model(cfg, V), cfg, str(tmp_path / "k"))
+    assert "auto_map" not in json.load(open(tmp_path / "k" / "config.json"))
+    assert sorted(os.listdir(tmp_path / "k")) == ["config.json", "model.safetensors"]
+
+
+def test_remote_code_imports_only_torch_transformers_and_fla():
+    """The copied files run where mixerlab is not installed: their imports are torch, transformers, fla or each
+    other (relative), and the auto_map names classes they define."""
+    import ast
+
+    from mixerlab.models.interop import remote_code
+
+    defined = {}
+    for name in GDN2_CODE:
+        tree = ast.parse(open(remote_code.template_path(name)).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots = {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                roots = {"." + node.module} if node.level else {node.module.split(".")[0]}
+            else:
+                continue
+            assert roots <= {"torch", "transformers", "fla", ".configuration_mixerlab_gdn2"}, (name, roots)
+        defined[name[:-3]] = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    for ref in GDN2_AUTO_MAP.values():
+        module, cls = ref.split(".")
+        assert cls in defined[module], ref
 
 
 def test_vocab_size_left_to_the_tokenizer_stays_so(tmp_path):

@@ -1,9 +1,8 @@
 """The exported directories in the PyTorch tools themselves (skipped where torch / transformers / fla are absent):
 HF transformers loads the softmax export as LlamaForCausalLM with no missing or unexpected key and its float32
-logits equal mixerlab's; fla's model classes load the delta-family exports strictly. fla's layers run Triton
-kernels only, so their forward parity runs on a CUDA machine alone."""
-import json
-
+logits equal mixerlab's; fla's model classes load the delta-family exports strictly, GDN-2 through the model code
+copied into its directory (trust_remote_code); ``load_torch`` loads them all. fla's layers run Triton kernels
+only, so their forward parity runs on a CUDA machine alone."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,14 +12,14 @@ from mixerlab.models.decoder import build_model
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tests.models.test_interop import EXPORTABLE, V, _cfg, _randomize  # noqa: E402
+from tests.models.test_interop import EXPORTABLE, LOW_RANK, V, _cfg, _randomize, make_cfg  # noqa: E402
 
 LOGIT_TOL = 1e-5  # float32 on CPU: measured max |difference| ~2e-7 on logits of size ~1 (tiny models here)
 
 
 def _load_hf(out):
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        str(out), dtype=torch.float32, use_kernels=False, output_loading_info=True)
+        str(out), dtype=torch.float32, use_kernels=False, output_loading_info=True, trust_remote_code=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     return model.eval()
 
@@ -43,32 +42,6 @@ def test_transformers_llama_loads_the_export_and_its_logits_match(case, tmp_path
 
 def _fla():
     return pytest.importorskip("fla", reason="flash-linear-attention (fla) is not installed")
-
-
-def _gdn2_model(out):
-    """fla 0.6.0 has GatedDeltaNet2 as a layer only: its KDA model (same block layout) with that layer in
-    every block, from the exported config.json."""
-    from fla.layers.gdn2 import GatedDeltaNet2
-    from fla.models import KDAConfig, KDAForCausalLM
-
-    hf = json.load(open(out / "config.json"))
-    fields = {k: v for k, v in hf.items() if k not in ("model_type", "architectures", "mixerlab")}
-    config = KDAConfig(**fields)
-    model = KDAForCausalLM(config)
-    for i, block in enumerate(model.model.layers):
-        block.attn = GatedDeltaNet2(hidden_size=config.hidden_size, expand_v=config.expand_v,
-                                    head_dim=config.head_dim, num_heads=config.num_heads,
-                                    use_short_conv=config.use_short_conv, allow_neg_eigval=config.allow_neg_eigval,
-                                    conv_size=config.conv_size, norm_eps=config.norm_eps, layer_idx=i)
-    from safetensors.torch import load_file
-
-    state = load_file(str(out / "model.safetensors"))
-    if config.tie_word_embeddings:
-        model.tie_weights()
-        state["lm_head.weight"] = state["model.embeddings.weight"]
-    result = model.load_state_dict(state, strict=True)
-    assert not result.missing_keys and not result.unexpected_keys
-    return model.eval()
 
 
 FLA_CASES = sorted(c for c in EXPORTABLE if set(_cfg(c).model.layer_mixers) != {"softmax"})
@@ -102,12 +75,78 @@ def test_fla_loads_the_export_strictly(case, tmp_path, monkeypatch):
     cfg = _cfg(case)
     model = _randomize(build_model(cfg, V, seed=2), seed=5)
     model_type = export_model(model, cfg, str(tmp_path))
-    hf = _gdn2_model(tmp_path) if model_type == "gdn2" else _load_hf(tmp_path)
-    state = hf.state_dict()
+    hf = _load_hf(tmp_path)
+    assert type(hf).__name__ == ARCHITECTURE[model_type]
+    _assert_tensors_equal(hf, tmp_path)
+    if model_type == "gdn2":  # the copied model code put fla's GatedDeltaNet2 in every block
+        assert {type(b.attn).__name__ for b in hf.model.layers} == {"GatedDeltaNet2"}
+
+
+ARCHITECTURE = {"delta_net": "DeltaNetForCausalLM", "gated_deltanet": "GatedDeltaNetForCausalLM",
+                "kda": "KDAForCausalLM", "gdn2": "GDN2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def _assert_tensors_equal(hf, out):
     from safetensors.numpy import load_file
 
-    for name, x in load_file(str(tmp_path / "model.safetensors")).items():
+    state = hf.state_dict()
+    for name, x in load_file(str(out / "model.safetensors")).items():
         np.testing.assert_array_equal(state[name].numpy(), x, err_msg=name)
+
+
+def test_gdn2_needs_trust_remote_code(tmp_path):
+    """Without trust_remote_code transformers refuses to run the copied code (it knows no gdn2 model itself)."""
+    _fla()
+    from mixerlab.models.interop import export_model
+
+    cfg = _cfg("gdn2")
+    export_model(build_model(cfg, V), cfg, str(tmp_path))
+    with pytest.raises(ValueError, match="contains custom code"):
+        transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), trust_remote_code=False)
+
+
+def test_gdn2_hybrid_keeps_fla_attention_in_its_softmax_layers(tmp_path, monkeypatch):
+    """The copied model code swaps in GatedDeltaNet2 only where fla's config has no softmax (attn) layer."""
+    _fla_for("gdn2_softmax_hybrid", monkeypatch, forward=False)
+    from mixerlab.models.interop import export_model
+
+    cfg = make_cfg("gdn2", layer_pattern=["gdn2", "softmax"], mixer_options=LOW_RANK | {"gate_act": "sigmoid"})
+    assert export_model(_randomize(build_model(cfg, V, seed=2), seed=5), cfg, str(tmp_path)) == "gdn2"
+    hf = _load_hf(tmp_path)
+    assert [type(b.attn).__name__ for b in hf.model.layers] == ["GatedDeltaNet2", "Attention"]
+    _assert_tensors_equal(hf, tmp_path)
+
+
+def test_load_torch_drops_use_kernels_where_transformers_lacks_it(monkeypatch):
+    calls = []
+
+    def old_from_pretrained(hf_dir, **kwargs):  # an older transformers: no use_kernels argument
+        calls.append(kwargs)
+        if "use_kernels" in kwargs:
+            raise TypeError("__init__() got an unexpected keyword argument 'use_kernels'")
+        return "model"
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", old_from_pretrained)
+    from mixerlab.models.interop import load_torch
+
+    assert load_torch("dir", dtype=torch.float32) == "model"
+    assert calls == [{"use_kernels": False, "trust_remote_code": True, "dtype": torch.float32},
+                     {"trust_remote_code": True, "dtype": torch.float32}]
+
+
+@pytest.mark.parametrize("case", ["softmax", "gdn2_tied"])
+def test_load_torch_loads_the_export(case, tmp_path):
+    if case != "softmax":
+        _fla()
+    from mixerlab.models.interop import export_model, load_torch
+
+    cfg = _cfg(case)
+    model = _randomize(build_model(cfg, V, seed=2), seed=5)
+    model_type = export_model(model, cfg, str(tmp_path))
+    hf, info = load_torch(str(tmp_path), dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert type(hf).__name__ == ARCHITECTURE[model_type]
+    _assert_tensors_equal(hf, tmp_path)
 
 
 FLA_LOGIT_TOL = 2e-3  # fla's chunked Triton kernels (TF32 dots inside) against mixerlab's float32 forward
@@ -122,8 +161,8 @@ def test_fla_logits_match_on_cuda(case, tmp_path, monkeypatch):
 
     cfg = _cfg(case)
     model = _randomize(build_model(cfg, V, seed=2), seed=5)
-    model_type = export_model(model, cfg, str(tmp_path))
-    hf = (_gdn2_model(tmp_path) if model_type == "gdn2" else _load_hf(tmp_path)).cuda()
+    export_model(model, cfg, str(tmp_path))
+    hf = _load_hf(tmp_path).cuda()
     tokens = np.random.default_rng(1).integers(0, V, (2, 64))
     ours = np.asarray(model(jnp.asarray(tokens, jnp.int32)))
     with torch.no_grad():
