@@ -1,7 +1,7 @@
 """mixerlab: token mixers (linear attention, delta rules, state-space layers) and their Pallas kernels in JAX.
 
 The code lives in the repository's top-level folders (``mixers/``, ``pallas_kernels/``, ``models/``,
-``training/``, ``eval/``, ``configs/``) and is imported as ``mixerlab.<folder>``:
+``training/``, ``eval/``, ``interop/``, ``configs/``) and is imported as ``mixerlab.<folder>``:
 
     from mixerlab import mixers
     from mixerlab.pallas_kernels import delta_rule

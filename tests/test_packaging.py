@@ -15,15 +15,15 @@ import zipfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CODE_FOLDERS = ("pallas_kernels", "mixers", "models", "training", "eval")
+CODE_FOLDERS = ("pallas_kernels", "mixers", "models", "training", "eval", "interop")
 SCRIPTS = {
     "mixerlab-train": "mixerlab.training.cli:main",
     "mixerlab-eval": "mixerlab.eval.perplexity:main",
     "mixerlab-generate": "mixerlab.eval.generate:main",
     "mixerlab-prepare-data": "mixerlab.training.prepare_data:main",
     "mixerlab-train-tokenizer": "mixerlab.training.train_tokenizer:main",
-    "mixerlab-export": "mixerlab.models.interop.export:main",
-    "mixerlab-import": "mixerlab.models.interop.import_:main",
+    "mixerlab-export": "mixerlab.interop.export:main",
+    "mixerlab-import": "mixerlab.interop.import_:main",
 }
 
 
@@ -44,7 +44,7 @@ def test_checkout_imports_each_file_under_one_name_only():
     code = ("import os, sys, json; import mixerlab.training.cli, mixerlab.training.loop, mixerlab.eval.perplexity; "
             "print(json.dumps({n: os.path.realpath(m.__file__) for n, m in list(sys.modules.items()) "
             "if getattr(m, '__file__', None) and os.path.realpath(m.__file__).startswith(sys.argv[1] + os.sep) "
-            "and not os.path.realpath(m.__file__).startswith(os.path.realpath(sys.prefix) + os.sep)}))")  # a venv inside
+            "and not os.path.realpath(m.__file__).startswith(os.path.realpath(sys.prefix) + os.sep)}))")  # not the venv
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code, ROOT], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120)

@@ -8,7 +8,7 @@ What it does, in one process on one GPU:
   1. builds the batches once from the embedded corpus (documents joined by EOS into one stream, cut into rows of
      seq_len + 1 tokens: every row is one causal sequence on both sides, no packed-document resets) and writes them
      to OUT/batches.npy, which both implementations read;
-  2. draws mixerlab's initial weights (train.seed) and exports them with ``mixerlab.models.interop.export_model``;
+  2. draws mixerlab's initial weights (train.seed) and exports them with ``mixerlab.interop.export_model``;
      the PyTorch model loads that directory with ``from_pretrained``;
   3. logits: both models on the first batch, float32 (matmuls at full float32 on both sides) and bfloat16
      (mixerlab ``model.dtype=bfloat16``; torch under ``autocast(bfloat16)``);
@@ -144,7 +144,7 @@ def DEVICE():  # noqa: N802  the GPU when torch sees one (the measurements), els
 def torch_model(hf_dir):
     import torch
 
-    from mixerlab.models.interop import load_torch
+    from mixerlab.interop import load_torch
 
     return load_torch(hf_dir, dtype=torch.float32).to(DEVICE())
 
@@ -297,7 +297,7 @@ def main(argv=None) -> int:
             result["init_sha"] = digest(init)
             logits["ours_f32"] = ours_logits(trainer, init, first)
             if any(r.startswith("torch") for r in args.runs):
-                from mixerlab.models import interop
+                from mixerlab import interop
 
                 result["model_type"] = interop.export_model(nnx_model(trainer, init), trainer.cfg, hf_dir,
                                                             tokenizer_path=base.data.tokenizer.path)

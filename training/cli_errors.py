@@ -23,8 +23,9 @@ from contextlib import contextmanager
 
 OK, RUNTIME_ERROR, USAGE_ERROR, INTERRUPTED = 0, 1, 2, 130
 TRACEBACK_ENV = "MIXERLAB_TRACEBACK"
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, or site-packages/mixerlab
-_OWN_DIRS = tuple(os.path.join(_ROOT, d) + os.sep for d in ("training", "eval", "models", "mixers", "pallas_kernels"))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package: <checkout>/mixerlab (its folders
+#                                                                    are links) or site-packages/mixerlab
+_OWN_DIRS = (_ROOT + os.sep,)  # every subpackage: mixers, pallas_kernels, models, training, eval, interop
 _USER_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
 
 

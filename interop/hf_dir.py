@@ -1,7 +1,7 @@
 """An in-memory mixerlab ``Decoder`` <-> an HF model directory (``config.json`` + ``model.safetensors`` + tokenizer
 files; for a target no library defines, also its model code from ``remote_code/``). Tensors are written with
 ``safetensors.numpy`` (no torch needed), float32, in the target's names and layouts
-(``models/interop/tables.py``). ``config.json`` also carries the whole mixerlab config under the key
+(``interop/tables.py``). ``config.json`` also carries the whole mixerlab config under the key
 ``mixerlab``: import reads it back for the settings the target has no field for (data, optimizer, ...), while
 the model's shape always comes from the target's own fields.
 """
@@ -15,8 +15,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from mixerlab.models.interop import remote_code, tables, targets
-from mixerlab.models.interop.errors import InteropRefused
+from mixerlab.interop import remote_code, tables, targets
+from mixerlab.interop.errors import InteropRefused
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"

@@ -5,7 +5,7 @@ A row is ``(target name, mixerlab path, layout, when)``; ``{i}`` is the layer in
   ``copy``    same array, same shape (norm scales, embeddings, A_log, dt_bias, biases)
   ``conv``    ShortConv kernel [K, C] (y_t = sum_i W[K-1-i] x_{t-i}) <-> depthwise ``nn.Conv1d.weight`` [C, 1, K]
               (torch's causal conv with K-1 left padding reads weight[c, 0, j] against x_{t-(K-1)+j}: no flip)
-``when`` names a condition of the config (``models/interop/targets.py`` decides it): the row exists only then.
+``when`` names a condition of the config (``interop/targets.py`` decides it): the row exists only then.
 Every transform is a transpose or reshape, so export -> import is exact bit for bit.
 """
 from __future__ import annotations

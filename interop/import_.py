@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mixerlab.models.interop.cli import run
+from mixerlab.interop.cli import run
 from mixerlab.training.cli_errors import entry_point
 
 
@@ -20,7 +20,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     def action():
-        from mixerlab.models.interop.run_dir import import_run
+        from mixerlab.interop.run_dir import import_run
 
         mixer = import_run(args.hf_dir, args.run_dir, args.step)
         yield f"wrote {args.run_dir}: {mixer} model, checkpoint step {args.step}"

@@ -16,7 +16,7 @@ import jax
 import yaml
 from flax import nnx
 
-from mixerlab.models.interop.hf_dir import export_model, import_model
+from mixerlab.interop.hf_dir import export_model, import_model
 
 DATA_STATE_VERSION = 1  # training/data.py's iterator state format (a position counted from the start)
 

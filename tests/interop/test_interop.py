@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from mixerlab.models.decoder import build_model
-from mixerlab.models.interop import InteropRefused, export_model, export_run, import_model, import_run
-from mixerlab.models.interop.hf_dir import flat_params
+from mixerlab.interop import InteropRefused, export_model, export_run, import_model, import_run
+from mixerlab.interop.hf_dir import flat_params
 from mixerlab.training.config import from_dict
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -103,7 +103,7 @@ GDN2_CODE = ("configuration_mixerlab_gdn2.py", "modeling_mixerlab_gdn2.py")
 def test_gdn2_export_carries_its_model_code(tmp_path):
     """No library defines a GDN-2 model: the directory holds the model code and the auto_map that points
     transformers' Auto classes at it; a target a library defines gets neither."""
-    from mixerlab.models.interop import remote_code
+    from mixerlab.interop import remote_code
 
     cfg = _cfg("gdn2")
     export_model(build_model(cfg, V), cfg, str(tmp_path / "g"))
@@ -122,7 +122,7 @@ def test_remote_code_imports_only_torch_transformers_and_fla():
     other (relative), and the auto_map names classes they define."""
     import ast
 
-    from mixerlab.models.interop import remote_code
+    from mixerlab.interop import remote_code
 
     defined = {}
     for name in GDN2_CODE:
@@ -350,8 +350,8 @@ def test_import_refuses_a_missing_or_extra_tensor(tmp_path):
 # ---- run directories and the console scripts ----------------------------------------------------------------
 def test_run_directory_round_trip_and_clis(tmp_path, capsys):
     from mixerlab.eval.checkpoint import load_run
-    from mixerlab.models.interop import export as export_cli
-    from mixerlab.models.interop import import_ as import_cli
+    from mixerlab.interop import export as export_cli
+    from mixerlab.interop import import_ as import_cli
 
     cfg = _cfg("gdn2")
     model = _randomize(build_model(cfg, V), seed=4)
@@ -371,7 +371,7 @@ def test_run_directory_round_trip_and_clis(tmp_path, capsys):
 
 
 def test_cli_exit_codes(tmp_path, capsys):
-    from mixerlab.models.interop import import_ as import_cli
+    from mixerlab.interop import import_ as import_cli
 
     out = _exported(tmp_path)
     hf = json.load(open(out / "config.json"))

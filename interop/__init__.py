@@ -6,9 +6,9 @@ model)`` work on in-memory models; ``load_torch(hf_dir, **kwargs)`` is the expor
 checkpoints); the console scripts are ``mixerlab-export`` and ``mixerlab-import``. docs/interop.md has the
 mapping tables (code: ``tables.py``), the targets and every refused setting.
 """
-from mixerlab.models.interop.errors import InteropRefused
-from mixerlab.models.interop.hf_dir import export_model, import_model
-from mixerlab.models.interop.run_dir import export_run, import_run
-from mixerlab.models.interop.torch_load import load_torch
+from mixerlab.interop.errors import InteropRefused
+from mixerlab.interop.hf_dir import export_model, import_model
+from mixerlab.interop.run_dir import export_run, import_run
+from mixerlab.interop.torch_load import load_torch
 
 __all__ = ["InteropRefused", "export_model", "import_model", "export_run", "import_run", "load_torch"]

@@ -13,7 +13,7 @@ from mixerlab.models.decoder import build_model
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tests.models.test_interop import EXPORTABLE, LOW_RANK, V, _cfg, _randomize, make_cfg  # noqa: E402
+from tests.interop.test_interop import EXPORTABLE, LOW_RANK, V, _cfg, _randomize, make_cfg  # noqa: E402
 
 LOGIT_TOL = 1e-5  # float32 on CPU: measured max |difference| ~2e-7 on logits of size ~1 (tiny models here)
 
@@ -26,7 +26,7 @@ def _full_precision_matmuls():
 
 
 def _load_hf(out):
-    from mixerlab.models.interop import load_torch
+    from mixerlab.interop import load_torch
 
     model, info = load_torch(str(out), dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
@@ -35,7 +35,7 @@ def _load_hf(out):
 
 @pytest.mark.parametrize("case", ["softmax", "softmax_tied_hd24"])
 def test_transformers_llama_loads_the_export_and_its_logits_match(case, tmp_path):
-    from mixerlab.models.interop import export_model
+    from mixerlab.interop import export_model
 
     cfg = _cfg(case)
     model = _randomize(build_model(cfg, V, seed=2), seed=5)
@@ -79,7 +79,7 @@ def _fla_for(case, monkeypatch, *, forward: bool):
 @pytest.mark.parametrize("case", FLA_CASES)
 def test_fla_loads_the_export_strictly(case, tmp_path, monkeypatch):
     _fla_for(case, monkeypatch, forward=False)
-    from mixerlab.models.interop import export_model
+    from mixerlab.interop import export_model
 
     cfg = _cfg(case)
     model = _randomize(build_model(cfg, V, seed=2), seed=5)
@@ -106,7 +106,7 @@ def _assert_tensors_equal(hf, out):
 def test_gdn2_needs_trust_remote_code(tmp_path):
     """Without trust_remote_code transformers refuses to run the copied code (it knows no gdn2 model itself)."""
     _fla()
-    from mixerlab.models.interop import export_model
+    from mixerlab.interop import export_model
 
     cfg = _cfg("gdn2")
     export_model(build_model(cfg, V), cfg, str(tmp_path))
@@ -117,7 +117,7 @@ def test_gdn2_needs_trust_remote_code(tmp_path):
 def test_gdn2_hybrid_keeps_fla_attention_in_its_softmax_layers(tmp_path, monkeypatch):
     """The copied model code swaps in GatedDeltaNet2 only where fla's config has no softmax (attn) layer."""
     _fla_for("gdn2_softmax_hybrid", monkeypatch, forward=False)
-    from mixerlab.models.interop import export_model
+    from mixerlab.interop import export_model
 
     cfg = make_cfg("gdn2", layer_pattern=["gdn2", "softmax"], mixer_options=LOW_RANK | {"gate_act": "sigmoid"})
     assert export_model(_randomize(build_model(cfg, V, seed=2), seed=5), cfg, str(tmp_path)) == "gdn2"
@@ -136,7 +136,7 @@ def test_load_torch_drops_use_kernels_where_transformers_lacks_it(monkeypatch):
         return "model"
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", old_from_pretrained)
-    from mixerlab.models.interop import load_torch
+    from mixerlab.interop import load_torch
 
     assert load_torch("dir", dtype=torch.float32) == "model"
     assert calls == [{"use_kernels": False, "trust_remote_code": True, "dtype": torch.float32},
@@ -147,7 +147,7 @@ def test_load_torch_drops_use_kernels_where_transformers_lacks_it(monkeypatch):
 def test_load_torch_loads_the_export(case, tmp_path):
     if case != "softmax":
         _fla()
-    from mixerlab.models.interop import export_model, load_torch
+    from mixerlab.interop import export_model, load_torch
 
     cfg = _cfg(case)
     model = _randomize(build_model(cfg, V, seed=2), seed=5)
@@ -166,7 +166,7 @@ def test_fla_logits_match_on_cuda(case, tmp_path, monkeypatch):
     _fla_for(case, monkeypatch, forward=True)
     if not torch.cuda.is_available():
         pytest.skip("fla's layers run Triton kernels only: forward parity needs a CUDA device")
-    from mixerlab.models.interop import export_model
+    from mixerlab.interop import export_model
 
     cfg = _cfg(case)
     model = _randomize(build_model(cfg, V, seed=2), seed=5)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mixerlab.models.interop.errors import refuse
+from mixerlab.interop.errors import refuse
 
 LLAMA = "llama"
 FLA_MODEL_TYPES = {"deltanet": "delta_net", "gated_deltanet": "gated_deltanet", "kda": "kda", "gdn2": "gdn2"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mixerlab.models.interop.cli import run
+from mixerlab.interop.cli import run
 from mixerlab.training.cli_errors import entry_point
 
 
@@ -20,7 +20,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     def action():
-        from mixerlab.models.interop.run_dir import export_run
+        from mixerlab.interop.run_dir import export_run
 
         notes = []
         model_type, step = export_run(args.run, args.out_dir, args.step, notes=notes)
