@@ -140,7 +140,7 @@ def _measure(config: str, overrides: list[str], steps: int, warmup: int, depth: 
     from mixerlab.training import flop_model
     from mixerlab.training import remat_auto
     from mixerlab.training.distributed import gpu_memory_share
-    from mixerlab.training.loop import Trainer
+    from mixerlab.training.trainer import Trainer
     from mixerlab.training.prefetch import DevicePrefetcher
     from mixerlab.training.tokenizer import load_tokenizer
 

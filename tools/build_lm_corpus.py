@@ -2,6 +2,9 @@
 """Rebuild a held-out English corpus of technical documentation from Debian packages, split it, train its
 BPE and count its tokens, in one command.
 
+One file (about 730 lines) on purpose: it is a script run by its path from a bare checkout (no package to import
+helpers from), its tests import it whole (``import build_lm_corpus``), and its sections follow the steps below.
+
     JAX_PLATFORMS=cpu .venv/bin/python tools/build_lm_corpus.py --cache /work/lmcorpus/cache \\
         --out /work/lmcorpus/corpus [--packages a,b,c] [--device_subset 40000000]
 

@@ -99,7 +99,7 @@ def ours(cfg, vocab, batches, *, train: bool = True):
     """(trainer, initial params as numpy, [losses] or None): train.seed's initial weights, trained on ``batches``."""
     import jax
 
-    from mixerlab.training.loop import Trainer
+    from mixerlab.training.trainer import Trainer
 
     trainer = Trainer(cfg, vocab)
     trainer.initialize()

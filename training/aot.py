@@ -127,7 +127,7 @@ def compile_train_step(cfg, topology: str, vocab_size: int):
     from jax.experimental import topologies
 
     from mixerlab.training import mesh as mesh_lib
-    from mixerlab.training.loop import Trainer
+    from mixerlab.training.trainer import Trainer
 
     topo = topologies.get_topology_desc(topology, "tpu")
     mesh = mesh_lib.make_mesh(cfg, list(topo.devices))

@@ -1,5 +1,9 @@
 """Parquet -> tokens -> packed batches, as a grain pipeline.
 
+One module (about 600 lines) on purpose: its sections (files, source, state, public) are the private stages of one
+pipeline that only ``train_iterator`` and ``eval_batches`` assemble; apart, each would be a module of private
+names with a single caller.
+
 Pipeline of ``train_iterator`` (one per process)::
 
     per row slot r of the process (one slot per row of the global batch):

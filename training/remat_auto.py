@@ -118,7 +118,7 @@ def resolve(cfg, vocab_size: int, mesh, say=print):
     unchanged otherwise). Each candidate is compiled on abstract arguments (no parameters are drawn)."""
     if cfg.model.remat != "auto":
         return cfg
-    from mixerlab.training.loop import Trainer
+    from mixerlab.training.trainer import Trainer
 
     def with_policy(policy):
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=policy))

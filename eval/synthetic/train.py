@@ -1,6 +1,6 @@
 """Train one model on one synthetic task setting in memory and measure held-out accuracy.
 
-The model, optimizer and jitted step are the project's own (training.loop.Trainer: models.decoder, AdamW with
+The model, optimizer and jitted step are the project's own (training.trainer.Trainer: models.decoder, AdamW with
 warmup + cosine from training/optim.py, global-norm clip, weight-decay groups, skipped non-finite steps). This
 module only supplies the data: fresh training batches every step from one seed stream, and a fixed held-out
 set drawn from another, and turns the task's labels into the Trainer's batch (loss on labels != -100).
@@ -19,7 +19,7 @@ from flax import nnx
 from mixerlab.eval.synthetic.generators import IGNORE
 from mixerlab.eval.synthetic.metrics import AccuracyCounter
 from mixerlab.eval.synthetic.task import TaskConfig, generate, validate_task, with_task_schedule
-from mixerlab.training.loop import Trainer
+from mixerlab.training.trainer import Trainer
 
 TRAIN_STREAM, HELD_OUT_STREAM, OOD_STREAM = 1, 2, 3  # np.random.default_rng([seed, stream]): disjoint streams
 

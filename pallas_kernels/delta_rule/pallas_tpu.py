@@ -3,6 +3,10 @@
 inverse', 'Backward pass';
 docs/kernels.md, TPU section).
 
+One module (about 650 lines) on purpose: the in-kernel building blocks, the forward kernel, its cost model and
+the custom VJP are one Mosaic program whose blocks ``pallas_tpu_bwd.py`` (the backward, already apart) imports
+from here; the sections below keep them apart.
+
 Contract (what ``api.delta_rule`` calls, see ``api.py``)::
 
     run(q, k, erase, v, log_decay, state, document_BT, *, chunk_size, leaf_size, interpret=False)

@@ -16,9 +16,9 @@ TINY = ["model.d_model=64", "model.num_layers=1", "train.batch_size=2"]
 
 
 def _oom_under(monkeypatch, policies, failed):
-    from mixerlab.training import loop
+    from mixerlab.training import trainer
 
-    real_init = loop.Trainer.initialize
+    real_init = trainer.Trainer.initialize
 
     def initialize(self):
         real_init(self)
@@ -28,7 +28,7 @@ def _oom_under(monkeypatch, policies, failed):
                 raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 72.24GiB")
             self.train_step = step
 
-    monkeypatch.setattr(loop.Trainer, "initialize", initialize)
+    monkeypatch.setattr(trainer.Trainer, "initialize", initialize)
 
 
 def test_auto_falls_back_to_the_next_policy(monkeypatch):

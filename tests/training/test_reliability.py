@@ -18,7 +18,7 @@ import pytest
 
 import train as train_cli
 from mixerlab.training import data as data_lib
-from mixerlab.training import loop
+from mixerlab.training import run_loop
 from mixerlab.training.checkpoint import MANIFEST, Checkpointer
 from mixerlab.training.config import load_config
 from mixerlab.training.loop import train
@@ -203,7 +203,7 @@ def test_non_finite_parameters_are_never_saved_and_a_flipped_byte_is_detected(tm
 
 
 def test_sigterm_message_is_true_and_rows_of_an_attempt_without_a_checkpoint_are_dropped(tmp_path, monkeypatch, capsys):
-    real = loop.data_lib.train_iterator
+    real = run_loop.data_lib.train_iterator
 
     class _TermAtStep2:
         def __init__(self, inner):
@@ -227,8 +227,8 @@ def test_sigterm_message_is_true_and_rows_of_an_attempt_without_a_checkpoint_are
     # schedule, and so the compiled step, is the same (the session's compile cache serves it).
     common = ("train.steps=6", "train.log_every=1", "train.prefetch=0")
     with monkeypatch.context() as patch:
-        patch.setattr(loop.data_lib, "train_iterator", lambda *a, **k: _TermAtStep2(real(*a, **k)))
-        patch.setattr(loop.Checkpointer, "save", lambda self, step, **kw: False)  # e.g. non-finite parameters
+        patch.setattr(run_loop.data_lib, "train_iterator", lambda *a, **k: _TermAtStep2(real(*a, **k)))
+        patch.setattr(run_loop.Checkpointer, "save", lambda self, step, **kw: False)  # e.g. non-finite parameters
         result = train(_cfg(run, *common), progress=False)
     out = capsys.readouterr().out
     assert result.preempted and result.final_step == 2

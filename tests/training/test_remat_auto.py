@@ -51,7 +51,7 @@ def test_trainer_resolves_auto_on_the_cpu():
     trainer builds is the one for that policy."""
     from mixerlab.training import mesh as mesh_lib
     from mixerlab.training.config import load_config
-    from mixerlab.training.loop import Trainer
+    from mixerlab.training.trainer import Trainer
 
     cfg = load_config("configs/tiny.yaml", ["model.d_model=64", "model.num_layers=1", "train.batch_size=2",
                                             "model.remat=auto"])
@@ -78,13 +78,13 @@ def test_out_of_memory_advice_names_the_policy_and_the_next_steps():
 
 
 def test_a_train_step_out_of_memory_raises_the_advice(tmp_path, monkeypatch):
-    from mixerlab.training import loop
+    from mixerlab.training import loop, run_loop
     from mixerlab.training.config import load_config
 
     def oom(self, step):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 72.24GiB")
 
-    monkeypatch.setattr(loop._Loop, "_step", oom)
+    monkeypatch.setattr(run_loop._Loop, "_step", oom)
     cfg = load_config("configs/tiny.yaml", [f"train.output_dir={tmp_path / 'run'}", "train.eval_every=0",
                                             "train.steps=6", "model.remat=kernels"])
     advice = r"model.remat=kernels, train.batch_size=\d+.*try model.remat=block"
@@ -96,10 +96,10 @@ def test_a_train_step_out_of_memory_raises_the_advice(tmp_path, monkeypatch):
 def test_auto_starts_again_with_the_next_policy_when_its_choice_runs_out_of_memory(tmp_path, monkeypatch, capsys):
     """auto chose 'none' (the CPU host has room); the first step 'runs out of memory' under 'none' and 'dots'
     only: the run starts again with 'kernels' and finishes, and it says so. An explicit policy is not retried."""
-    from mixerlab.training import loop
+    from mixerlab.training import loop, run_loop
     from mixerlab.training.config import load_config
 
-    real_step, failed = loop._Loop._step, []
+    real_step, failed = run_loop._Loop._step, []
 
     def step(self, n):
         policy = self.trainer.cfg.model.remat
@@ -108,7 +108,7 @@ def test_auto_starts_again_with_the_next_policy_when_its_choice_runs_out_of_memo
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 72.24GiB")
         real_step(self, n)
 
-    monkeypatch.setattr(loop._Loop, "_step", step)
+    monkeypatch.setattr(run_loop._Loop, "_step", step)
     base = [f"train.output_dir={tmp_path / 'run'}", "train.eval_every=0", "train.steps=6", "checkpoint.every=0",
             "model.d_model=64", "model.num_layers=1", "train.batch_size=2"]
     run = loop.train(load_config("configs/tiny.yaml", base + ["model.remat=auto"]), progress=False)

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from mixerlab.training import loop
+from mixerlab.training import run_loop
 from mixerlab.training.config import load_config
 from mixerlab.training.loop import train
 
@@ -46,8 +46,8 @@ class _PoisonedIterator:
 
 
 def _poison(monkeypatch, steps):
-    real = loop.data_lib.train_iterator
-    monkeypatch.setattr(loop.data_lib, "train_iterator", lambda *a, **k: _PoisonedIterator(real(*a, **k), steps))
+    real = run_loop.data_lib.train_iterator
+    monkeypatch.setattr(run_loop.data_lib, "train_iterator", lambda *a, **k: _PoisonedIterator(real(*a, **k), steps))
 
 
 def test_nan_batch_is_skipped_counted_and_leaves_parameters_untouched(tmp_path, monkeypatch):

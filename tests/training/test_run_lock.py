@@ -11,7 +11,7 @@ import time
 import pytest
 
 import train as train_cli
-from mixerlab.training import loop, run_lock
+from mixerlab.training import loop, run_lock, run_loop
 from mixerlab.training.config import load_config
 from mixerlab.training.run_dir import RunDirError
 from mixerlab.training.run_lock import LOCK_NAME, RunLock
@@ -110,7 +110,7 @@ def test_the_lock_is_released_after_an_error_and_after_sigterm(tmp_path, monkeyp
         loop.train(_cfg(run, "train.steps=2", f"data.train_path={tmp_path}/no-such-corpus"), progress=False)
     assert not (run / LOCK_NAME).exists()
 
-    real = loop.data_lib.train_iterator
+    real = run_loop.data_lib.train_iterator
 
     class _TermAtBatch2:
         def __init__(self, inner):
@@ -129,6 +129,6 @@ def test_the_lock_is_released_after_an_error_and_after_sigterm(tmp_path, monkeyp
         def set_state(self, state):
             self.inner.set_state(state)
 
-    monkeypatch.setattr(loop.data_lib, "train_iterator", lambda *a, **k: _TermAtBatch2(real(*a, **k)))
+    monkeypatch.setattr(run_loop.data_lib, "train_iterator", lambda *a, **k: _TermAtBatch2(real(*a, **k)))
     result = loop.train(_cfg(run, "train.steps=6", "train.log_every=1", "train.prefetch=0"), progress=False)
     assert result.preempted and not (run / LOCK_NAME).exists()

@@ -1,11 +1,12 @@
 """The profile window and the progress bar's rate/ETA measure the steady state, not the steps that compile
-(training/loop.py: WARMUP_STEPS, steady_profile_window, _advance)."""
+(training/progress.py: WARMUP_STEPS, _advance; training/profiler.py: steady_profile_window)."""
 import io
 
 import pytest
 from tqdm import tqdm
 
-from mixerlab.training.loop import WARMUP_STEPS, _advance, steady_profile_window
+from mixerlab.training.profiler import steady_profile_window
+from mixerlab.training.progress import WARMUP_STEPS, _advance
 
 
 def _busy(log_every=10, eval_every=0, ckpt_every=0):

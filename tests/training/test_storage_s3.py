@@ -9,7 +9,7 @@ import signal
 import numpy as np
 import pytest
 
-from mixerlab.training import loop
+from mixerlab.training import run_loop
 from mixerlab.training.config import load_config
 from mixerlab.training.loop import train
 
@@ -100,9 +100,9 @@ def test_train_reads_and_writes_the_bucket_and_resumes_after_sigterm(s3, tmp_pat
     """The three runs compile the same steps once (the session's compile cache, tests/conftest.py)."""
     run = f"s3://{BUCKET}/runs/tiny"
     cfg = _cfg(run, f"s3://{BUCKET}")
-    real = loop.data_lib.train_iterator
+    real = run_loop.data_lib.train_iterator
     with monkeypatch.context() as patch:
-        patch.setattr(loop.data_lib, "train_iterator", lambda *a, **k: _TermAtBatch(real(*a, **k), at=3))
+        patch.setattr(run_loop.data_lib, "train_iterator", lambda *a, **k: _TermAtBatch(real(*a, **k), at=3))
         first = train(cfg, progress=False)
     assert first.preempted and first.final_step == 3
     assert f"SIGTERM: saved a checkpoint at step 3 in {run}/checkpoints" in capsys.readouterr().out
