@@ -166,11 +166,19 @@ def test_a_killed_process_ends_the_other_with_one_line_and_both_resume(runs):
     assert len(errors) == 1 and "another process of this run" in errors[0], s["err"]
     assert "Check failure stack trace" not in s["err"]  # no abort at JAX's exit barrier
 
-    root = runs["root"]
-    assert "resuming at step 3" in runs["resumed"][0][0]
-    ref, resumed = _losses(root / "2x2"), _losses(root / "killed")
+    root, run = runs["root"], runs["root"] / "killed"
+    (out0, _), (out1, _) = runs["resumed"]
+    assert "resuming at step 3" in out0
+    assert "mixerlab:" not in out1  # only process 0 prints and logs
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    # the killed run's row of step 4 was dropped on resume and logged again, once
+    assert [r["step"] for r in rows if r["split"] == "train"] == list(range(1, STEPS + 1))
+    ref, resumed = _losses(root / "2x2"), _losses(run)
     assert resumed == ref  # bitwise: the same program on the same devices from the same checkpoint
-    assert sorted(os.listdir(root / "killed" / "checkpoints")) == ["3", "6"]
+    assert sorted(os.listdir(run / "checkpoints")) == ["3", "6"]
+    assert not (run / "mixerlab.lock").exists()  # process 0 took the run lock and released it
+    state = json.load(open(run / "checkpoints" / "6" / "data" / "metadata"))
+    assert len(state["per_process"]) == 2 and state["per_process"][0] != state["per_process"][1]
 
 
 def _one_process(args, devices=1, timeout=300):
