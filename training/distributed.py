@@ -6,6 +6,11 @@
   --num_processes N --process_id i`` (one process per host/GPU group).
 Every process then loads only its own data shard (training/data.py), takes part in every checkpoint, and
 only process 0 writes logs and metrics.
+
+Failures end every process with one line instead of a hang or JAX's fatal log (docs/launch.md lists them):
+start-up is bounded by ``--distributed_timeout`` (a coordinator nobody answers at, a process that never joins),
+bad flags and a mesh the world size does not fit are refused at once, and after a failed run (another process
+died: the next collective fails) the process exits without JAX's exit barrier, which would wait for the dead one.
 """
 from __future__ import annotations
 
