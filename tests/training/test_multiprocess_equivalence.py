@@ -52,10 +52,18 @@ sys.exit(main(sys.argv[1:]))
 """.replace("{n}", str(KILL_AT_BATCH))
 
 
+_PORTS_GIVEN: set = set()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, never the same twice here (several launches start at once)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
 
 
 def _env(devices: int, trace=None) -> dict:
