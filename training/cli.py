@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--coordinator_address", default=None, help="multi-process: host:port of process 0")
     parser.add_argument("--num_processes", type=int, default=None)
     parser.add_argument("--process_id", type=int, default=None)
+    parser.add_argument("--distributed_timeout", type=float, default=None, metavar="SECONDS",
+                        help="multi-process: how long start-up waits for every process, and how long a lost process "
+                        "goes unnoticed at most (default 300)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
     level = os.environ.get("MIXERLAB_LOG", "WARNING")
@@ -61,18 +64,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_only:
         return _compile_only(cfg, args.topology)
 
-    from .distributed import gpu_memory_share, initialize
+    from .distributed import DEFAULT_TIMEOUT_S, check_mesh, exit_now, gpu_memory_share, initialize
 
     gpu_memory_share(cfg.train.gpu_memory_fraction)
     initialize(distributed=args.distributed, coordinator_address=args.coordinator_address,
-               num_processes=args.num_processes, process_id=args.process_id)
+               num_processes=args.num_processes, process_id=args.process_id,
+               timeout_s=DEFAULT_TIMEOUT_S if args.distributed_timeout is None else args.distributed_timeout)
+    check_mesh(cfg)
     from .loop import train
 
     start = time.perf_counter()
     try:
         result = train(cfg)
     except Exception as e:  # one readable line here; the traceback goes to the run's log file
-        return _report_error(cfg, e)
+        return exit_now(_report_error(cfg, e))  # several processes: no exit barrier waiting for a dead one
     minutes = (time.perf_counter() - start) / 60
     lines, code = _summary(cfg, result, minutes)
     print("\n" + "\n".join(lines))
@@ -136,6 +141,7 @@ def _report_error(cfg, e: Exception) -> int:
     import traceback
 
     from .checkpoint import short_error
+    from .distributed import lost_process_line
     from .run_dir import RunDirError
 
     if isinstance(e, RunDirError):  # a refused run writes nothing into the directory it refused
@@ -143,6 +149,7 @@ def _report_error(cfg, e: Exception) -> int:
         return 2
     ours = isinstance(e, FloatingPointError) or type(e).__module__.startswith(_OWN_PACKAGE)
     line = str(e) if ours or isinstance(e, ValueError) else short_error(e, limit=400)
+    line = lost_process_line(e, line)
     entry = f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR train.py: {line}\n" + "".join(traceback.format_exception(e))
     log_path = _append_to_run_log(cfg, entry)
     where = f" (details: {log_path})" if log_path else ""

@@ -53,7 +53,7 @@ import pyarrow.compute  # makes pa.compute available
 import pyarrow.parquet as pq
 from grain.experimental import ConcatThenSplitIterDataset, InterleaveIterDataset
 
-from mixerlab.training import storage
+from mixerlab.training import batch_trace, storage
 from mixerlab.training.tokenizer import _REPO_ROOT, Tokenizer, resolve_path
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -542,8 +542,9 @@ def train_iterator(cfg, tokenizer: Tokenizer, *, global_batch_size: int, seed: i
     if getattr(cfg, "format", "text") == "pretokenized":  # token shards instead of Parquet text
         from mixerlab.training import pretokenized
 
-        return pretokenized.train_iterator(cfg, tokenizer, global_batch_size=global_batch_size, seed=seed,
-                                           process_index=process_index, process_count=process_count)
+        return batch_trace.maybe_trace(pretokenized.train_iterator(
+            cfg, tokenizer, global_batch_size=global_batch_size, seed=seed, process_index=process_index,
+            process_count=process_count), process_index)
     local_batch = global_batch_size // process_count
     files = resolve_parquet_files(cfg.train_path, "data.train_path", cfg.text_column)
     groups = _RowGroups(files)
@@ -572,7 +573,7 @@ def train_iterator(cfg, tokenizer: Tokenizer, *, global_batch_size: int, seed: i
                    "process_index": process_index,
                    "process_count": process_count, "num_workers": int(cfg.num_workers or 0),
                    "tokenizer": getattr(tokenizer, "name", type(tokenizer).__name__)}
-    return iter(_JsonStateIterDataset(ds, fingerprint))
+    return batch_trace.maybe_trace(iter(_JsonStateIterDataset(ds, fingerprint)), process_index)
 
 
 def eval_batches(cfg, tokenizer: Tokenizer, *, batch_size: int, max_batches: int,

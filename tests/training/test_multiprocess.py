@@ -1,12 +1,11 @@
-"""Two jax.distributed processes on localhost (CPU, gloo) train, checkpoint and resume together."""
+"""Two jax.distributed processes on localhost (CPU, gloo) share the run lock's outcome. Training, checkpointing and
+resuming together (and against one process): test_multiprocess_equivalence.py."""
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
-
-import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,26 +30,6 @@ def _launch(run_dir, steps, expect=0):
     for p, out in zip(procs, outs):
         assert p.returncode == expect, out
     return outs
-
-
-@pytest.mark.slow
-def test_two_processes_train_checkpoint_and_resume(tmp_path):
-    run_dir = tmp_path / "run"
-    outs = _launch(run_dir, steps=6)
-    assert "2 cpu device(s)" in outs[0]
-    assert "mixerlab:" not in outs[1]  # only process 0 prints and logs
-    assert sorted(os.listdir(run_dir / "checkpoints")) == ["3", "6"]
-    assert not (run_dir / "mixerlab.lock").exists()  # process 0 took the run lock and released it
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2, 3, 4, 5, 6]
-
-    outs = _launch(run_dir, steps=9)
-    assert "resuming at step 6" in outs[0]
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    assert [r["step"] for r in rows if r["split"] == "train"] == list(range(1, 10))
-    assert sorted(os.listdir(run_dir / "checkpoints")) == ["3", "6", "9"]
-    state = json.load(open(run_dir / "checkpoints" / "9" / "data" / "metadata"))
-    assert len(state["per_process"]) == 2 and state["per_process"][0] != state["per_process"][1]
 
 
 def test_every_process_is_refused_when_the_run_directory_is_locked(tmp_path):
