@@ -33,7 +33,7 @@ BAD_INPUT = {
                               ["--source", "does not exist"]),
     "mixerlab-train-tokenizer": (lambda t: ["--corpus", str(t / "nope.jsonl"), "--out", str(t / "tok.json"),
                                             "--vocab_size", "300"], ["--corpus", "does not exist"]),
-    # checkpoint interop (models/interop), where the package has it: positional RUN / HF_DIR
+    # checkpoint interop (interop), where the package has it: positional RUN / HF_DIR
     "mixerlab-export": (lambda t: [str(t / "nope"), str(t / "hf")], ["nope"]),
     "mixerlab-import": (lambda t: [str(t / "nope"), str(t / "run")], ["nope"]),
 }
