@@ -1,0 +1,45 @@
+"""tools/parity_torch.py without torch: its schedule for torch equals the trainer's, and mixerlab's own runs (the
+float32/bfloat16/seed pairs) produce the curves and summary the GPU call reports."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"))
+
+import parity_torch  # noqa: E402
+
+TINY = ["--set", "model.num_layers=1", "--set", "model.d_model=32", "--set", "model.num_heads=2", "--set",
+        "model.ffn_dim=64", "--set", "data.seq_len=32", "--set", "train.batch_size=2", "--set", "optim.warmup_steps=2"]
+
+
+@pytest.mark.parametrize("steps,warmup", [(12, 3), (5, 4), (40, 0)])
+def test_torch_schedule_is_the_trainers(steps, warmup):
+    from mixerlab.training.optim import schedule
+
+    args = parity_torch.parse_args(["--mixer", "softmax", "--out", "x", "--steps", str(steps), "--window", "1,1",
+                                    "--set", f"optim.warmup_steps={warmup}"])
+    cfg = parity_torch.config(args)
+    factor, lr = parity_torch.torch_schedule(cfg), schedule(cfg)
+    for step in range(steps + 2):
+        assert factor(step) * cfg.optim.lr == pytest.approx(float(lr(step)), rel=1e-6, abs=1e-12), step
+
+
+def test_our_runs_write_curves_and_summary(tmp_path, capsys):
+    out = tmp_path / "p"
+    args = ["--mixer", "softmax", "--steps", "3", "--window", "2,3", "--out", str(out), *TINY]
+    assert parity_torch.main([*args, "--runs", "ours_f32,ours_bf16"]) == 0
+    first = json.load(open(out / "parity.json"))
+    assert set(first["curves"]) == {"ours_f32", "ours_bf16"} and all(len(c) == 3 for c in first["curves"].values())
+    assert "ours_bf16_minus_ours_f32_mean" in first["summary"] and os.path.isfile(out / "parity.png")
+    os.replace(out / "parity.json", tmp_path / "first.json")
+    # a later call joins the earlier curves when batches and initial weights are the same ones
+    assert parity_torch.main([*args, "--runs", "ours_f32_seed1", "--previous", str(tmp_path / "first.json")]) == 0
+    joined = json.load(open(out / "parity.json"))
+    assert set(joined["curves"]) == {"ours_f32", "ours_bf16", "ours_f32_seed1"}
+    assert joined["batches_sha"] == first["batches_sha"] and joined["init_sha"] == first["init_sha"]
+    assert "seed_spread_f32_mean_abs" in joined["summary"]
+    with pytest.raises(SystemExit, match="other batches or initial weights"):
+        parity_torch.main([*args, "--runs", "ours_f32", "--set", "train.seed=3", "--previous",
+                           str(tmp_path / "first.json")])
