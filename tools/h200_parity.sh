@@ -2,23 +2,24 @@
 # The parity and mixed-precision measurements of docs/benchmarks/parity_h200.md and
 # docs/benchmarks/mixed_precision_h200.md, on the GPU machine (one H200, JAX 0.11.2, torch, transformers), from the
 # repo root with `carry: [".whl"]` (grain and its dependencies, flash-linear-attention and fla-core as wheels):
-#   bash tools/h200_parity.sh {parity MIXER [RUNS]|mp_speed} OUT_DIR
+#   bash tools/h200_parity.sh parity MIXER RUNS OUT_DIR [--set section.key=value ...]
+#   bash tools/h200_parity.sh mp_speed OUT_DIR [MODEL ...]
 set -euo pipefail
 what=${1:?parity or mp_speed}
 source tools/gpu_env.sh parity
 case $what in
   parity)  # mixerlab vs the PyTorch implementation, 300 steps from the same weights and batches (tools/parity_torch.py)
     mixer=${2:?mixer}; runs=${3:-ours_f32,ours_bf16,ours_bf16_res16,ours_f32_seed1,torch_f32,torch_autocast}
-    out=${4:?output directory}; mkdir -p "$out"
-    timeout ${PARITY_TIMEOUT:-540} python3 tools/parity_torch.py --mixer "$mixer" --steps 300 --runs "$runs" --out "/tmp/parity_$mixer" 2>&1 \
+    out=${4:?output directory}; mkdir -p "$out"; shift 4
+    timeout ${PARITY_TIMEOUT:-540} python3 tools/parity_torch.py --mixer "$mixer" --steps 300 --runs "$runs" --out "/tmp/parity_$mixer" "$@" 2>&1 \
       | grep -v -i "warn" | tee "$out/parity_$mixer.log" || true
     cp /tmp/parity_$mixer/parity*.json /tmp/parity_$mixer/parity.png "$out/" 2>/dev/null || cp /tmp/parity_$mixer/parity_partial.json "$out/" ;;
   mp_speed)  # the step time of a float32 against a bfloat16 residual stream, paper 166M configs at 32x4096
-    out=${2:?output directory}; mkdir -p "$out"
+    out=${2:?output directory}; mkdir -p "$out"; shift 2; models=${*:-transformer gdn2}
     data="data.train_path=data/embedded/train data.val_path=data/embedded/val data.tokenizer.kind=hf
           data.tokenizer.path=data/embedded/tokenizer.json"
     sets=$(for kv in $data; do printf -- "--set %s " "$kv"; done)
-    for m in transformer gdn2; do
+    for m in $models; do
       python3 tools/bench_train.py --steps 10 --warmup 3 --out "$out/mp_speed_$m.json" $sets \
         ${m}_res32=configs/paper/${m}_166m.yaml,train.batch_size=32 \
         ${m}_res16=configs/paper/${m}_166m.yaml,train.batch_size=32,model.residual_dtype=null 2>&1 \
