@@ -51,6 +51,14 @@ def parse_args(argv=None):
     p.add_argument("--runs", default="ours_f32,ours_bf16,ours_bf16_res16,ours_f32_seed1,torch_f32,torch_autocast")
     p.add_argument("--previous", help="an earlier parity.json of the same batches and weights: its curves join")
     p.add_argument("--set", action="append", default=[], help="section.key=value over the default shape")
+    p.add_argument("--torch-core", choices=["kernel", "naive"], default="kernel",
+                   help="gdn2: 'naive' runs fla's token-by-token naive_recurrent_gdn2 (plain torch, differentiable) "
+                        "inside fla's layer instead of its chunk kernel: the CPU check, with fla's other kernels "
+                        "under TRITON_INTERPRET=1 (the interpreter cannot run the chunk kernel)")
+    p.add_argument("--torch-autotune", type=int, default=0, metavar="N",
+                   help="fla's Triton kernels try only their first N autotune configurations (0: all). Their full "
+                        "autotune compiles hundreds of variants; parity needs correct kernels, not the fastest. "
+                        "With TRITON_INTERPRET=1 (fla's kernels on the CPU) nothing is timed and the first is used")
     a = p.parse_args(argv)
     lo, hi = (int(x) for x in a.window.split(","))
     if not 1 <= lo <= hi <= a.steps:
@@ -139,6 +147,40 @@ def DEVICE():  # noqa: N802  the GPU when torch sees one (the measurements), els
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def limit_triton_autotune(n: int) -> None:
+    """Makes Triton's autotuner consider only the first ``n`` configurations of each kernel (module docstring)."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if n <= 0 and not interpret:
+        return
+    from triton.runtime import autotuner
+
+    prune = autotuner.Autotuner.prune_configs
+    autotuner.Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:max(n, 1) if not interpret else 1]
+    if interpret:  # the interpreter has no GPU driver to time with
+        autotuner.Autotuner._bench = lambda self, *args, config, **meta: [0.0, 0.0, 0.0]
+
+
+def use_naive_gdn2_core() -> None:
+    """fla's GDN-2 layer with its recurrence computed by fla's own naive reference (q, k L2-normalised first, as
+    the chunk kernel's ``use_qk_l2norm_in_kernel`` does, eps 1e-6 inside the square root)."""
+    import fla.layers.gdn2 as layer
+    from fla.ops.gdn2.naive import naive_recurrent_gdn2
+
+    def l2(x):
+        return x * (x.float().pow(2).sum(-1, keepdim=True) + 1e-6).rsqrt().to(x.dtype)
+
+    def chunk_gdn2(q, k, v, g, b, w, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+                   cu_seqlens=None, **unused):
+        if cu_seqlens is not None:
+            raise SystemExit("parity_torch --torch-core naive: packed sequences (cu_seqlens) are not supported")
+        if use_qk_l2norm_in_kernel:
+            q, k = l2(q), l2(k)
+        return naive_recurrent_gdn2(q, k, v, g, b, w, initial_state=initial_state,
+                                    output_final_state=output_final_state)
+
+    layer.chunk_gdn2 = chunk_gdn2
 
 
 def torch_model(hf_dir):
@@ -263,6 +305,10 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"parity_torch: unknown --runs {unknown}; known: {[*OURS, 'torch_f32', 'torch_autocast']}")
     os.makedirs(args.out, exist_ok=True)
+    if any(r.startswith("torch") for r in args.runs):
+        limit_triton_autotune(args.torch_autotune)
+        if args.torch_core == "naive":
+            use_naive_gdn2_core()
     base = config(args)
     vocab = load_tokenizer(base.data.tokenizer.kind, base.data.tokenizer.path).vocab_size
     batches = make_batches(base, args.steps, os.path.join(args.out, "batches.npy"))
