@@ -9,7 +9,7 @@ Heads and widths from the model spec: H = spec.num_heads heads of P = spec.value
 z, xBC, dt_raw = split(x W_in)                     widths H·P, H·P + 2·G·N, H;  W_in: d -> 2·H·P + 2·G·N + H
 xBC            = SiLU(ShortConv_K(xBC) + b_conv)   one causal depthwise conv over [x, B, C] (resets at documents)
 x, B, C        = split(xBC)                        x [H, P]; B, C [G, N], group g = h // (H/G) serves head h
-dt             = softplus(dt_raw + dt_bias)        per head, float32;  A = -exp(A_log) per head
+dt             = softplus(dt_raw + dt_bias)        per head, float32 (float64 under x64);  A = -exp(A_log)
 S_t            = exp(dt_t A) S_{t-1} + B_t^T (dt_t x_t)        S in R^{N x P} per head
 y_t            = C_t S_t + D x_t
 out            = (RMSNorm_group(y ⊙ SiLU(z)) * omega) W_out     the norm over each group's H·P/G channels
@@ -87,6 +87,7 @@ class Mamba2(nnx.Module):
         if H % G:
             raise ValueError(f"mixers.mamba2.n_groups={G} must divide model.num_heads={H}")
         self.spec, self.options, self.dtype = spec, options, spec.dtype
+        self.acc = jnp.promote_types(spec.dtype, jnp.float32)  # gates, skip and norm: float32 (float64 for float64)
         self.num_heads, self.state_dim, self.head_dim = H, spec.head_dim, spec.value_head_dim
         self.inner = H * self.head_dim
         self.conv_dim = self.inner + 2 * G * self.state_dim
@@ -110,7 +111,7 @@ class Mamba2(nnx.Module):
 
     def _conv_act(self, y):
         """The conv output -> SiLU(y + b_conv), in the compute dtype."""
-        y = y.astype(jnp.float32)
+        y = y.astype(self.acc)
         if self.conv_bias is not None:
             y = y + self.conv_bias[...]
         return jax.nn.silu(y).astype(self.dtype)
@@ -124,16 +125,16 @@ class Mamba2(nnx.Module):
         # group g serves heads g·H/G .. (g+1)·H/G - 1 (Mamba-2's kernels; FLA's decode path)
         b = jnp.repeat(b.reshape(*b.shape[:-1], G, N), H // G, axis=-2)
         c = jnp.repeat(c.reshape(*c.shape[:-1], G, N), H // G, axis=-2)
-        dt = jax.nn.softplus(dt_raw.astype(jnp.float32) + self.dt_bias[...])
-        lam = -jnp.exp(self.A_log[...]) * dt
-        v = (x.astype(jnp.float32) * dt[..., None]).astype(self.dtype)
+        dt = jax.nn.softplus(dt_raw.astype(self.acc) + self.dt_bias[...])
+        lam = -jnp.exp(self.A_log[...].astype(self.acc)) * dt
+        v = (x.astype(self.acc) * dt[..., None]).astype(self.dtype)
         return c.astype(self.dtype), b.astype(self.dtype), v, lam, x
 
     def _output(self, o, x, z):
         """o [..., H, P] from the op, x the SSM input, z the gate -> the block output [..., d]."""
         G = self.options.n_groups
-        y = o.astype(jnp.float32) + self.D[...][:, None] * x.astype(jnp.float32)
-        y = y.reshape(*y.shape[:-2], self.inner) * jax.nn.silu(z.astype(jnp.float32))
+        y = o.astype(self.acc) + self.D[...][:, None] * x.astype(self.acc)
+        y = y.reshape(*y.shape[:-2], self.inner) * jax.nn.silu(z.astype(self.acc))
         yg = y.reshape(*y.shape[:-1], G, self.inner // G)
         yg = yg * jax.lax.rsqrt(jnp.mean(yg * yg, axis=-1, keepdims=True) + self.options.norm_eps)
         y = (yg.reshape(y.shape) * self.norm_scale[...]).astype(self.dtype)
@@ -160,14 +161,14 @@ class Mamba2(nnx.Module):
 
     def init_cache(self, batch_size: int, max_length: int = 0) -> dict:
         del max_length  # constant-size state
-        return {"state": jnp.zeros((batch_size, self.num_heads, self.state_dim, self.head_dim), jnp.float32),
+        return {"state": jnp.zeros((batch_size, self.num_heads, self.state_dim, self.head_dim), self.acc),
                 "conv": self.conv.init_cache(batch_size)}
 
     def prefill(self, x_BTD, *, segment_ids=None, positions=None):
         """Parallel forward that also returns the decode cache continuing each row's last document."""
         del positions
         y, state, xbc_raw = self._run(x_BTD, segment_ids)
-        return y, {"state": state.astype(jnp.float32), "conv": self.conv.cache_from_sequence(xbc_raw, segment_ids)}
+        return y, {"state": state.astype(self.acc), "conv": self.conv.cache_from_sequence(xbc_raw, segment_ids)}
 
     def extend(self, x_BCD, cache, positions_BC):
         """C tokens of one document per row continuing ``cache``: the chunked op from the cached state."""
@@ -175,7 +176,7 @@ class Mamba2(nnx.Module):
         z, xbc_raw, dt_raw = self._project(x_BCD)
         xbc, conv_cache = self.conv.extend(xbc_raw, cache["conv"])
         y, state = self._mix(z, self._conv_act(xbc), dt_raw, None, cache["state"])
-        return y, {"state": state.astype(jnp.float32), "conv": conv_cache}
+        return y, {"state": state.astype(self.acc), "conv": conv_cache}
 
     def decode(self, x_B1D, cache, positions_B):
         cache = reset_rows(cache, positions_B)
@@ -184,4 +185,4 @@ class Mamba2(nnx.Module):
         q, k, v, lam, x = self._op_inputs(self._conv_act(xbc), dt_raw)
         o, state = pallas_kernels.delta_rule_step(q, k, v, log_decay=lam, state=cache["state"])
         y = self._output(o, x, z)
-        return y[:, None], {"state": state.astype(jnp.float32), "conv": conv_cache}
+        return y[:, None], {"state": state.astype(self.acc), "conv": conv_cache}
