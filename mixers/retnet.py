@@ -59,8 +59,8 @@ class RetNetOptions:
 
 
 def retention_log_decay(num_heads: int) -> np.ndarray:
-    """log gamma_h, gamma_h = 1 - 2^(-5-h) (RetNet §2.2; FLA ``naive_retention``), float32 [H]."""
-    return np.log1p(-np.exp2(-5.0 - np.arange(num_heads, dtype=np.float64))).astype(np.float32)
+    """log gamma_h, gamma_h = 1 - 2^(-5-h) (RetNet §2.2; FLA ``naive_retention``), float64 [H]."""
+    return np.log1p(-np.exp2(-5.0 - np.arange(num_heads, dtype=np.float64)))
 
 
 def document_positions(segment_ids, batch: int, length: int):
@@ -78,6 +78,7 @@ class RetNet(nnx.Module):
         if spec.head_dim % 2:
             raise ValueError(f"retnet's RoPE needs an even model.head_dim, got {spec.head_dim}")
         self.spec, self.options, self.dtype = spec, options, spec.dtype
+        self.acc = jnp.promote_types(spec.dtype, jnp.float32)  # float32 (float64 under x64) for the state
         d, H, Dk, Dv = spec.d_model, spec.num_heads, spec.head_dim, spec.value_head_dim
         self.num_heads, self.head_dim, self.value_head_dim = H, Dk, Dv
         kw = dict(init_scheme=options.init_scheme, std=spec.init_std, dtype=spec.dtype, rngs=rngs)
@@ -97,8 +98,8 @@ class RetNet(nnx.Module):
         q = rotary(split_heads(self.q_proj(x), H), positions, theta=theta)
         k = rotary(split_heads(self.k_proj(x), H), positions, theta=theta)
         v = split_heads(self.v_proj(x), H)
-        q = (q.astype(jnp.float32) * self.head_dim ** -0.5).astype(self.dtype)
-        lam = jnp.broadcast_to(jnp.asarray(self.log_gamma), (*x.shape[:2], H))
+        q = (q.astype(self.acc) * self.head_dim ** -0.5).astype(self.dtype)
+        lam = jnp.broadcast_to(jnp.asarray(self.log_gamma, self.acc), (*x.shape[:2], H))
         return q, k.astype(self.dtype), v.astype(self.dtype), lam
 
     def _output(self, o_BTHV, x):
@@ -126,18 +127,18 @@ class RetNet(nnx.Module):
     def init_cache(self, batch_size: int, max_length: int = 0) -> dict:
         del max_length  # constant-size state
         H, Dk, Dv = self.num_heads, self.head_dim, self.value_head_dim
-        return {"state": jnp.zeros((batch_size, H, Dk, Dv), jnp.float32)}
+        return {"state": jnp.zeros((batch_size, H, Dk, Dv), self.acc)}
 
     def prefill(self, x_BTD, *, segment_ids=None, positions=None):
         """Parallel forward that also returns the decode cache continuing each row's last document."""
         y, state = self._run(x_BTD, segment_ids, positions)
-        return y, {"state": state.astype(jnp.float32)}
+        return y, {"state": state.astype(self.acc)}
 
     def extend(self, x_BCD, cache, positions_BC):
         """C tokens of one document per row continuing ``cache`` (RoPE at ``positions_BC``)."""
         cache = reset_rows(cache, positions_BC[:, 0])
         y, state = self._run(x_BCD, None, positions_BC, cache["state"])
-        return y, {"state": state.astype(jnp.float32)}
+        return y, {"state": state.astype(self.acc)}
 
     def decode(self, x_B1D, cache, positions_B):
         cache = reset_rows(cache, positions_B)
@@ -145,4 +146,4 @@ class RetNet(nnx.Module):
         q, k, v, lam = self._op_inputs(x, positions_B[:, None])
         o, state = pallas_kernels.delta_rule_step(q[:, 0], k[:, 0], v[:, 0], log_decay=lam[:, 0],
                                                   state=cache["state"])
-        return self._output(o[:, None], x), {"state": state.astype(jnp.float32)}
+        return self._output(o[:, None], x), {"state": state.astype(self.acc)}
