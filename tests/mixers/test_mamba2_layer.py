@@ -311,23 +311,15 @@ def test_model_builds_from_the_config_and_one_train_step_is_finite():
 # FLA itself (torch, CPU, float64)
 
 
-def test_fla_mamba2_layer_on_the_same_weights():
-    """FLA's ``Mamba2.torch_forward`` (float64; its gated norm through ``rms_norm_ref`` and SiLU through torch, the
-    Triton kernels having no CPU path) with our weights, one
-    group (FLA's prefill tiles groups over heads, h % G, unlike its decode path and Mamba-2's kernels, h // (H/G))."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("fla")
+def _fla_mamba2(torch, layer, heads, n, pdim, groups):
+    """FLA's ``Mamba2`` layer in float64 holding ``layer``'s weights; its gated norm through ``rms_norm_ref`` and its
+    SiLU through torch (the Triton kernels have no CPU path)."""
     from fla.layers.mamba2 import Mamba2 as FlaMamba2
     from fla.modules.norm.layernorm_gated import rms_norm_ref
 
-    heads, n, pdim = 4, 8, 8
-    with jax.enable_x64(True):
-        layer = build(heads, n, pdim, 1, dtype=jnp.float64, implementation="xla")
-        x = x_input()
-        ours = np.asarray(layer(jnp.asarray(x)))
     p = params64(layer)
     ref = FlaMamba2(num_heads=heads, head_dim=pdim, hidden_size=D_MODEL, state_size=n, expand=heads * pdim / D_MODEL,
-                    n_groups=1, chunk_size=8, backend="triton").double()
+                    n_groups=groups, chunk_size=8, backend="triton").double()
     t64 = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
     with torch.no_grad():
         ref.in_proj.weight.copy_(t64(p["w_in"].T))
@@ -338,12 +330,49 @@ def test_fla_mamba2_layer_on_the_same_weights():
         ref.D.copy_(t64(p["d"]))
         ref.norm.weight.copy_(t64(p["norm_w"]))
         ref.out_proj.weight.copy_(t64(p["w_out"].T))
-        ref.act = torch.nn.functional.silu  # FLA's ACT2FN swish is a Triton kernel
-        norm = ref.norm
-        norm.forward = lambda y, z: rms_norm_ref(y, norm.weight, None, z, eps=norm.eps, group_size=norm.group_size,
-                                                 norm_before_gate=norm.norm_before_gate)
-        out, _, _ = ref.torch_forward(t64(x))
+    ref.act = torch.nn.functional.silu
+    norm = ref.norm
+    norm.forward = lambda y, z: rms_norm_ref(y, norm.weight, None, z, eps=norm.eps, group_size=norm.group_size,
+                                             norm_before_gate=norm.norm_before_gate)
+    return ref
+
+
+def test_fla_mamba2_layer_on_the_same_weights():
+    """FLA's ``Mamba2.torch_forward`` prefill (float64) with our weights, one group (FLA's prefill tiles groups over
+    heads, h mod G, unlike its decode path and Mamba-2's kernels, h // (H/G): the next test covers groups)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("fla")
+    heads, n, pdim = 4, 8, 8
+    with jax.enable_x64(True):
+        layer = build(heads, n, pdim, 1, dtype=jnp.float64, implementation="xla")
+        x = x_input()
+        ours = np.asarray(layer(jnp.asarray(x)))
+    ref = _fla_mamba2(torch, layer, heads, n, pdim, 1)
+    with torch.no_grad():
+        out, _, _ = ref.torch_forward(torch.from_numpy(x))
     assert rel_err(ours, out.numpy()) < 1e-6  # FLA takes A = -exp(A_log.float()) in float32: 1.4e-7 seen
+
+
+def test_fla_mamba2_decode_path_with_two_groups():
+    """FLA's ``torch_forward`` decode path (one token at a time from its conv and SSM caches), 4 heads in 2 groups,
+    T = 12, against our parallel forward: the group broadcast h // (H/G) and the caches' layout."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("fla")
+    heads, n, pdim, groups, t = 4, 8, 8, 2, 12
+    with jax.enable_x64(True):
+        layer = build(heads, n, pdim, groups, dtype=jnp.float64, implementation="xla")
+        x = x_input(t=t)
+        ours = np.asarray(layer(jnp.asarray(x)))
+    ref = _fla_mamba2(torch, layer, heads, n, pdim, groups)
+    state = {"conv_state": torch.zeros(2, layer.conv_dim, 4, dtype=torch.float64),
+             "recurrent_state": torch.zeros(2, heads, pdim, n, dtype=torch.float64)}
+    outs = []
+    with torch.no_grad():
+        for i in range(t):
+            out, conv, ssm = ref.torch_forward(torch.from_numpy(x[:, i:i + 1]), last_state=state)
+            state = {"conv_state": conv, "recurrent_state": ssm}
+            outs.append(out.numpy())
+    assert rel_err(ours, np.concatenate(outs, axis=1)) < 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------------
