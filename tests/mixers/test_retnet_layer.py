@@ -307,8 +307,7 @@ def test_fla_retention_on_the_same_weights():
 
 
 @pytest.mark.tpu_compile
-@pytest.mark.parametrize("gen", ["v5e", pytest.param("v6e", marks=pytest.mark.slow),
-                                 pytest.param("v5p", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("gen", ["v5e", "v6e", "v5p"])
 def test_compiles_forward_and_backward_for_tpu(gen):
     """Forward + backward traced under the topology's mesh: "auto" picks the delta rule's Pallas TPU kernels."""
     from jax.experimental import topologies
