@@ -68,6 +68,25 @@ def test_recurrent_mixers_have_no_attention_pairs():
     assert count.step_flops(100, 1e9) == count.step_flops(100, 0)
 
 
+@pytest.mark.parametrize("mixer", ["mamba2", "retnet"])
+def test_no_erase_mixers_count_the_delta_kernel_core_with_a_note(mixer):
+    """Mamba-2 and RetNet run the delta-rule op without an erase key: their core is the delta kernel's count at
+    their head shape (an upper bound, said in a note), never a silent 0."""
+    from mixerlab.pallas_kernels.delta_rule import flops as kernel_flops
+
+    over = ["model.num_heads=4", "model.head_dim=16", "model.value_head_dim=32", "data.seq_len=64"]
+    cfg = load_config("configs/tiny.yaml", [f"model.mixer={mixer}", *over])
+    core, note = flop_model.core_flops_per_token(cfg, mixer, 64)
+    kc = kernel_flops.KernelConfig(chunk=64, leaf=8, d_k=16, d_v=32)
+    per_head = (kernel_flops.total(kernel_flops.forward_stages(kc)).mxu
+                + kernel_flops.total(kernel_flops.backward_stages(kc)).mxu)
+    assert core == 4 * per_head > 0
+    assert note and mixer in note and "upper bound" in note
+    count = flop_model.training_flops(cfg, {}, 256)
+    assert count.core_per_token == cfg.model.num_layers * core and count.per_attention_pair == 0
+    assert note in count.notes
+
+
 @pytest.mark.parametrize("kind, name, peak, measured", [
     ("NVIDIA H200", "H200", 989e12, 790e12), ("NVIDIA H100 80GB HBM3", "H100 SXM", 989e12, None),
     ("NVIDIA H100 PCIe", "H100 PCIe", 756e12, None), ("NVIDIA A100-SXM4-80GB", "A100", 312e12, None),
