@@ -177,3 +177,48 @@ def test_fla_logits_match_on_cuda(case, tmp_path, monkeypatch):
     with torch.no_grad():
         theirs = hf(torch.tensor(tokens).cuda()).logits.float().cpu().numpy()
     np.testing.assert_allclose(theirs, ours, rtol=0, atol=FLA_LOGIT_TOL)
+
+
+GDN2_PARITY = r'''
+import json, os, sys
+sys.path.insert(0, os.path.join(sys.argv[1], "tools"))
+import jax, jax.numpy as jnp, numpy as np, torch
+import parity_torch
+from mixerlab import interop
+from mixerlab.models.decoder import build_model
+from tests.interop.test_interop import LOW_RANK, V, _randomize, make_cfg
+
+parity_torch.limit_triton_autotune(1)
+parity_torch.use_naive_gdn2_core()
+cfg = make_cfg("gdn2", mixer_options=LOW_RANK | {"gate_act": "sigmoid"})
+model = _randomize(build_model(cfg, V, seed=2), seed=5)
+interop.export_model(model, cfg, sys.argv[2])
+hf = interop.load_torch(sys.argv[2], dtype=torch.float32).train()  # train(): fla's layer takes its chunk path
+tokens = np.random.default_rng(1).integers(0, V, (2, 80))
+with jax.default_matmul_precision("float32"):
+    ours = np.asarray(model(jnp.asarray(tokens, jnp.int32)))
+with torch.no_grad():
+    theirs = hf(torch.tensor(tokens)).logits.numpy()
+print(json.dumps({"max_abs": float(np.abs(ours - theirs).max()), "scale": float(np.abs(ours).max())}))
+'''
+
+
+def test_gdn2_logits_equal_fla_gdn2_layer_around_its_naive_recurrence(tmp_path):
+    """GDN-2 on CPU: fla's whole model (its GatedDeltaNet2 layer: projections, short convolutions, gates, gated
+    norm) with fla's own token-by-token ``naive_recurrent_gdn2`` in place of the chunk kernel, which the Triton
+    interpreter cannot run; fla's other Triton kernels run interpreted (TRITON_INTERPRET=1, set before triton is
+    imported, hence the subprocess). Same logits as mixerlab's float32 forward."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    _fla()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", GDN2_PARITY, root, str(tmp_path / "hf")], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    err = json.loads(run.stdout.strip().splitlines()[-1])
+    assert err["max_abs"] <= LOGIT_TOL * max(1.0, err["scale"]), err
