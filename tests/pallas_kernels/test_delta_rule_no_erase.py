@@ -1,0 +1,225 @@
+"""The no-erase specialisation of the delta-rule implementations (erase_key=None: k̂ = 0, (I + A)⁻¹ = I): outputs,
+final state and the gradients of q, k, v, log_decay (per channel and per head) and the initial state against the
+float64 reference, on odd lengths and packed documents (an id used again), in float32 and bfloat16; and proof that
+the specialised path runs (no solve in the kernels' cost estimates and jaxprs).
+
+Triton kernels run in interpret mode (small shapes: interpret mode is slow on the CPU)."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from delta_rule_cases import gdn2_inputs, rel_rms_err, x64
+from mixerlab.pallas_kernels import common
+from mixerlab.pallas_kernels.delta_rule import flops_gpu, pallas_triton, reference
+
+NAMES = ("q", "k", "v", "log_decay", "initial_state")
+# packed documents 0 | 1 | 0 | 2: id 0 comes back after another document (a new document)
+SEGMENT_LENGTHS = (13, 31, 20, 11)  # T = 75: not a multiple of any chunk
+
+
+def _segment_ids(batch):
+    ids = np.concatenate([np.full(n, i, np.int32) for i, n in zip((0, 1, 0, 2), SEGMENT_LENGTHS)])
+    return jnp.asarray(np.tile(ids, (batch, 1)))
+
+
+def _case(seed, batch, heads, key_dim, value_dim, decay, dtype):
+    """(args in the kernel's dtypes, document index, loss weights); λ [B, T, H] for decay="head"."""
+    t = sum(SEGMENT_LENGTHS)
+    inputs = gdn2_inputs(seed, batch, t, heads, key_dim, value_dim, dtype=np.float32, decay=decay, erase=False)
+    args = [inputs[n].astype(dtype) if n in ("q", "k", "v") else inputs[n].astype(jnp.float32) for n in NAMES]
+    document = common.document_index(_segment_ids(batch), batch, t)
+    rng = np.random.default_rng(seed + 1)
+    weights = rng.normal(size=(batch, t, heads, value_dim)), rng.normal(size=(batch, heads, key_dim, value_dim))
+    return args, document, weights
+
+
+def _channel(log_decay, key_dim):
+    """[B, T, H] → [B, T, H, Dk] as the op broadcasts it (the gradient sums over the channels)."""
+    if log_decay.ndim == 3:
+        return jnp.broadcast_to(log_decay[..., None], (*log_decay.shape, key_dim))
+    return log_decay
+
+
+def _reference(args, document, weights):
+    w_out, w_state = weights
+    with x64():
+        wide = [jnp.asarray(np.asarray(a, np.float64)) for a in args]
+
+        def loss(q, k, v, log_decay, state):
+            out, final = reference.delta_rule_reference(q, k, jnp.zeros_like(k), v, _channel(log_decay, k.shape[-1]),
+                                                        state, document)
+            return jnp.sum(out * w_out) + jnp.sum(final * w_state), (out, final)
+
+        grads, (out, final) = jax.grad(loss, argnums=tuple(range(5)), has_aux=True)(*wide)
+        return np.asarray(out), np.asarray(final), [np.asarray(g) for g in grads]
+
+
+def _check(got, want, tol, grad_tol):
+    out, final, grads = got
+    ref_out, ref_final, ref_grads = want
+    assert rel_rms_err(out, ref_out) <= tol, rel_rms_err(out, ref_out)
+    assert rel_rms_err(final, ref_final) <= tol, rel_rms_err(final, ref_final)
+    for name, g, r in zip(NAMES, grads, ref_grads):
+        assert g.shape == r.shape, name
+        assert np.all(np.isfinite(np.asarray(g, np.float64))), name
+        assert rel_rms_err(g, r) <= grad_tol, (name, rel_rms_err(g, r))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pallas-Triton (interpret mode)
+
+
+def _triton(args, document, weights, **tiling):
+    w_out, w_state = (jnp.asarray(w, jnp.float32) for w in weights)
+
+    def loss(q, k, v, log_decay, state):
+        out, final = pallas_triton.run(q, k, None, v, _channel(log_decay, k.shape[-1]), state, document,
+                                       interpret=True, **tiling)
+        return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(final * w_state), (out, final)
+
+    grads, (out, final) = jax.jit(jax.grad(loss, argnums=tuple(range(5)), has_aux=True))(*args)
+    return out, final, grads
+
+
+@pytest.mark.parametrize("dtype, decay, tiling, tol, grad_tol", [
+    # observed: f32 ≤ 6e-7 (outputs, state, gradients); bf16 ≤ 4e-3 (outputs), ≤ 6e-3 (gradients)
+    (jnp.float32, "channel", dict(chunk_size=32, leaf_size=16), 2e-6, 1e-5),
+    (jnp.float32, "head", dict(chunk_size=32, leaf_size=8, save_matrices=False, block_k=16), 2e-6, 1e-5),
+    (jnp.bfloat16, "channel", dict(chunk_size=32, leaf_size=16), 1e-2, 2e-2),
+    (jnp.float32, "channel", dict(chunk_size=32, leaf_size=16, bounded_span=None), 2e-6, 1e-5),  # exact tree
+])
+def test_triton_no_erase_matches_reference(dtype, decay, tiling, tol, grad_tol):
+    args, document, weights = _case(0, 1, 2, 32, 16, decay, dtype)
+    _check(_triton(args, document, weights, **tiling), _reference(args, document, weights), tol, grad_tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)])
+def test_triton_no_erase_forward_alone(dtype, tol):
+    """A forward without backward: K1 and the fused scan_output (no solve to fold), against the reference."""
+    args, document, weights = _case(2, 1, 2, 32, 16, "channel", dtype)
+    q, k, v, log_decay, state = args
+    out, final = jax.jit(lambda *a: pallas_triton.run(a[0], a[1], None, *a[2:], document, chunk_size=32,
+                                                      leaf_size=16, interpret=True))(q, k, v, log_decay, state)
+    ref_out, ref_final, _ = _reference(args, document, weights)
+    assert rel_rms_err(out, ref_out) <= tol and rel_rms_err(final, ref_final) <= tol
+
+
+def _executed_flops(jaxpr, scale=1):
+    """Matmul FLOPs of one program of a kernel jaxpr (loop bodies × trip count; while loops: the condition)."""
+    flops = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            flops += scale * 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
+        inner = scale * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
+        if eqn.primitive.name == "while":
+            flops += _executed_flops(eqn.params["cond_jaxpr"].jaxpr, scale)
+            continue
+        for value in eqn.params.values():
+            sub = getattr(value, "jaxpr", value)
+            if hasattr(sub, "eqns"):
+                flops += _executed_flops(sub, inner)
+    return flops
+
+
+def _pallas_calls(fn, *args):
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn
+                continue
+            for value in eqn.params.values():
+                sub = getattr(value, "jaxpr", value)
+                if hasattr(sub, "eqns"):
+                    yield from walk(sub)
+
+    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def _triton_calls(erase, with_backward, dtype=jnp.bfloat16):
+    """The pallas_calls of the Triton forward (+ backward), traced (interpret=False: nothing is lowered)."""
+    b, t, h, dk, dv, c = 1, 128, 2, 64, 64, 64
+    rng = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, e = (jax.random.normal(r, (b, t, h, dk), dtype) for r in rng[:3])
+    v = jax.random.normal(rng[3], (b, t, h, dv), dtype)
+    lam = -jnp.ones((b, t, h, dk), jnp.float32)
+    state = jnp.zeros((b, h, dk, dv), jnp.float32)
+    doc = jnp.zeros((b, t), jnp.int32)
+
+    def forward(q, k, e, v, lam, state):
+        out, final = pallas_triton.run(q, k, e if erase else None, v, lam, state, doc, chunk_size=c, leaf_size=16)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(final)
+
+    fn = jax.grad(forward, argnums=(0, 1, 2, 3, 4, 5)) if with_backward else forward
+    return _pallas_calls(fn, q, k, e, v, lam, state), (b * h * t // c, c, dk, dv)
+
+
+@pytest.mark.parametrize("with_backward", [True, False])
+def test_triton_no_erase_runs_no_solve(with_backward):
+    """Without an erase every kernel is the specialised one: each declares flops_gpu's no-erase count
+    (``has_erase=False``), which equals the matmul FLOPs its traced body executes and has no inverse (K1's TF32
+    FLOPs are the decay sums alone), and forward + backward execute fewer FLOPs than with an erase."""
+    calls, (chunks, c, dk, dv) = _triton_calls(False, with_backward)
+    counts = flops_gpu.kernel_counts(c, 16, dk, dv, 32, 1, True, 2, True, has_erase=False)
+    kernel_of = {"delta_rule_intra": "K1_intra", "delta_rule_scan": "K2_scan", "delta_rule_output": "K3_output",
+                 "delta_rule_scan_output": "K2_scan_output", "delta_rule_scan_bwd": "B1_scan_bwd",
+                 "delta_rule_cotangents": "B2a_cotangents", "delta_rule_key_grads": "B2b_key_grads"}
+    names = [eqn.params["name"] for eqn in calls]
+    expected = (["delta_rule_intra", "delta_rule_intra_search", "delta_rule_scan", "delta_rule_output",
+                 "delta_rule_scan_bwd", "delta_rule_cotangents", "delta_rule_key_grads", "delta_rule_key_grads_search"]
+                if with_backward else ["delta_rule_intra", "delta_rule_intra_search", "delta_rule_scan_output"])
+    assert names == expected
+    total = 0
+    for eqn in calls:
+        if eqn.params["name"].endswith("_search"):
+            continue
+        est = eqn.params["cost_estimate"]
+        programs = math.prod(eqn.params["grid_mapping"].grid)
+        assert est.flops == programs * _executed_flops(eqn.params["jaxpr"]), eqn.params["name"]
+        bf16, tf32, nbytes = counts[kernel_of[eqn.params["name"]]]
+        assert est.flops == chunks * (bf16 + tf32), eqn.params["name"]
+        total += est.flops
+    # K1: the decay sums (π, E and the cut's factors: one TF32 pass each) and no inverse
+    assert counts["K1_intra"][1] == 3 * 2 * c * c * dk
+    with_erase = sum(eqn.params["cost_estimate"].flops for eqn in _triton_calls(True, with_backward)[0])
+    assert total < with_erase, (total, with_erase)
+
+
+def test_triton_no_erase_lowers_for_cuda_on_cpu():
+    """The specialised kernels lower to Triton (shape rules, a scalar accumulator in place of A): 8 kernels for
+    forward + backward, 3 for a forward alone."""
+    s = jax.ShapeDtypeStruct
+    b, t, h, dk, dv = 1, 200, 2, 64, 32
+    specs = [s((b, t, h, dk), jnp.bfloat16)] * 2 + [s((b, t, h, dv), jnp.bfloat16), s((b, t, h, dk), jnp.float32),
+                                                   s((b, h, dk, dv), jnp.float32), s((b, t), jnp.int32)]
+
+    def loss(q, k, v, lam, state, doc):
+        out, final = pallas_triton.run(q, k, None, v, lam, state, doc, chunk_size=64, leaf_size=16)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(final)
+
+    grad = jax.grad(loss, argnums=tuple(range(5)))
+    assert jax.jit(grad).trace(*specs).lower(lowering_platforms=("cuda",)).as_text().count(
+        "__gpu$xla.gpu.triton") == 8
+    assert jax.jit(loss).trace(*specs).lower(lowering_platforms=("cuda",)).as_text().count(
+        "__gpu$xla.gpu.triton") == 3
+
+
+def test_flops_gpu_no_erase_counts_by_hand():
+    c, d = 64, 128
+    mm = lambda m, k, n: 2 * m * k * n  # noqa: E731
+    plain = flops_gpu.kernel_counts(chunk=c, leaf=16, dk=d, dv=d, block_k=32, has_erase=False)
+    full = flops_gpu.kernel_counts(chunk=c, leaf=16, dk=d, dv=d, block_k=32)
+    assert plain["K1_intra"][:2] == (mm(c, d, c), 3 * mm(c, c, d))  # M's product; π, E and the factors' sums
+    assert full["K1_intra"][1] - plain["K1_intra"][1] == 10 * mm(c, c, c)  # the inverse
+    assert plain["K2_scan"][0] == mm(c, d, d) and plain["B2a_cotangents"][0] == mm(c, c, d)
+    assert plain["B2b_key_grads"][0] == 2 * mm(c, d, d) + 2 * mm(c, c, d)
+    assert "K1_intra_alone" not in plain and "B0_rhs" not in flops_gpu.kernel_counts(save_rhs=False, has_erase=False)
+    assert all(sum(plain[n][:2]) < sum(full[n][:2]) for n in plain if n != "K3_output")
+    assert plain["K3_output"] == full["K3_output"]
+
