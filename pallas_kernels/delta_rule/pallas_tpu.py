@@ -593,7 +593,10 @@ def operand_dtype(dtype) -> str:
 def run(q, k, erase, v, log_decay, state, document_BT, *, chunk_size, leaf_size, interpret=False,
         vmem_limit_bytes: Optional[int] = VMEM_LIMIT_BYTES):
     """The op's ``impl.run`` contract (see module docstring). Differentiable through ``jax.custom_vjp``
-    (forward and backward are Pallas kernels; nothing is autodiffed through the kernels)."""
+    (forward and backward are Pallas kernels; nothing is autodiffed through the kernels). ``erase`` None: no
+    erase; this kernel runs the general chunk with k̂ = 0."""
+    if erase is None:
+        erase = jnp.zeros_like(k)
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     cdt = operand_dtype(q.dtype)

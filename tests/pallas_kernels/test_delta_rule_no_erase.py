@@ -223,3 +223,58 @@ def test_flops_gpu_no_erase_counts_by_hand():
     assert all(sum(plain[n][:2]) < sum(full[n][:2]) for n in plain if n != "K3_output")
     assert plain["K3_output"] == full["K3_output"]
 
+
+# ---------------------------------------------------------------------------------------------------------
+# xla (through the op: api.delta_rule with erase_key=None)
+
+
+def _op_inputs(seed, decay, dtype):
+    t = sum(SEGMENT_LENGTHS)
+    inputs = gdn2_inputs(seed, 2, t, 2, 16, 8, dtype=np.float32, decay=decay, erase=False)
+    inputs = {n: None if x is None else (x.astype(dtype) if n in ("q", "k", "v") else x)
+              for n, x in inputs.items()}
+    rng = np.random.default_rng(seed + 1)
+    weights = (jnp.asarray(rng.normal(size=(2, t, 2, 8)), jnp.float32),
+               jnp.asarray(rng.normal(size=(2, 2, 16, 8)), jnp.float32))
+    return inputs, weights
+
+
+@pytest.mark.parametrize("dtype, decay, chunk, leaf, tol, grad_tol", [
+    # computed in f32 either way; bf16 inputs get bf16 outputs and gradients (their rounding, 1.6e-3 observed)
+    (jnp.float32, "channel", 32, 8, 2e-6, 1e-5),
+    (jnp.float32, "head", 16, 4, 2e-6, 1e-5),
+    (jnp.bfloat16, "channel", 32, 8, 5e-3, 5e-3),
+])
+def test_xla_no_erase_matches_reference(dtype, decay, chunk, leaf, tol, grad_tol):
+    """The xla path's no-erase chunk (forward and custom VJP) against the float64 reference, on the same
+    inputs (the bf16 ones widened exactly)."""
+    from delta_rule_cases import as_float64, outputs_and_grads
+    inputs, (w_out, w_state) = _op_inputs(4, decay, dtype)
+    segments = _segment_ids(2)
+    got = outputs_and_grads(inputs, w_out, w_state, segments, implementation="xla", chunk_size=chunk,
+                            leaf_size=leaf)
+    with x64():
+        want = outputs_and_grads(as_float64(inputs), w_out.astype(jnp.float64), w_state.astype(jnp.float64),
+                                 segments, implementation="reference")
+    assert got[2]["erase_key"] is None
+    _check((got[0], got[1], [got[2][n] for n in NAMES]), (want[0], want[1], [want[2][n] for n in NAMES]),
+           tol, grad_tol)
+
+
+def test_xla_no_erase_builds_no_inverse(monkeypatch):
+    """Without an erase the xla forward and backward never build (I + A)⁻¹ (the recursive inverse is not
+    called); with an erase key of zeros they do."""
+    from delta_rule_cases import outputs_and_grads
+    from mixerlab.pallas_kernels.delta_rule import xla
+
+    def no_inverse(*args):
+        raise AssertionError("recursive_inverse called")
+
+    monkeypatch.setattr(xla, "recursive_inverse", no_inverse)
+    inputs, (w_out, w_state) = _op_inputs(5, "channel", jnp.float32)
+    run = outputs_and_grads.__wrapped__  # not jitted: trace afresh with the patched module
+    out, final, grads = run(inputs, w_out, w_state, None, implementation="xla", chunk_size=16, leaf_size=4)
+    assert np.all(np.isfinite(np.asarray(out))) and grads["erase_key"] is None
+    with pytest.raises(AssertionError, match="recursive_inverse called"):
+        run({**inputs, "erase_key": jnp.zeros_like(inputs["k"])}, w_out, w_state, None, implementation="xla",
+            chunk_size=16, leaf_size=4)
