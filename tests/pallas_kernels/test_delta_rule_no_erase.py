@@ -378,3 +378,23 @@ def test_tpu_no_erase_compiles(gen):
     assert 0 <= cost["flops"] - expected.flops <= 2 * t
     jax.jit(train).lower(*specs).compile()
 
+
+# ---------------------------------------------------------------------------------------------------------
+# the ideal-kernel FLOP model (pallas_kernels/delta_rule/flops.py)
+
+
+def test_flops_model_no_erase():
+    """KernelConfig(has_erase=False): forward MXU = the MXU cumsum + M's cross blocks (half the fused A/M
+    product) + (Q̂⊙π) S₀ + M V̂ + the state update, per token and head; no Table 8 inverse/merge/solve rows."""
+    from mixerlab.pallas_kernels.delta_rule import flops
+    c, n0, dk, dv = 256, 8, 128, 128
+    plain = flops.KernelConfig(c, n0, dk, dv, has_erase=False)
+    full = flops.KernelConfig(c, n0, dk, dv)
+    forward = flops.total(flops.forward_stages(plain)).mxu
+    assert forward == 2 * c * dk + (c - n0) * dk + 2 * dk * dv + 2 * c * dv + 2 * dk * dv
+    assert not any(stage.table8 for stage in flops.forward_stages(plain))
+    for stages in (flops.forward_stages, flops.backward_stages):
+        assert flops.total(stages(plain)).mxu < flops.total(stages(full)).mxu
+        assert not any("solve" in s.name or "merges" in s.name for s in stages(plain))
+    assert sum(flops.hbm_bytes(full, True).values()) - sum(flops.hbm_bytes(plain, True).values()) == 3 * 2 * dk
+    assert flops.main(["--no-erase", "--backward"]) == 0
