@@ -224,6 +224,28 @@ def test_flops_gpu_no_erase_counts_by_hand():
     assert plain["K3_output"] == full["K3_output"]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype, precision, tol, grad_tol", [
+    (jnp.float32, "highest", 1e-5, 1e-4), (jnp.bfloat16, "tf32", 2e-2, 5e-2)])
+def test_gpu_triton_no_erase_matches_reference(dtype, precision, tol, grad_tol):
+    """The compiled no-erase kernels (the tolerances of the delta kernels' GPU test), T = 75 packed."""
+    args, document, weights = _case(8, 2, 4, 128, 128, "channel", dtype)
+    got = _triton_compiled(args, document, weights, inverse_precision=precision)
+    _check(got, _reference(args, document, weights), tol, grad_tol)
+
+
+def _triton_compiled(args, document, weights, **options):
+    w_out, w_state = (jnp.asarray(w, jnp.float32) for w in weights)
+
+    def loss(q, k, v, log_decay, state):
+        out, final = pallas_triton.run(q, k, None, v, log_decay, state, document, chunk_size=64, leaf_size=16,
+                                       **options)
+        return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(final * w_state), (out, final)
+
+    grads, (out, final) = jax.jit(jax.grad(loss, argnums=tuple(range(5)), has_aux=True))(*args)
+    return out, final, grads
+
 # ---------------------------------------------------------------------------------------------------------
 # xla (through the op: api.delta_rule with erase_key=None)
 
@@ -272,7 +294,8 @@ def test_xla_no_erase_builds_no_inverse(monkeypatch):
 
     monkeypatch.setattr(xla, "recursive_inverse", no_inverse)
     inputs, (w_out, w_state) = _op_inputs(5, "channel", jnp.float32)
-    run = outputs_and_grads.__wrapped__  # not jitted: trace afresh with the patched module
+    # a fresh jit: traced afresh with the patched module (the shared one may hold a cached trace)
+    run = jax.jit(outputs_and_grads.__wrapped__, static_argnames=("implementation", "chunk_size", "leaf_size"))
     out, final, grads = run(inputs, w_out, w_state, None, implementation="xla", chunk_size=16, leaf_size=4)
     assert np.all(np.isfinite(np.asarray(out))) and grads["erase_key"] is None
     with pytest.raises(AssertionError, match="recursive_inverse called"):
