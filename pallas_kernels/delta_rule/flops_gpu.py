@@ -20,7 +20,7 @@ kernels of ``pallas_kernels/delta_rule/pallas_triton.py`` (bodies in ``pallas_tr
 The Triton kernels declare these counts as their ``pl.CostEstimate``.
 
     python -m mixerlab.pallas_kernels.delta_rule.flops_gpu [--chunk 64 --leaf 16 --dk 128 --dv 128 --block-k 32]
-        [--measured docs/benchmarks/raw/delta_rule_h200_2026-11-30.json]
+        [--measured docs/benchmarks/raw/delta_rule_h200_2026-11-30.json] [--no-erase]
 """
 from __future__ import annotations
 
@@ -172,10 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sum-passes", type=int, default=1, choices=(1, 2))
     p.add_argument("--no-save-rhs", action="store_true", help="count B0 (save_rhs=False)")
     p.add_argument("--no-fuse-output", action="store_true", help="count K2 and K3 apart (fuse_output=False)")
+    p.add_argument("--no-erase", action="store_true", help="the no-erase kernels (erase_key=None: no A, no solve)")
     p.add_argument("--measured", help="bench JSON of tools/bench_delta_rule_gpu.py (per-kernel breakdown)")
     a = p.parse_args(argv)
     counts = kernel_counts(a.chunk, a.leaf, a.dk, a.dv, a.block_k, a.sum_passes, save_rhs=not a.no_save_rhs,
-                           fuse_output=not a.no_fuse_output)
+                           fuse_output=not a.no_fuse_output, has_erase=not a.no_erase)
     n = a.batch * a.seq * a.heads
     roof = roofline_ms(counts, n, a.chunk)
     measured = {}
@@ -187,7 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             measured = {k: v[0] for k, v in timings[key]["ours"]["breakdown"].items()}
         except (KeyError, TypeError):
             p.error(f"{a.measured}: no per-kernel breakdown for shape {key} (timings.{key}.ours.breakdown)")
-    print(f"GPU delta-rule kernels, C={a.chunk} leaf={a.leaf} d_k={a.dk} d_v={a.dv} block_k={a.block_k}, "
+    variant = " without an erase" if a.no_erase else ""
+    print(f"GPU delta-rule kernels{variant},"
+          f" C={a.chunk} leaf={a.leaf} d_k={a.dk} d_v={a.dv} block_k={a.block_k}, "
           f"B·T·H = {a.batch}·{a.seq}·{a.heads}; H200 roofs {BF16_FLOPS / 1e12:.0f} TFLOP/s bf16 (TF32 at half), "
           f"{HBM_BYTES_S / 1e12:.1f} TB/s")
     print("| kernel | GFLOP bf16 | GFLOP tf32 | GB | roof ms (FLOPs) | roof ms (bytes) | measured ms "

@@ -222,6 +222,7 @@ def test_flops_gpu_no_erase_counts_by_hand():
     assert "K1_intra_alone" not in plain and "B0_rhs" not in flops_gpu.kernel_counts(save_rhs=False, has_erase=False)
     assert all(sum(plain[n][:2]) < sum(full[n][:2]) for n in plain if n != "K3_output")
     assert plain["K3_output"] == full["K3_output"]
+    assert flops_gpu.main(["--no-erase"]) == 0
 
 
 @pytest.mark.gpu
