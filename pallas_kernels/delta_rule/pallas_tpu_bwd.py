@@ -96,6 +96,29 @@ def _contract_levels(da, dm, ch: Chunk, g: Geometry, cdt):
     return dq, de, dkk
 
 
+def _readout_grad(d_out, ch: Chunk, doc_col, doc_row, g: Geometry, cdt):
+    """dM = tril(dO Ũᵀ) on same-document pairs (the diagonal included)."""
+    i, j = iota2((g.chunk, g.chunk))
+    return jnp.where((doc_col == doc_row) & (j <= i), mm_nt(d_out, ch.true_pseudo, cdt), 0.0)
+
+
+def _end_terms(ch: Chunk, h_mat, g: Geometry):
+    """K⊙E⊙H with the last row left out: E_C = e^0 exactly, so its +/− terms at row C cancel identically."""
+    r = jax.lax.broadcasted_iota(jnp.int32, (g.chunk, 1), 0)
+    return jnp.where(r == g.chunk - 1, 0.0, ch.kf * ch.end_decay * h_mat)
+
+
+def _log_decay_grad(d_cum_log_decay, end_terms, ch: Chunk, start_state, ds, g: Geometry):
+    """dλ from dΛ: the chunk-end terms (Σ_i K⊙E⊙H and π_C ⊙ rowsum(S₀⊙dS)) join the last row, then
+    dλ_s = Σ_{i ≥ s} dΛ_i on the MXU."""
+    c_ = g.chunk
+    r = jax.lax.broadcasted_iota(jnp.int32, (c_, 1), 0)
+    state_term = mm_nt(jnp.ones((8, g.dv), F32), start_state * ds, F32)[0:1]  # rowsum(S₀ ⊙ dS) as a row [1, Dk]
+    chunk_end = jnp.sum(end_terms, axis=0, keepdims=True) + ch.chunk_decay_row * state_term
+    d_cum_log_decay = jnp.where(r == c_ - 1, d_cum_log_decay + chunk_end, d_cum_log_decay)
+    return mm_f32(upper_ones(c_), d_cum_log_decay)
+
+
 def _backward_kernel(*refs, cfg: KernelConfig):
     if not cfg.has_erase:
         return _backward_kernel_without_erase(*refs, cfg=cfg)
@@ -120,7 +143,7 @@ def _backward_kernel(*refs, cfg: KernelConfig):
     same = doc_col == doc_row
 
     du = mm_tn(readout_scr[...], d_out, cdt) + mm(ch.kf * ch.end_decay, ds, cdt)
-    dm = jnp.where(same & (j <= i), mm_nt(d_out, ch.true_pseudo, cdt), 0.0)
+    dm = _readout_grad(d_out, ch, doc_col, doc_row, g, cdt)
     ds_prev = mm_tn(ch.qf * ch.start_decay, d_out, cdt) + ch.chunk_decay_col * ds - mm_tn(ch.state_reads, du, cdt)
     dy = -mm_nt(du, start_state, cdt)
     dvh, dr = fused_mm(inverse_scr[...], [du, dy], cdt, transpose_lhs=True)  # [dV̂ ‖ dR] = Pᵀ [dŨ ‖ dY]
@@ -141,15 +164,10 @@ def _backward_kernel(*refs, cfg: KernelConfig):
     dk_ref[...] = (dk_p + dk_diag + h_mat * ch.end_decay).astype(dk_ref.dtype)
     dv_ref[...] = dvh.astype(dv_ref.dtype)
 
-    # E_C = e^0 exactly: its +/− terms at row C cancel identically, so leave the last row out of both
-    r = jax.lax.broadcasted_iota(jnp.int32, (c_, 1), 0)
-    end_terms = jnp.where(r == c_ - 1, 0.0, ch.kf * ch.end_decay * h_mat)
+    end_terms = _end_terms(ch, h_mat, g)
     d_cum_log_decay = (ch.ef * de_p + ch.qf * dq_p - ch.kf * dk_p + ch.start_decay * (dr * ch.ef + g_mat * ch.qf)
                        - end_terms)
-    state_term = mm_nt(jnp.ones((8, g.dv), F32), start_state * ds, F32)[0:1]  # rowsum(S₀ ⊙ dS) as a row [1, Dk]
-    chunk_end = jnp.sum(end_terms, axis=0, keepdims=True) + ch.chunk_decay_row * state_term
-    d_cum_log_decay = jnp.where(r == c_ - 1, d_cum_log_decay + chunk_end, d_cum_log_decay)
-    d_log_decay_ref[...] = mm_f32(upper_ones(c_), d_cum_log_decay)  # dλ_s = Σ_{i ≥ s} dΛ_i
+    d_log_decay_ref[...] = _log_decay_grad(d_cum_log_decay, end_terms, ch, start_state, ds, g)
 
     ds_scr[...] = ds_prev
 
@@ -163,7 +181,6 @@ def _backward_kernel_without_erase(q_ref, k_ref, v_ref, log_decay_ref, doc_col_r
                                    *, cfg: KernelConfig):
     """:func:`_backward_kernel` with k̂ = 0 (module docstring): no P, no solve, no dA, no dK̂."""
     g, cdt = cfg.geometry, cfg.cdt
-    c_ = g.chunk
     c = pl.program_id(1)
 
     @pl.when(c == 0)
@@ -176,11 +193,9 @@ def _backward_kernel_without_erase(q_ref, k_ref, v_ref, log_decay_ref, doc_col_r
     ch = chunk_core(q_ref[...], k_ref[...], None, v_ref[...], log_decay_ref[...], doc_col, doc_row, start_state, None,
                     readout_scr, g, cdt)
     d_out = do_ref[...].astype(F32)
-    i, j = iota2((c_, c_))
-    same = doc_col == doc_row
 
     dvh = mm_tn(readout_scr[...], d_out, cdt) + mm(ch.kf * ch.end_decay, ds, cdt)  # dV̂ = dŨ
-    dm = jnp.where(same & (j <= i), mm_nt(d_out, ch.true_pseudo, cdt), 0.0)
+    dm = _readout_grad(d_out, ch, doc_col, doc_row, g, cdt)
     ds_prev = mm_tn(ch.qf * ch.start_decay, d_out, cdt) + ch.chunk_decay_col * ds
 
     dq_p, _, dk_p, dq_diag, dk_diag = _contract_leaves(None, dm, ch, g)
@@ -193,13 +208,9 @@ def _backward_kernel_without_erase(q_ref, k_ref, v_ref, log_decay_ref, doc_col_r
     dk_ref[...] = (dk_p + dk_diag + h_mat * ch.end_decay).astype(dk_ref.dtype)
     dv_ref[...] = dvh.astype(dv_ref.dtype)
 
-    r = jax.lax.broadcasted_iota(jnp.int32, (c_, 1), 0)
-    end_terms = jnp.where(r == c_ - 1, 0.0, ch.kf * ch.end_decay * h_mat)
+    end_terms = _end_terms(ch, h_mat, g)
     d_cum_log_decay = ch.qf * dq_p - ch.kf * dk_p + ch.start_decay * (g_mat * ch.qf) - end_terms
-    state_term = mm_nt(jnp.ones((8, g.dv), F32), start_state * ds, F32)[0:1]  # rowsum(S₀ ⊙ dS) as a row [1, Dk]
-    chunk_end = jnp.sum(end_terms, axis=0, keepdims=True) + ch.chunk_decay_row * state_term
-    d_cum_log_decay = jnp.where(r == c_ - 1, d_cum_log_decay + chunk_end, d_cum_log_decay)
-    d_log_decay_ref[...] = mm_f32(upper_ones(c_), d_cum_log_decay)  # dλ_s = Σ_{i ≥ s} dΛ_i
+    d_log_decay_ref[...] = _log_decay_grad(d_cum_log_decay, end_terms, ch, start_state, ds, g)
 
     ds_scr[...] = ds_prev
 

@@ -97,10 +97,16 @@ def _backward(leaf_size, residuals, cotangents):
     end_terms = t.end_decay * d_key_eff * k
     d_cum_log_decay = (erase * d_erase_pairs - k * d_key_a + q * d_query_pairs - k * d_key_m
                        + t.start_decay * (d_query_eff * q + d_erase_start * erase) - end_terms)
+    d_log_decay = _log_decay_grad(t, d_cum_log_decay, end_terms, d_chunk_decay)
+    return d_q, d_k, d_erase, d_v, d_log_decay, d_initial, None, None
+
+
+def _log_decay_grad(t, d_cum_log_decay, end_terms, d_chunk_decay):
+    """dλ from dΛ: the chunk-end terms (Σ_i of K⊙E⊙H and π_C ⊙ rowsum(S₀⊙dS_C)) join the last token, then
+    the reverse cumsum within the chunk."""
     chunk_end = jnp.sum(end_terms, axis=-2) + d_chunk_decay * t.chunk_decay
     d_cum_log_decay = d_cum_log_decay.at[..., -1, :].add(chunk_end)
-    d_log_decay = xla.reverse_inclusive_cumsum(d_cum_log_decay)
-    return d_q, d_k, d_erase, d_v, d_log_decay, d_initial, None, None
+    return xla.reverse_inclusive_cumsum(d_cum_log_decay)
 
 
 def _backward_without_erase(t, q, k, v, starts, d_out, d_final, leaf_size):
@@ -120,10 +126,7 @@ def _backward_without_erase(t, q, k, v, starts, d_out, d_final, leaf_size):
     d_k = d_key_eff * t.end_decay + d_key_m
     end_terms = t.end_decay * d_key_eff * k
     d_cum_log_decay = q * d_query_pairs - k * d_key_m + t.start_decay * d_query_eff * q - end_terms
-    chunk_end = jnp.sum(end_terms, axis=-2) + d_chunk_decay * t.chunk_decay
-    d_cum_log_decay = d_cum_log_decay.at[..., -1, :].add(chunk_end)
-    d_log_decay = xla.reverse_inclusive_cumsum(d_cum_log_decay)
-    return d_q, d_k, None, d_v, d_log_decay, d_initial, None, None
+    return d_q, d_k, None, d_v, _log_decay_grad(t, d_cum_log_decay, end_terms, d_chunk_decay), d_initial, None, None
 
 
 def _contract_pairs(t, q, k, erase, d_strict_CC, d_readout_CC, leaf_size):
