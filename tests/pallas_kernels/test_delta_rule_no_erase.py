@@ -27,10 +27,11 @@ def _segment_ids(batch):
     return jnp.asarray(np.tile(ids, (batch, 1)))
 
 
-def _case(seed, batch, heads, key_dim, value_dim, decay, dtype):
+def _case(seed, batch, heads, key_dim, value_dim, decay, dtype, strong_decay_heads=0):
     """(args in the kernel's dtypes, document index, loss weights); λ [B, T, H] for decay="head"."""
     t = sum(SEGMENT_LENGTHS)
-    inputs = gdn2_inputs(seed, batch, t, heads, key_dim, value_dim, dtype=np.float32, decay=decay, erase=False)
+    inputs = gdn2_inputs(seed, batch, t, heads, key_dim, value_dim, dtype=np.float32, decay=decay, erase=False,
+                         strong_decay_heads=strong_decay_heads)
     args = [inputs[n].astype(dtype) if n in ("q", "k", "v") else inputs[n].astype(jnp.float32) for n in NAMES]
     document = common.document_index(_segment_ids(batch), batch, t)
     rng = np.random.default_rng(seed + 1)
@@ -96,6 +97,22 @@ def _triton(args, document, weights, **tiling):
 def test_triton_no_erase_matches_reference(dtype, decay, tiling, tol, grad_tol):
     args, document, weights = _case(0, 1, 2, 32, 16, decay, dtype)
     _check(_triton(args, document, weights, **tiling), _reference(args, document, weights), tol, grad_tol)
+
+
+@pytest.mark.slow  # 17 s on the loaded 2-core machine (two interpret-mode K1 passes and the backward)
+def test_triton_no_erase_strong_decay_takes_the_search_pass():
+    """A head with λ ≈ −20 per token: K1's whole-chunk pass flags its chunks and the no-erase search pass (the cut
+    search and the exact pivot levels, M alone) redoes them; outputs and gradients stay accurate and finite."""
+    args, document, weights = _case(3, 1, 2, 32, 16, "channel", jnp.float32, strong_decay_heads=1)
+    q, k, v, log_decay, _ = args
+    _, carry = common.chunk_documents(common.pad_time(document, 32, mode="edge"), 32)
+    cfg = pallas_triton.make_config(32, 16, 32, 16, jnp.float32, batch_heads=2, interpret=True, has_erase=False)
+    padded = [common.pad_time(x, 32) for x in (q, k, log_decay)]
+    _, flags = pallas_triton._intra_plain(cfg, *padded, common.pad_time(document, 32, mode="edge"), carry, True,
+                                          with_flags=True)
+    assert np.asarray(flags)[:, 0].all() and not np.asarray(flags)[:, 1].any()  # the strong head, only
+    _check(_triton(args, document, weights, chunk_size=32, leaf_size=16), _reference(args, document, weights),
+           2e-6, 1e-5)
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)])
