@@ -365,7 +365,7 @@ MUTANTS = [
       "K1's search pass redoes the chunks the first pass did not flag and leaves the flagged ones",
       (DR_TRITON + "::test_interpret_two_passes_equal_one",)),
     M("dr_triton_bounded_pair_grad_factor", _DR + "pallas_triton_kernels.py",
-      "return (_dot(d_a, kr, cfg, f32=wide) * left,", "return (_dot(d_a, kr, cfg, f32=wide) * right,",
+      "return (add(0, _dot(d_a, kr, cfg, f32=wide) * left),", "return (add(0, _dot(d_a, kr, cfg, f32=wide) * right),",
       "the GPU key-gradient kernel scales the factored dk̂ pairs by e^{Λ_p − Λ_i} instead of e^{Λ_i − Λ_p}",
       (DR_TRITON + "::test_interpret_bounded_and_tree_paths_agree_in_f32",)),
     M("dr_triton_float16_factored", _DR + "pallas_triton_config.py",

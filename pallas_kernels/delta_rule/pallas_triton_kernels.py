@@ -298,29 +298,29 @@ def _key_grads_body(cfg):
         e = erase_ref[...] if erase else None
         wide = cfg.pair_grads_f32
 
-        def pair_terms(d_a, d_m, left, right):
-            """(dk̂, dq̂, dk) pair terms of one pivot product with dA, dM already masked to its pairs; without an
-            erase the dk̂ term is a scalar 0 and no dA product runs."""
+        def pair_terms(d_a, d_m, left, right, acc=None):
+            """(dk̂, dq̂, dk) pair terms of one pivot product (plus ``acc``), dA and dM already masked to its pairs;
+            the delta kernel's products in its original order; without an erase the dk̂ term is a scalar 0 and
+            no dA product runs."""
+            add = (lambda i, x: x) if acc is None else (lambda i, x: acc[i] + x)
             kr = k * right
-            if not erase:
-                return (jnp.zeros((), F32), _dot(d_m, kr, cfg, f32=wide) * left,
-                        _dot(d_m, q * left, cfg, trans_a=True, f32=wide) * right)
-            return (_dot(d_a, kr, cfg, f32=wide) * left, _dot(d_m, kr, cfg, f32=wide) * left,
-                    (_dot(d_a, e * left, cfg, trans_a=True, f32=wide)
-                     + _dot(d_m, q * left, cfg, trans_a=True, f32=wide)) * right)
-
-        def on(pairs, ref):
-            return jnp.where(pairs, ref[...], jnp.zeros_like(ref[...])) if ref is not None else None
-
-        d_strict = d_strict_ref if erase else None
+            if not erase:  # (the loop carries the scalar through: a fresh constant is no loop value for Triton)
+                return (jnp.zeros((), F32) if acc is None else acc[0], add(1, _dot(d_m, kr, cfg, f32=wide) * left),
+                        add(2, _dot(d_m, q * left, cfg, trans_a=True, f32=wide) * right))
+            return (add(0, _dot(d_a, kr, cfg, f32=wide) * left), add(1, _dot(d_m, kr, cfg, f32=wide) * left),
+                    add(2, (_dot(d_a, e * left, cfg, trans_a=True, f32=wide)
+                            + _dot(d_m, q * left, cfg, trans_a=True, f32=wide)) * right))
 
         # pair gradients through the pivot tree (same factors as the forward; F is ρ on right-half rows and
         # κ on left-half rows)
         def level(l, acc):
             pairs, sums = _level(cfg, l)
             f = _decay(sums, log_decay_split, cfg)
-            terms = pair_terms(on(pairs, d_strict), on(pairs, d_readout_ref), f, f)
-            return tuple(x + y for x, y in zip(acc, terms))
+            d_a = d_strict_ref[...] if erase else None
+            d_m = d_readout_ref[...]
+            da_l = jnp.where(pairs, d_a, jnp.zeros_like(d_a)) if erase else None
+            dm_l = jnp.where(pairs, d_m, jnp.zeros_like(d_m))
+            return pair_terms(da_l, dm_l, f, f, acc)
 
         zeros = jnp.zeros((c, cfg.block_k), F32)
         pair_grads = (zeros if erase else jnp.zeros((), F32), zeros, zeros)
@@ -333,7 +333,9 @@ def _key_grads_body(cfg):
             pairs, left, right = _pivot_factors(cut, sums, log_decay_split, cfg)
             if whole_chunk:
                 pairs = masks.strict
-            pair_grads = pair_terms(on(pairs, d_strict), on(pairs, d_readout_ref), left, right)
+            d_a = jnp.where(pairs, d_strict_ref[...], jnp.zeros_like(d_strict_ref[...])) if erase else None
+            d_m = jnp.where(pairs, d_readout_ref[...], jnp.zeros_like(d_readout_ref[...]))
+            pair_grads = pair_terms(d_a, d_m, left, right)
         d_e_pair, d_q_pair, d_k_pair = pair_grads if whole_chunk else jax.lax.fori_loop(cut, cfg.levels, level,
                                                                                         pair_grads)
         # the state terms after the level loop: nothing [C, BK] extra stays live across it
@@ -342,11 +344,12 @@ def _key_grads_body(cfg):
         d_qpi = _dot(do_ref[...], s0, cfg, trans_b=True)
         d_keff = _dot(true_pseudo_ref[...], d_ends, cfg, trans_b=True)
         d_pic = jnp.sum(s0.astype(F32) * d_ends.astype(F32), axis=1)
+        if erase:  # (in the delta kernel's original order)
+            d_r = _dot(inverse_ref[...], -_dot(d_true_pseudo_ref[...], s0, cfg, trans_b=True), cfg, trans_a=True)
         d_m_diag = jnp.sum(jnp.where(masks.eye, d_readout_ref[...].astype(F32), 0.0), axis=1)[:, None]
         start, end, chunk_decay = _edge_decays(log_decay, log_decay_split, masks, cfg)
         dq_out[...] = (d_qpi * start + d_q_pair + d_m_diag * k).astype(dq_out.dtype)
         if erase:
-            d_r = _dot(inverse_ref[...], -_dot(d_true_pseudo_ref[...], s0, cfg, trans_b=True), cfg, trans_a=True)
             d_erase_out[...] = (d_r * start + d_e_pair).astype(d_erase_out.dtype)
         dk_out[...] = (d_keff * end + d_k_pair + d_m_diag * q).astype(dk_out.dtype)
         # log-decay: every exponent is Λ_i − Λ_j (pairs, π, E, π_C; Λ the chunk's inclusive cumsum), so

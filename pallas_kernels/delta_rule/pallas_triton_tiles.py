@@ -235,31 +235,30 @@ def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_st
         if cfg.has_erase:
             key_start_out[:, cols] = (e * start).astype(key_start_out.dtype)
 
-        def pair_products(left, kr, pairs=None):
-            """(A, M) increments of one pivot product (A only with an erase), masked to ``pairs``."""
+        def add_pair_products(a, m, left, kr, pairs=None):
+            """(A, M) plus one pivot product each (A only with an erase), masked to ``pairs``; A first, in the
+            order the delta kernel always issued them."""
             keep = (lambda x: x) if pairs is None else (lambda x: jnp.where(pairs, x, 0.0))
-            m_term = keep(_dot(q * left, kr, cfg, trans_b=True))
-            return (keep(_dot(e * left, kr, cfg, trans_b=True)) if cfg.has_erase else 0.0), m_term
+            if cfg.has_erase:
+                a = a + keep(_dot(e * left, kr, cfg, trans_b=True))
+            return a, m + keep(_dot(q * left, kr, cfg, trans_b=True))
 
         def level(l, acc):
             pairs, sums = _level(cfg, l)
             f = _decay(sums, log_decay_split, cfg)
-            d_a, d_m = pair_products(f, k * f, pairs)
-            return acc[0] + d_a, acc[1] + d_m
+            return add_pair_products(*acc, f, k * f, pairs)
 
         diag = diag + jnp.sum(q.astype(F32) * k.astype(F32), axis=1)
         if whole_chunk:  # pairs above the diagonal (e^{positive}, possibly inf) are dropped by the final select
             sums = _cut_sums(cfg.levels, log_decay_split, cfg)
             low = jnp.minimum(low, jnp.min(sums, axis=1))  # per row (within a warp); across rows after the loop
             _, left, right = _pivot_factors(cfg.levels, sums, log_decay_split, cfg)
-            d_a, d_m = pair_products(left, k * right)
-            return a + d_a, m + d_m, diag, low
+            return (*add_pair_products(a, m, left, k * right), diag, low)
         cut = 0  # the exact tree for every pair
         if cfg.bounded_span is not None:
             cut, sums = _bounded_cut(log_decay_split, cfg, keep_sums=True)
             pairs, left, right = _pivot_factors(cut, sums, log_decay_split, cfg)
-            d_a, d_m = pair_products(left, k * right, pairs)
-            a, m = a + d_a, m + d_m
+            a, m = add_pair_products(a, m, left, k * right, pairs)
         a, m = jax.lax.fori_loop(cut, cfg.levels, level, (a, m))
         return a, m, diag, low
 
