@@ -342,6 +342,13 @@ def section_time_ours(shape, reps, breakdown=False, **overrides):
     log("ours core fwd", shape, res["core_fwd"])
     res["core_fwd_bwd"] = time_jax(fwd_bwd, core, reps)
     log("ours core fwd+bwd", shape, res["core_fwd_bwd"])
+    # the no-erase specialisation (erase_key=None: no A, no inverse, no solve) on the same q̂, k, v̂, λ
+    plain_fn = lambda q, k, v, lam, s0, doc: core_fn(q, k, None, v, lam, s0, doc)  # noqa: E731
+    plain = [core[0], core[1], *core[3:]]
+    res["core_no_erase_fwd"] = time_jax(jax.jit(plain_fn), plain, reps)
+    res["core_no_erase_fwd_bwd"] = time_jax(
+        jax.jit(lambda *a: jax.vjp(lambda *z: plain_fn(*z, a[5])[0], *a[:5])[1](d_out)), plain, reps)
+    log("ours core no erase fwd / fwd+bwd", shape, res["core_no_erase_fwd"], res["core_no_erase_fwd_bwd"])
     if GDN2_VARIANT[0]:  # GDN-2 with the gates applied inside the same jit
         gd = [jnp.asarray(x[n]).astype(bf if n != "g" else jnp.float32) for n in ("q", "k", "v", "g", "b", "w")]
         gd += [jnp.zeros((b, h, dk, dv), jnp.float32), jnp.zeros((b, t), jnp.int32)]
@@ -553,14 +560,15 @@ def main():
     save(args.out)
 
     print("\n=== bf16 timings, median ms (fwd / fwd+bwd); anchors from docs: fla, jla, cudnn fwd+bwd ===")
-    print("| B·T·H·D | ours core | ours GDN-2 (gates in jit) | fla chunk_gdn2 | jla gdn2 (Mosaic GPU) "
-          "| cuDNN attention |")
-    print("|---|---|---|---|---|---|")
+    print("| B·T·H·D | ours core | ours core, no erase | ours GDN-2 (gates in jit) | fla chunk_gdn2 "
+          "| jla gdn2 (Mosaic GPU) | cuDNN attention |")
+    print("|---|---|---|---|---|---|---|")
     for key, row in timings.items():
         o = row.get("ours", {})
         cell = lambda r, a="fwd", b="fwd_bwd": f"{fmt(r.get(a))} / {fmt(r.get(b))}" if isinstance(r, dict) else "—"
         # noqa
-        print(f"| {key}·16·128 | {cell(o, 'core_fwd', 'core_fwd_bwd')} | {cell(o, 'gdn2_fwd', 'gdn2_fwd_bwd')} | "
+        print(f"| {key}·16·128 | {cell(o, 'core_fwd', 'core_fwd_bwd')} | "
+              f"{cell(o, 'core_no_erase_fwd', 'core_no_erase_fwd_bwd')} | {cell(o, 'gdn2_fwd', 'gdn2_fwd_bwd')} | "
               f"{cell(row.get('fla', {}))} | {cell(row.get('jla', {}))} | {cell(row.get('cudnn', {}))} |")
     first = next(iter(timings.values()), {})
     bd = first.get("ours", {}).get("breakdown") if isinstance(first.get("ours"), dict) else None

@@ -33,6 +33,7 @@ DR_XLA = _T + "test_delta_rule_xla.py"
 DR_GRAD = _T + "test_delta_rule_grad.py::test_custom_vjp_matches_reference_grad"
 DR_REF = _T + "test_delta_rule_reference.py"
 DR_TRITON = _T + "test_delta_rule_pallas_triton.py"
+NO_ERASE = _T + "test_delta_rule_no_erase.py"
 TPU = _T + "test_delta_rule_pallas_tpu.py"
 TPU_SEG = TPU + "::test_float32_segments_odd_length_c64"
 TPU_EXTREME = TPU + "::test_extreme_decay_c64_every_head"
@@ -136,7 +137,7 @@ MUTANTS = [
       "Q_eff = Q̂⊙π − M Y with the wrong sign",
       (DR_XLA + "::test_no_initial_state_default_tiling", DR_XLA + "::test_random_segments_against_reference")),
     M("dr_xla_scan_transposed", _DR + "xla.py",
-      "return matmul(transition, state) + write, state", "return matmul(transpose(transition), state) + write, state",
+      "else matmul(transition, state)", "else matmul(transpose(transition), state)",
       "chunk-state scan applies Fᵀ instead of F",
       (CB_DR_XLA,)),
     # ---- delta rule, custom VJP -------------------------------------------------------------------------------
@@ -154,12 +155,12 @@ MUTANTS = [
       "dΛ_C loses π_C ⊙ rowsum(S₀⊙dS_C) (the carried state's chunk-end decay)",
       (CB_DR_XLA, DR_GRAD)),
     M("dr_vjp_dk_start_decay", _DR + "vjp.py",
-      "d_k = d_key_eff * t.end_decay", "d_k = d_key_eff * t.start_decay",
+      "d_k = d_key_eff * t.end_decay + d_key_a", "d_k = d_key_eff * t.start_decay + d_key_a",
       "dK through K_eff = K⊙E uses π instead of E",
       (DR_GRAD,)),
     M("dr_vjp_dlambda_wrong_direction", _DR + "vjp.py",
-      "d_log_decay = xla.reverse_inclusive_cumsum(d_cum_log_decay)",
-      "d_log_decay = xla.inclusive_cumsum(d_cum_log_decay)",
+      "return xla.reverse_inclusive_cumsum(d_cum_log_decay)",
+      "return xla.inclusive_cumsum(d_cum_log_decay)",
       "dλ = forward cumsum of dΛ instead of the reverse cumsum",
       (DR_GRAD,)),
     # ---- delta rule, float64 reference ------------------------------------------------------------------------
@@ -214,7 +215,7 @@ MUTANTS = [
       "dS_prev = … − Yᵀ dŨ with the wrong sign",
       (CB_TPU,)),
     M("dr_tpu_bwd_dm_diagonal_dropped", _BWD,
-      "dm = jnp.where(same & (j <= i)", "dm = jnp.where(same & (j < i)",
+      "(doc_col == doc_row) & (j <= i)", "(doc_col == doc_row) & (j < i)",
       "dM loses its diagonal",
       (CB_TPU,)),
     M("dr_tpu_bwd_state_term_dropped", _BWD,
@@ -364,7 +365,7 @@ MUTANTS = [
       "K1's search pass redoes the chunks the first pass did not flag and leaves the flagged ones",
       (DR_TRITON + "::test_interpret_two_passes_equal_one",)),
     M("dr_triton_bounded_pair_grad_factor", _DR + "pallas_triton_kernels.py",
-      "pair_grads = (_dot(d_a, kr, cfg, f32=wide) * left,", "pair_grads = (_dot(d_a, kr, cfg, f32=wide) * right,",
+      "return (add(0, _dot(d_a, kr, cfg, f32=wide) * left),", "return (add(0, _dot(d_a, kr, cfg, f32=wide) * right),",
       "the GPU key-gradient kernel scales the factored dk̂ pairs by e^{Λ_p − Λ_i} instead of e^{Λ_i − Λ_p}",
       (DR_TRITON + "::test_interpret_bounded_and_tree_paths_agree_in_f32",)),
     M("dr_triton_float16_factored", _DR + "pallas_triton_config.py",
@@ -396,8 +397,8 @@ MUTANTS = [
       "a folded forward alone writes M instead of M P: the within-chunk output term skips the solve",
       (DR_TRITON + "::test_interpret_folded_forward_alone_matches_the_reference",)),
     M("dr_triton_fold_scan_reads_u_rows", _DR + "pallas_triton_kernels.py",
-      "values = pseudo_values_ref[pl.ds(n * c, c), :] if cfg.fold_solve else pseudo_values_ref[n]",
-      "values = pseudo_values_ref[pl.ds(0, c), :] if cfg.fold_solve else pseudo_values_ref[n]",
+      "values = pseudo_values_ref[pl.ds(n * c, c), :] if by_token else pseudo_values_ref[n]",
+      "values = pseudo_values_ref[pl.ds(0, c), :] if by_token else pseudo_values_ref[n]",
       "the folded scan reads the first chunk's V̂ rows at every chunk",
       (DR_TRITON + "::test_interpret_folded_forward_alone_matches_the_reference",)),
     M("short_conv_triton_fwd_segments_ignored", "pallas_kernels/short_conv/pallas_triton.py",
@@ -528,6 +529,26 @@ MUTANTS = [
       '"ssm": adam(ssm_lr, 0.0)', '"ssm": adam(lr, 0.0)',
       "SSM group ignores its LR cap",
       (OPTIM,)),
+    # ---- delta rule without an erase (the no-erase specialisations) ----------------------------------------------
+    M("dr_xla_no_erase_dv_misses_state", _DR + "vjp.py",
+      "d_v = matmul(transpose(t.readout), d_out) + matmul(t.key_eff, d_ends)",
+      "d_v = matmul(transpose(t.readout), d_out)",
+      "the xla no-erase backward's dV̂ loses the (K⊙E) dS_C term (the later chunks' use of V̂)",
+      (NO_ERASE + "::test_xla_no_erase_matches_reference",)),
+    M("dr_triton_no_erase_scan_drops_decay", _DR + "pallas_triton_kernels.py",
+      "return chunk_decay_ref[n][:, None] * state + _dot(key_eff_ref[n], values, cfg, trans_a=True)",
+      "return state + _dot(key_eff_ref[n], values, cfg, trans_a=True)",
+      "the GPU no-erase scan carries S undecayed from chunk to chunk (Diag(π_C) dropped)",
+      (NO_ERASE + "::test_triton_no_erase_matches_reference",)),
+    M("dr_triton_no_erase_dv_misses_state", _DR + "pallas_triton_kernels.py",
+      "d_values = _dot(readout_ref[n], d_out, cfg, trans_a=True) + _dot(key_eff_ref[n], d_state, cfg)",
+      "d_values = _dot(readout_ref[n], d_out, cfg, trans_a=True)",
+      "the GPU no-erase reverse scan's dV̂ loses the (K⊙E) dS_C term",
+      (NO_ERASE + "::test_triton_no_erase_matches_reference",)),
+    M("dr_tpu_no_erase_level_dk_factor", _BWD,
+      "bmm_tn(dm_blocks, rows, cdt) * f[:, :h]", "bmm_tn(dm_blocks, rows, cdt) * f[:, h:]",
+      "the TPU no-erase backward scales the tree levels' dK by ρ (right halves) instead of κ (left halves)",
+      (NO_ERASE + "::test_tpu_no_erase_matches_reference",)),
     # ---- checkpoint and resume -----------------------------------------------------------------------------------
     M("ckpt_restore_oldest_first", "training/checkpoint.py",
       "for step in sorted(candidates, reverse=True):", "for step in sorted(candidates):",

@@ -7,6 +7,7 @@ with q̂ = ``q``, k = ``k``, k̂ = ``erase_key``, v̂ = ``v``, λ = ``log_decay`
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax.numpy as jnp
@@ -114,7 +115,10 @@ compute_dtype = common.compute_dtype
 # Contract: run(q, k, erase, v, log_decay, state, document_BT, *, chunk_size, leaf_size) -> (o, final_state).
 # q, k, erase [B,T,H,Dk] and v [B,T,H,Dv] arrive in the caller's dtype (a kernel may feed bf16 operands to
 # its matmuls); log_decay [B,T,H,Dk] and state [B,H,Dk,Dv] in the compute dtype; document_BT int32 is the
-# running count of segment boundaries (equal counts = same document). Pallas kernels register here with
+# running count of segment boundaries (equal counts = same document). erase is None when the caller gave no
+# erase key (linear attention, the gated no-erase mixers): then k̂ = 0, (I + A)⁻¹ = I, and an implementation
+# skips A, the inverse P, Y = P (K̂⊙π) and the M·Y correction (and their backward): the chunk is
+# O = (Q̂⊙π) S₀ + M V̂, S_C = Diag(π_C) S₀ + (K⊙E)ᵀ V̂. Pallas kernels register here with
 # ``TABLE.register(dispatch.Implementation("pallas_tpu", run, supports, fast=True))``.
 
 
@@ -123,22 +127,28 @@ def _upcast(dtype, *arrays):
 
 
 def _run_reference(q, k, erase, v, log_decay, state, document_BT, **unused_tuning):
+    erase = jnp.zeros_like(k) if erase is None else erase  # the oracle runs the general recurrence
     q, k, erase, v = _upcast(log_decay.dtype, q, k, erase, v)
     return reference.delta_rule_reference(q, k, erase, v, log_decay, state, document_BT)
 
 
 def _run_xla(q, k, erase, v, log_decay, state, document_BT, *, chunk_size, leaf_size):
     t = q.shape[1]
-    # xla computes in float32 (float64 for float64 inputs) whatever the operand dtype
-    q, k, erase, v = _upcast(log_decay.dtype, q, k, erase, v)
+    # xla computes in float32 (float64 for float64 inputs) whatever the operand dtype; erase None: no erase
+    q, k, v = _upcast(log_decay.dtype, q, k, v)
+    erase = None if erase is None else erase.astype(log_decay.dtype)
     # zero tokens with λ = 0 are identity transitions; padded tokens stay in the last document
-    padded = [common.pad_time(x, chunk_size) for x in (q, k, erase, v, log_decay)]
-    chunked = [xla.to_chunks(x, chunk_size) for x in padded]
+    chunked = [None if x is None else xla.to_chunks(common.pad_time(x, chunk_size), chunk_size)
+               for x in (q, k, erase, v, log_decay)]
     document_BNC, carried_BN = common.chunk_documents(common.pad_time(document_BT, chunk_size, mode="edge"),
                                                       chunk_size)
     document_B1NC, carry_B1N = document_BNC[:, None], carried_BN[:, None]
     out_BHNCV, final_BHKV = vjp.chunked_delta_rule(*chunked, state, document_B1NC, carry_B1N, leaf_size)
     return xla.from_chunks(out_BHNCV)[:, :t], final_BHKV
+
+
+def _without_erase(run, q, k, v, log_decay, state, document_BT, **tiling):
+    return run(q, k, None, v, log_decay, state, document_BT, **tiling)
 
 
 TABLE = dispatch.OpTable("delta_rule", fallback="xla", planned=("pallas_tpu", "pallas_triton"))
@@ -175,7 +185,6 @@ def delta_rule(q, k, v, *, erase_key=None, log_decay=None, initial_state=None, s
     impl = TABLE.choose(implementation, call)
     dtype = compute_dtype(q.dtype)
     b, t, h, dk = q.shape
-    erase = jnp.zeros_like(k) if erase_key is None else erase_key
     if log_decay is None:
         lam = jnp.zeros((b, t, h, dk), dtype)
     elif log_decay.ndim == 3:
@@ -184,11 +193,17 @@ def delta_rule(q, k, v, *, erase_key=None, log_decay=None, initial_state=None, s
         lam = log_decay.astype(dtype)
     state = (jnp.zeros((b, h, dk, v.shape[-1]), dtype) if initial_state is None
              else initial_state.astype(dtype))
-    run = impl.run
+    document = common.document_index(segment_ids, b, t)
+    tiling = dict(chunk_size=call.chunk_size, leaf_size=call.leaf_size)
+    if erase_key is None:  # the no-erase specialisation (see the contract above)
+        run = functools.partial(_without_erase, impl.run)
+        tokens = ("tokens",) * 4
+        args = (q, k, v, lam, state, document)
+    else:
+        run, tokens, args = impl.run, ("tokens",) * 5, (q, k, erase_key, v, lam, state, document)
     if impl.name.startswith("pallas_"):
-        run = common.per_shard(run, h, ("tokens",) * 5 + ("state", "rows"), ("tokens", "state"))
-    out, final = run(q, k, erase, v, lam, state, common.document_index(segment_ids, b, t),
-                          chunk_size=call.chunk_size, leaf_size=call.leaf_size)
+        run = common.per_shard(run, h, tokens + ("state", "rows"), ("tokens", "state"))
+    out, final = run(*args, **tiling)
     return common.poison(violation, out.astype(v.dtype), final)
 
 

@@ -35,7 +35,9 @@ Algo = Literal["ours", "naive"]
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """One kernel configuration. Byte sizes: q̂, k, k̂, v̂, o and their gradients in bf16; λ, dλ, S₀ in f32."""
+    """One kernel configuration. Byte sizes: q̂, k, k̂, v̂, o and their gradients in bf16; λ, dλ, S₀ in f32.
+    ``has_erase=False``: the no-erase kernel (linear attention, gated linear attention: k̂ = 0, T = I): no
+    A, no T⁻¹, no solve, no Ũ correction and none of their backward (:func:`_no_erase_chunk`)."""
 
     chunk: int = 256
     leaf: int = 8
@@ -44,6 +46,7 @@ class KernelConfig:
     io_bytes: int = 2
     gate_bytes: int = 4
     state_bytes: int = 4
+    has_erase: bool = True
 
     def __post_init__(self):
         for name in ("chunk", "leaf"):
@@ -139,8 +142,24 @@ def table8(cfg: KernelConfig) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------------------
 # Stage lists
 
+def _no_erase_chunk(cfg: KernelConfig, algo: Algo, prefix: str = "") -> list[Stage]:
+    """Steps 1-4 without an erase (k̂ = 0): Λ, π, E, the operand scalings and M alone — its leaves (VPU, 5 ops
+    per entry and channel: sub, exp, ×k_j, ×q̂_i, +) and its cross blocks (Q̂_R⊙ρ)(K_L⊙κ)ᵀ, half the fused
+    [K̂_R⊙ρ; Q̂_R⊙ρ] product (pivots: 3 VPU ops per channel on either side); no T⁻¹, merges or solve (Ũ = V̂)."""
+    C, n0, dk, r = cfg.chunk, cfg.leaf, cfg.d_k, cfg.depth
+    out = [Stage(prefix + "cumulative log-decay Λ, π, E", cumsum_flops(C, dk), 3 * dk, 2 * dk),
+           Stage(prefix + "operand scaling Q̂⊙π, K⊙E", 0, 2 * dk)]
+    if algo == "ours":
+        return out + [Stage(prefix + "diag. blocks (n0) of M", 0, 5 * n0 * dk, n0 * dk),
+                      Stage(prefix + "off-diag. blocks M_cross", cross_flops(C, n0, dk) // 2, 3 * r * dk, r * dk)]
+    return out + [Stage(prefix + "diag. blocks (n0) of M", 0, 5 * n0 * dk, n0 * dk),
+                  Stage(prefix + "off-diag. blocks M_cross", 0, 5 * (C - n0) * dk, (C - n0) * dk)]
+
+
 def _decay_and_inverse(cfg: KernelConfig, algo: Algo, prefix: str = "") -> list[Stage]:
     """Steps 1-6 up to Ũ (shared by the forward and the backward's recompute)."""
+    if not cfg.has_erase:
+        return _no_erase_chunk(cfg, algo, prefix)
     C, n0, dk, dv, r = cfg.chunk, cfg.leaf, cfg.d_k, cfg.d_v, cfg.depth
     out = [
         # π = e^Λ (exp), E = e^{Λ_C−Λ} (sub, exp)
@@ -179,7 +198,7 @@ def forward_stages(cfg: KernelConfig, algo: Algo = "ours") -> list[Stage]:
     C, dk, dv = cfg.chunk, cfg.d_k, cfg.d_v
     return _decay_and_inverse(cfg, algo) + [
         Stage("(Q̂⊙π) S₀", 2 * dk * dv, 0),
-        Stage("M Ũ (+ add into O)", 2 * C * dv, dv),
+        Stage("M Ũ (+ add into O)" if cfg.has_erase else "M V̂ (+ add into O)", 2 * C * dv, dv),
         # S_C = Diag(π_C)S₀ + (K⊙E)ᵀŨ: scale + add of a d_k×d_v state once per chunk
         Stage("state update S_C", 2 * dk * dv, 2 * dk * dv / C),
     ]
@@ -193,6 +212,19 @@ def backward_stages(cfg: KernelConfig, algo: Algo = "ours") -> list[Stage]:
     C, n0, dk, dv = cfg.chunk, cfg.leaf, cfg.d_k, cfg.d_v
     kv = dk * dv
     out = _decay_and_inverse(cfg, algo, prefix="recompute: ")
+    if not cfg.has_erase:  # dV̂ = dŨ, no dY, no transposed solve, no dA: the contractions carry dM alone
+        return out + [
+            Stage("dV̂ = Mᵀ dO + (K⊙E) dS", 2 * C * dv + 2 * kv, dv),
+            Stage("dM = tril(dO V̂ᵀ)", 2 * C * dv, C),
+            Stage("dS_prev = (Q̂⊙π)ᵀdO + Diag(π_C)dS", 2 * kv, 2 * kv / C),
+            # dQ̂ += dM·w, t = dM·q̂, dK += t·e (w = k·e reused)
+            Stage("diag.-block contraction of dM", 0, 5 * n0 * dk),
+            Stage("off-diag. contraction of dM", cross_flops(C, n0, dk), 3 * int(math.log2(C // n0)) * dk),
+            Stage("G = dO S₀ᵀ, H = V̂ dSᵀ", 4 * kv, 0),
+            # dQ̂ (2), dK (3), dΛ (5 products, 4 adds), Σ_i K⊙E⊙H (1) per channel; π_C⊙rowsum(S₀⊙dS)
+            Stage("gate gradients dQ̂, dK, dΛ", 0, 15 * dk + 2 * kv / C),
+            Stage("dλ = reverse cumsum of dΛ (MXU)", cumsum_flops(C, dk), 0),
+        ]
     out += [
         Stage("dŨ = Mᵀ dO + (K⊙E) dS", 2 * C * dv + 2 * kv, dv),
         Stage("dM = tril(dO Ũᵀ)", 2 * C * dv, C),  # C mask selects per token
@@ -233,7 +265,7 @@ def hbm_bytes(cfg: KernelConfig, backward: bool = False) -> dict[str, float]:
     write dq̂, dk, dk̂, dv̂ (bf16) and dλ (f32). The per-sequence initial/final state (< C/T of the S₀ term) is
     left out; so is everything outside the kernel (gates, projections)."""
     C, dk, dv, io, g, s = cfg.chunk, cfg.d_k, cfg.d_v, cfg.io_bytes, cfg.gate_bytes, cfg.state_bytes
-    inputs = io * (3 * dk + dv) + g * dk
+    inputs = io * ((3 if cfg.has_erase else 2) * dk + dv) + g * dk  # no k̂ (nor dk̂) without an erase
     states = s * dk * dv / C
     out = {"fwd read q̂,k,k̂,v̂,λ": inputs, "fwd write o": io * dv, "fwd write S₀": states}
     if backward:
@@ -329,9 +361,10 @@ def shape_parser(prog: str, description: str, chunk: int, leaf: int) -> argparse
 def main(argv: Sequence[str] | None = None) -> int:
     p = shape_parser("python -m mixerlab.pallas_kernels.delta_rule.flops", __doc__.split("\n")[0], chunk=256, leaf=8)
     p.add_argument("--backward", action="store_true", help="also count the backward (fwd+bwd totals)")
+    p.add_argument("--no-erase", action="store_true", help="the no-erase kernel (k̂ = 0: no T⁻¹, no solve)")
     a = p.parse_args(argv)
     try:
-        cfg = KernelConfig(a.chunk, a.leaf, a.dk, a.dv)
+        cfg = KernelConfig(a.chunk, a.leaf, a.dk, a.dv, has_erase=not a.no_erase)
     except ValueError as e:
         p.error(str(e))
     n = a.batch * a.seq * a.heads

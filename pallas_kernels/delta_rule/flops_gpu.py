@@ -20,7 +20,7 @@ kernels of ``pallas_kernels/delta_rule/pallas_triton.py`` (bodies in ``pallas_tr
 The Triton kernels declare these counts as their ``pl.CostEstimate``.
 
     python -m mixerlab.pallas_kernels.delta_rule.flops_gpu [--chunk 64 --leaf 16 --dk 128 --dv 128 --block-k 32]
-        [--measured docs/benchmarks/raw/delta_rule_h200_2026-11-30.json]
+        [--measured docs/benchmarks/raw/delta_rule_h200_2026-11-30.json] [--no-erase]
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ HBM_BYTES_S = chips.by_name("H200").hbm_bandwidth  # measured device copy on the
 
 def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, save_matrices=True,
                   operand_bytes=2, bounded=True, save_rhs=True, fuse_output=True, end_difference=False,
-                  fold_solve=True, two_pass=True):
+                  fold_solve=True, two_pass=True, has_erase=True):
     """{kernel: (bf16 FLOPs, tf32 FLOPs, HBM bytes)} per chunk of one head. ``sum_passes``: 1 for
     decay_sums="tf32" (bf16 inputs), 2 for "tf32x2". ``operand_bytes``: 2 for bf16/f16 inputs, 4 for f32
     (then the "bf16" FLOPs run as f32 matmuls; the inputs, matmul intermediates and states scale with it).
@@ -54,7 +54,11 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
     ``fold_solve`` (with ``fuse_output``): the forward alone runs K1_intra_alone, which writes M P, K̂⊙π, Q̂⊙π,
     Pᵀ(K⊙E), π_C (reads no V̂; K⊙E makes the round trip K̂⊙π makes in K1), and K2_scan_output reads V̂ in
     place of U (the same count). ``two_pass`` (with ``bounded``): B2b takes the forward's flags and runs no check
-    of its own (the whole-chunk pass; K1's first pass keeps its check, the search passes declare nothing)."""
+    of its own (the whole-chunk pass; K1's first pass keeps its check, the search passes declare nothing).
+    ``has_erase=False``: the kernels specialised to no erase (:func:`plain_kernel_counts`)."""
+    if not has_erase:
+        return plain_kernel_counts(chunk, dk, dv, block_k, sum_passes, save_matrices, operand_bytes, bounded,
+                                   fuse_output, end_difference, two_pass)
     c, ob = chunk, operand_bytes
     edges = 1 if end_difference else 2  # decay sums for π and E
     pair_passes = 1 if bounded else int(math.log2(chunk))  # pair products per matrix = decay sums for them
@@ -97,15 +101,56 @@ def kernel_counts(chunk=64, leaf=16, dk=128, dv=128, block_k=32, sum_passes=1, s
     return out
 
 
-def kernel_exps(chunk=64, dk=128, save_matrices=True, bounded=True, save_rhs=True, fuse_output=True):
+def plain_kernel_counts(chunk=64, dk=128, dv=128, block_k=32, sum_passes=1, save_matrices=True, operand_bytes=2,
+                        bounded=True, fuse_output=True, end_difference=False, two_pass=True):
+    """:func:`kernel_counts` of the kernels without an erase (``Config.has_erase=False``): no A, no inverse,
+    no U, Y or Ũ. K1 writes M, Q̂⊙π, K⊙E, π_C (M only of the pair products; decay sums as with an erase); K2
+    reads V̂ in place of U and Ũ, K3 reads V̂ in place of Ũ; B1 writes dV̂ (= dŨ) itself; B2a is dM = dO V̂ᵀ
+    alone; B2b has no dk̂, dA or dR = Pᵀ dY terms. No ``K1_intra_alone`` (the forward alone runs K1_intra:
+    there is no solve to fold), no ``B0_rhs`` (the backward keeps every K1 tile, or runs K1 again)."""
+    c, ob = chunk, operand_bytes
+    edges = 1 if end_difference else 2
+    pair_passes = 1 if bounded else int(math.log2(chunk))
+    mm = lambda m, k, n: 2 * m * k * n  # noqa: E731
+    sums = lambda count: count * sum_passes * mm(c, c, dk)  # noqa: E731
+    inputs = c * (ob * 2 * dk + 4 * dk) + 4 * c  # q̂, k (operand dtype), λ (f32), documents
+    tile = lambda width: ob * c * width  # noqa: E731
+    state = ob * dk * dv
+    out = {
+        "K1_intra": (pair_passes * mm(c, dk, c), sums(pair_passes + edges), inputs + tile(c) + 2 * tile(dk) + 4 * dk),
+        "K2_scan": (mm(c, dk, dv), 0, tile(dv) + tile(dk) + 4 * dk + state),  # reads V̂, K⊙E, π_C; writes S₀
+        "K3_output": (mm(c, dk, dv) + mm(c, c, dv), 0, tile(dk) + state + tile(c) + 2 * tile(dv)),
+    }
+    if fuse_output:  # reads V̂, K⊙E, π_C, Q̂⊙π, M; writes O
+        out["K2_scan_output"] = (2 * mm(c, dk, dv) + mm(c, c, dv), 0, 2 * tile(dv) + 2 * tile(dk) + 4 * dk + tile(c))
+    if not save_matrices:
+        out["B0_intra_again"] = out["K1_intra"]
+    nkb = dk // block_k
+    out |= {
+        # reads M, dO, K⊙E, Q̂⊙π, π_C; writes dS_C, dV̂
+        "B1_scan_bwd": (mm(c, c, dv) + 2 * mm(c, dk, dv), 0, tile(c) + 2 * tile(dk) + 4 * dk + tile(dv) + state
+                        + tile(dv)),
+        "B2a_cotangents": (mm(c, dv, c), 0, 4 * c + 2 * tile(dv) + tile(c)),  # reads V̂, dO; writes dM
+        # dO S₀ᵀ, V̂ dSᵀ and the pair products of dM; per key block it reads dO, V̂ and dM again
+        "B2b_key_grads": (2 * mm(c, dv, dk) + pair_passes * 2 * mm(c, c, dk),
+                          sums(pair_passes + edges + (1 if bounded and not two_pass else 0)),
+                          inputs + 2 * state + nkb * (2 * tile(dv) + tile(c)) + c * (ob * 2 * dk + 4 * dk)),
+    }
+    return out
+
+
+def kernel_exps(chunk=64, dk=128, save_matrices=True, bounded=True, save_rhs=True, fuse_output=True, has_erase=True):
     """{kernel: exponentials} per chunk of one head: one [C, Dk] e^{W λ} per decay-sum matmul (π, E, each
     pivot level) and π_C [Dk]; the other kernels take none. ``bounded``: two [C, Dk]
-    factors (e^{±x}) instead of one per level."""
+    factors (e^{±x}) instead of one per level. ``has_erase=False``: the same exps (the factors feed M), no
+    K1_intra_alone or B0_rhs."""
     c, pair_exps = chunk, (2 if bounded else int(math.log2(chunk)))
     k1 = (pair_exps + 2) * c * dk + dk
     out = {"K1_intra": k1, "K2_scan": 0, "K3_output": 0,
            **({"K1_intra_alone": k1, "K2_scan_output": 0} if fuse_output else {})}
-    if save_matrices and not save_rhs:
+    if not has_erase:
+        out.pop("K1_intra_alone", None)
+    if save_matrices and not save_rhs and has_erase:
         out["B0_rhs"] = 2 * c * dk + dk
     elif not save_matrices:
         out["B0_intra_again"] = k1
@@ -127,10 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sum-passes", type=int, default=1, choices=(1, 2))
     p.add_argument("--no-save-rhs", action="store_true", help="count B0 (save_rhs=False)")
     p.add_argument("--no-fuse-output", action="store_true", help="count K2 and K3 apart (fuse_output=False)")
+    p.add_argument("--no-erase", action="store_true", help="the no-erase kernels (erase_key=None: no A, no solve)")
     p.add_argument("--measured", help="bench JSON of tools/bench_delta_rule_gpu.py (per-kernel breakdown)")
     a = p.parse_args(argv)
     counts = kernel_counts(a.chunk, a.leaf, a.dk, a.dv, a.block_k, a.sum_passes, save_rhs=not a.no_save_rhs,
-                           fuse_output=not a.no_fuse_output)
+                           fuse_output=not a.no_fuse_output, has_erase=not a.no_erase)
     n = a.batch * a.seq * a.heads
     roof = roofline_ms(counts, n, a.chunk)
     measured = {}
@@ -142,7 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             measured = {k: v[0] for k, v in timings[key]["ours"]["breakdown"].items()}
         except (KeyError, TypeError):
             p.error(f"{a.measured}: no per-kernel breakdown for shape {key} (timings.{key}.ours.breakdown)")
-    print(f"GPU delta-rule kernels, C={a.chunk} leaf={a.leaf} d_k={a.dk} d_v={a.dv} block_k={a.block_k}, "
+    variant = " without an erase" if a.no_erase else ""
+    print(f"GPU delta-rule kernels{variant},"
+          f" C={a.chunk} leaf={a.leaf} d_k={a.dk} d_v={a.dv} block_k={a.block_k}, "
           f"B·T·H = {a.batch}·{a.seq}·{a.heads}; H200 roofs {BF16_FLOPS / 1e12:.0f} TFLOP/s bf16 (TF32 at half), "
           f"{HBM_BYTES_S / 1e12:.1f} TB/s")
     print("| kernel | GFLOP bf16 | GFLOP tf32 | GB | roof ms (FLOPs) | roof ms (bytes) | measured ms "

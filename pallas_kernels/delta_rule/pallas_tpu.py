@@ -101,6 +101,7 @@ class KernelConfig:
     operand_dtype: str  # "bfloat16" | "float32"
     interpret: Any = False  # False | True | pltpu.InterpretParams(...)
     vmem_limit_bytes: Optional[int] = VMEM_LIMIT_BYTES
+    has_erase: bool = True  # False: the no-erase kernels (no k̂ input, no A, no P scratch, no solve)
 
     @property
     def cdt(self):
@@ -223,10 +224,10 @@ def same_document_offset(doc_col, d):
 def leaf_blocks(qf, kf, ef, log_decay, doc_col, g: Geometry):
     """The leaves of A (strictly lower) and M (lower) as per-leaf blocks [C/n0, n0, n0] f32, same-document
     pairs only: per diagonal offset d the exact pairwise exponents and lane reductions (VPU/XLU), placed on
-    the d-th sub-diagonal of every leaf block."""
+    the d-th sub-diagonal of every leaf block. ``ef`` None (no erase): A is None."""
     ii, jj = leaf_iota(g)
     shape = (g.n_leaves, g.leaf, 1)
-    a = jnp.zeros(ii.shape, F32)
+    a = None if ef is None else jnp.zeros(ii.shape, F32)
     m = jnp.zeros(ii.shape, F32)
     for d, w, _ in leaf_diagonals(log_decay, kf, g.leaf):
         place = jj == ii - d
@@ -234,8 +235,9 @@ def leaf_blocks(qf, kf, ef, log_decay, doc_col, g: Geometry):
         if d:
             same = same_document_offset(doc_col, d)
             m_d = jnp.where(same, m_d, 0.0)
-            a_d = jnp.where(same, jnp.sum(ef * w, axis=1, keepdims=True), 0.0)
-            a = a + jnp.where(place, a_d.reshape(shape), 0.0)
+            if ef is not None:
+                a_d = jnp.where(same, jnp.sum(ef * w, axis=1, keepdims=True), 0.0)
+                a = a + jnp.where(place, a_d.reshape(shape), 0.0)
         m = m + jnp.where(place, m_d.reshape(shape), 0.0)
     return a, m
 
@@ -313,9 +315,12 @@ class Level(NamedTuple):
 
 
 def cross_operands(qf, kf, ef, lv: Level):
-    """Per node: [K̂_R⊙ρ; Q̂_R⊙ρ] [n, 2h, Dk] and K_L⊙κ [n, h, Dk]."""
+    """Per node: [K̂_R⊙ρ; Q̂_R⊙ρ] [n, 2h, Dk] (Q̂_R⊙ρ [n, h, Dk] when ``ef`` is None: no erase) and
+    K_L⊙κ [n, h, Dk]."""
     h, f = lv.half, lv.factors
     rho = f[:, h:]
+    if ef is None:
+        return by_node(qf, h)[:, h:] * rho, by_node(kf, h)[:, :h] * f[:, :h]
     rows = jnp.concatenate([by_node(ef, h)[:, h:] * rho, by_node(qf, h)[:, h:] * rho], axis=1)
     return rows, by_node(kf, h)[:, :h] * f[:, :h]
 
@@ -351,16 +356,17 @@ class Chunk(NamedTuple):
     end_decay: Any  # E on the chunk's last document's rows, else 0
     chunk_decay_row: Any  # [1, Dk] π_C, 0 if the chunk holds a boundary
     chunk_decay_col: Any  # [Dk, 1] the same as a column
-    pseudo_values: Any  # U = P V̂
-    state_reads: Any  # Y = P (K̂⊙π)
-    true_pseudo: Any  # Ũ = U − Y S₀
+    pseudo_values: Any  # U = P V̂ (V̂ without an erase)
+    state_reads: Any  # Y = P (K̂⊙π) (None without an erase)
+    true_pseudo: Any  # Ũ = U − Y S₀ (V̂ without an erase)
 
 
 def chunk_core(q, k, e, v, log_decay, doc_col, doc_row, start_state, inverse_scr, readout_scr, g: Geometry,
                cdt) -> Chunk:
-    """Steps 1–5 up to Ũ for one chunk; P and M are left in the (C, C) scratch refs."""
+    """Steps 1–5 up to Ũ for one chunk; P and M are left in the (C, C) scratch refs. ``e`` None (no erase):
+    steps 2–4 build M alone and step 5 is skipped (P = I: U = Ũ = V̂, Y = 0); ``inverse_scr`` is then None."""
     c = g.chunk
-    qf, kf, ef = q.astype(F32), k.astype(F32), e.astype(F32)
+    qf, kf, ef = q.astype(F32), k.astype(F32), None if e is None else e.astype(F32)
     # chunk-local decays as range sums: exact leaf-local running sums (VPU) + leaf totals combined on the MXU
     pre, suf = leaf_range_sums(log_decay, g.leaf)
     li, si = iota2((c // g.leaf, c))
@@ -380,6 +386,18 @@ def chunk_core(q, k, e, v, log_decay, doc_col, doc_row, start_state, inverse_scr
     end_decay = jnp.where(end, neg_exp(to_end), 0.0)
     chunk_decay_row = jnp.where(no_boundary, neg_exp(cum_log_decay[c - 1:c, :]), 0.0)
     chunk_decay_col = jnp.where(no_boundary, neg_exp(jnp.transpose(cum_log_decay[c - 8:c, :]))[:, 7:8], 0.0)
+
+    if ef is None:  # no erase: M alone, no inverse, no solve
+        readout_scr[...] = jnp.zeros((c, c), F32)
+        _, m_leaves = leaf_blocks(qf, kf, None, log_decay, doc_col, g)
+        for n, s in enumerate(leaf_slices(g)):
+            readout_scr[s, s] = m_leaves[n]
+        for lv in levels:
+            blk = bmm_nt(*cross_operands(qf, kf, None, lv), cdt)  # [n, h, h]: M[R,L] of every node
+            for n, (r, lo) in enumerate(node_slices(g, lv.half)):
+                readout_scr[r, lo] = blk[n]
+        return Chunk(qf, kf, None, log_decay, cum_log_decay, levels, start_decay, end_decay, chunk_decay_row,
+                     chunk_decay_col, v, None, v)
 
     # P = (I + A)⁻¹ and M, every block at its exact size: leaves, then one batch of node blocks per level
     inverse_scr[...] = jnp.zeros((c, c), F32)
@@ -409,8 +427,14 @@ def chunk_core(q, k, e, v, log_decay, doc_col, doc_row, start_state, inverse_scr
 # forward kernel
 
 
-def _forward_kernel(q_ref, k_ref, e_ref, v_ref, log_decay_ref, doc_col_ref, doc_row_ref, s_init_ref,
-                    o_ref, starts_ref, s_final_ref, s_scr, inverse_scr, readout_scr, *, cfg: KernelConfig):
+def _forward_kernel(*refs, cfg: KernelConfig):
+    if cfg.has_erase:
+        (q_ref, k_ref, e_ref, v_ref, log_decay_ref, doc_col_ref, doc_row_ref, s_init_ref,
+         o_ref, starts_ref, s_final_ref, s_scr, inverse_scr, readout_scr) = refs
+    else:  # no k̂ input, no P scratch
+        (q_ref, k_ref, v_ref, log_decay_ref, doc_col_ref, doc_row_ref, s_init_ref,
+         o_ref, starts_ref, s_final_ref, s_scr, readout_scr) = refs
+        e_ref = inverse_scr = None
     g, cdt = cfg.geometry, cfg.cdt
     c = pl.program_id(1)
 
@@ -420,8 +444,8 @@ def _forward_kernel(q_ref, k_ref, e_ref, v_ref, log_decay_ref, doc_col_ref, doc_
 
     start_state = s_scr[...]
     starts_ref[...] = start_state
-    ch = chunk_core(q_ref[...], k_ref[...], e_ref[...], v_ref[...], log_decay_ref[...], doc_col_ref[...],
-                    doc_row_ref[...], start_state, inverse_scr, readout_scr, g, cdt)
+    ch = chunk_core(q_ref[...], k_ref[...], None if e_ref is None else e_ref[...], v_ref[...], log_decay_ref[...],
+                    doc_col_ref[...], doc_row_ref[...], start_state, inverse_scr, readout_scr, g, cdt)
     out = mm(ch.qf * ch.start_decay, start_state, cdt) + mm(readout_scr[...], ch.true_pseudo, cdt)
     o_ref[...] = out.astype(o_ref.dtype)
     s_new = ch.chunk_decay_col * start_state + mm_tn(ch.kf * ch.end_decay, ch.true_pseudo, cdt)
@@ -436,10 +460,11 @@ def _forward_kernel(q_ref, k_ref, e_ref, v_ref, log_decay_ref, doc_col_ref, doc_
 # cost model (what the kernel actually issues; see docs/kernels.md for the comparison with Table 8)
 
 
-def core_counts(g: Geometry, breakdown: bool = False):
+def core_counts(g: Geometry, breakdown: bool = False, has_erase: bool = True):
     """(MXU FLOPs, VPU ops, exps) per chunk per head of steps 1–5 up to Ũ, as issued: every matmul at the
     shape the kernel gives it (tree blocks at their exact node sizes). ``breakdown=True`` returns
-    {stage: (mxu, vpu, exp)} instead. VPU ops are leading terms (1 per element and elementwise op)."""
+    {stage: (mxu, vpu, exp)} instead. VPU ops are leading terms (1 per element and elementwise op).
+    ``has_erase=False``: the no-erase kernels (M's leaves and node blocks only; no inverse, merges or solve)."""
     c, n0, dk, dv = g.chunk, g.leaf, g.dk, g.dv
     n_lv = len(g.levels)
     n_sq = max(int(math.log2(n0)) - 1, 0)
@@ -461,24 +486,35 @@ def core_counts(g: Geometry, breakdown: bool = False):
         "fused solve P[V ‖ K̂⊙π]": (2 * c * c * (dv + dk), c * dk, 0),
         "Ũ = U − Y S₀": (2 * c * dk * dv, c * dv, 0),
     }
+    if not has_erase:
+        for stage in ("leaf inverse (Neumann, n0 × n0 blocks)", "2x2 merges (exact node blocks)",
+                      "fused solve P[V ‖ K̂⊙π]", "Ũ = U − Y S₀"):
+            del out[stage]
+        # per offset: roll λ, add, select, exp, roll k, mul; 1 product + 1 lane reduction; 1 placement
+        out["leaves M (VPU, exact)"] = (0, c * n0 * (8 * dk + 2 * n0), c * (n0 - 1) * dk)
+        del out["leaves A, M (VPU, exact)"]
+        # per node [h, Dk] x [Dk, h] (+ 2 operand scalings, each on half the rows)
+        out["cross blocks (exact node blocks)"] = (sum((c // (2 * h)) * 2 * h * h * dk for h in g.levels),
+                                                   n_lv * c * dk, 0)
     if breakdown:
         return out
     return tuple(sum(v[n] for v in out.values()) for n in range(3))
 
 
-def forward_counts(g: Geometry):
+def forward_counts(g: Geometry, has_erase: bool = True):
     """(MXU FLOPs, exps) per chunk per head of the whole forward kernel."""
-    flops, _, exps = core_counts(g)
+    flops, _, exps = core_counts(g, has_erase=has_erase)
     c, dk, dv = g.chunk, g.dk, g.dv
     flops += 2 * c * dk * dv + 2 * c * c * dv  # O
     flops += 2 * c * dk * dv  # S_C
     return flops, exps
 
 
-def forward_cost(g: Geometry, bh: int, n_chunks: int, io_bytes: int) -> pl.CostEstimate:
-    flops, exps = forward_counts(g)
+def forward_cost(g: Geometry, bh: int, n_chunks: int, io_bytes: int, has_erase: bool = True) -> pl.CostEstimate:
+    flops, exps = forward_counts(g, has_erase)
     c, dk, dv = g.chunk, g.dk, g.dv
-    per_chunk_bytes = (io_bytes * c * (3 * dk + 2 * dv) + 4 * c * dk  # q, k, k̂, v, o; λ
+    keys = 3 if has_erase else 2
+    per_chunk_bytes = (io_bytes * c * (keys * dk + 2 * dv) + 4 * c * dk  # q, k, (k̂,) v, o; λ
                        + 4 * 2 * c + 4 * dk * dv)  # document ids (column and row); S₀ out
     total = bh * n_chunks
     return pl.CostEstimate(flops=int(total * flops), transcendentals=int(total * exps),
@@ -509,31 +545,34 @@ def compiler_params(cfg: KernelConfig):
     return _CompilerParams(**kw)
 
 
-def scratch(g: Geometry, state_scratch: int = 1):
+def scratch(g: Geometry, state_scratch: int = 1, has_erase: bool = True):
+    """The state scratch(es), then P's (with an erase) and M's (C, C) f32 scratch."""
     return ([pltpu.VMEM((g.dk, g.dv), F32)] * state_scratch
-            + [pltpu.VMEM((g.chunk, g.chunk), F32), pltpu.VMEM((g.chunk, g.chunk), F32)])
+            + [pltpu.VMEM((g.chunk, g.chunk), F32)] * (2 if has_erase else 1))
 
 
 def forward_call(cfg: KernelConfig, q, k, e, v, log_decay, doc_col, doc_row, s_init):
-    """[B·H, Tp, D] inputs -> (o [B·H, Tp, Dv], S₀ per chunk [B·H, N_c, Dk, Dv] f32, final [B·H, Dk, Dv] f32)."""
+    """[B·H, Tp, D] inputs -> (o [B·H, Tp, Dv], S₀ per chunk [B·H, N_c, Dk, Dv] f32, final [B·H, Dk, Dv] f32).
+    ``e`` None with ``cfg.has_erase`` False."""
     g = cfg.geometry
     bh, tp, _ = q.shape
     n_chunks = tp // g.chunk
     seq, doc_col_spec, doc_row_spec, state, per_chunk_state = _specs(cfg, n_chunks, reverse=False)
+    keys, key_specs = ((q, k, e), [seq(g.dk)] * 3) if cfg.has_erase else ((q, k), [seq(g.dk)] * 2)
     return pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg),
         out_shape=(jax.ShapeDtypeStruct((bh, tp, g.dv), v.dtype),
                    jax.ShapeDtypeStruct((bh, n_chunks, g.dk, g.dv), F32),
                    jax.ShapeDtypeStruct((bh, g.dk, g.dv), F32)),
         grid=(bh, n_chunks),
-        in_specs=[seq(g.dk), seq(g.dk), seq(g.dk), seq(g.dv), seq(g.dk), doc_col_spec, doc_row_spec, state],
+        in_specs=[*key_specs, seq(g.dv), seq(g.dk), doc_col_spec, doc_row_spec, state],
         out_specs=(seq(g.dv), per_chunk_state, state),
-        scratch_shapes=scratch(g),
+        scratch_shapes=scratch(g, has_erase=cfg.has_erase),
         compiler_params=compiler_params(cfg),
-        cost_estimate=forward_cost(g, bh, n_chunks, jnp.dtype(cfg.cdt).itemsize),
+        cost_estimate=forward_cost(g, bh, n_chunks, jnp.dtype(cfg.cdt).itemsize, cfg.has_erase),
         interpret=cfg.interpret,
-        name="delta_rule_fwd",
-    )(q, k, e, v, log_decay, doc_col, doc_row, s_init)
+        name="delta_rule_fwd" if cfg.has_erase else "delta_rule_fwd_no_erase",
+    )(*keys, v, log_decay, doc_col, doc_row, s_init)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -593,7 +632,8 @@ def operand_dtype(dtype) -> str:
 def run(q, k, erase, v, log_decay, state, document_BT, *, chunk_size, leaf_size, interpret=False,
         vmem_limit_bytes: Optional[int] = VMEM_LIMIT_BYTES):
     """The op's ``impl.run`` contract (see module docstring). Differentiable through ``jax.custom_vjp``
-    (forward and backward are Pallas kernels; nothing is autodiffed through the kernels)."""
+    (forward and backward are Pallas kernels; nothing is autodiffed through the kernels). ``erase`` None: no
+    erase, the kernels specialised to it (``KernelConfig.has_erase=False``: no A, inverse or solve)."""
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     cdt = operand_dtype(q.dtype)
@@ -601,8 +641,9 @@ def run(q, k, erase, v, log_decay, state, document_BT, *, chunk_size, leaf_size,
     if reason:
         raise ValueError(f"delta_rule pallas_tpu: {reason}")
     tp = -(-t // chunk_size) * chunk_size
-    cfg = KernelConfig(Geometry(chunk_size, leaf_size, dk, dv), h, cdt, interpret, vmem_limit_bytes)
-    ops = [_to_bh(x.astype(cdt), tp) for x in (q, k, erase, v)]
+    cfg = KernelConfig(Geometry(chunk_size, leaf_size, dk, dv), h, cdt, interpret, vmem_limit_bytes,
+                       has_erase=erase is not None)
+    ops = [None if x is None else _to_bh(x.astype(cdt), tp) for x in (q, k, erase, v)]
     log_decay_bh = _to_bh(log_decay.astype(F32), tp)
     doc_col, doc_row = relative_documents(document_BT, chunk_size, tp)
     s_init = state.astype(F32).reshape(b * h, dk, dv)
@@ -641,7 +682,6 @@ def delta_rule_interpret(q, k, v, *, erase_key=None, log_decay=None, initial_sta
     """``api.delta_rule`` semantics on the Pallas TPU kernel in interpret mode (runs on CPU). Unlike the op,
     bfloat16 q/k/v/erase_key stay bfloat16 (the kernel's bf16 MXU path); λ and the state go to float32."""
     b, t, h, dk = q.shape
-    erase = jnp.zeros_like(k) if erase_key is None else erase_key
     if log_decay is None:
         log_decay = jnp.zeros((b, t, h, dk), F32)
     elif log_decay.ndim == 3:
@@ -650,5 +690,6 @@ def delta_rule_interpret(q, k, v, *, erase_key=None, log_decay=None, initial_sta
         log_decay = log_decay.astype(F32)
     state = (jnp.zeros((b, h, dk, v.shape[-1]), F32) if initial_state is None
              else initial_state.astype(F32))
-    return run(q, k, erase.astype(q.dtype), v, log_decay, state, common.document_index(segment_ids, b, t),
+    erase = None if erase_key is None else erase_key.astype(q.dtype)
+    return run(q, k, erase, v, log_decay, state, common.document_index(segment_ids, b, t),
                chunk_size=chunk_size, leaf_size=leaf_size, interpret=interpret)

@@ -75,12 +75,12 @@ from mixerlab.pallas_kernels.delta_rule.pallas_triton_tiles import (  # noqa: F4
     _ChunkMasks, _bounded_cut, _chunk_masks, _chunk_matrices, _cut_sums, _decay, _decay_sums, _dot, _edge_decays,
     _end_sums, _inverse, _key_block, _level, _matmul, _pivot_factors, _split, _start_sums)
 from mixerlab.pallas_kernels.delta_rule.pallas_triton_kernels import (  # noqa: F401
-    _cotangents_kernel, _d_rhs, _intra_alone_body, _intra_body, _key_grads_body, _output_kernel, _passes,
-    _rhs_kernel, _scan_bwd_kernel, _scan_kernel, _scan_output_kernel)
+    _cotangents_kernel, _d_rhs, _intra_alone_body, _intra_body, _intra_plain_body, _key_grads_body, _output_kernel,
+    _passes, _readout_grad_kernel, _rhs_kernel, _scan_bwd_kernel, _scan_kernel, _scan_output_kernel)
 from mixerlab.pallas_kernels.delta_rule.pallas_triton_calls import (  # noqa: F401
-    _chunk_spec, _cost, _cotangents, _document_specs, _grads, _intra, _intra_alone, _k1, _key_grads, _output,
-    _params, _per_head, _per_head_v_block, _rhs, _rhs_blocks, _scan, _scan_bwd, _scan_output, _token_spec,
-    _with_flags)
+    _chunk_spec, _cost, _cotangents, _document_specs, _grads, _grads_plain, _intra, _intra_alone, _intra_plain, _k1,
+    _key_grads, _output, _params, _per_head, _per_head_v_block, _rhs, _rhs_blocks, _scan, _scan_bwd, _scan_bwd_plain,
+    _scan_output, _scan_plain, _token_spec, _with_flags)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -92,6 +92,8 @@ def _forward(cfg, q, k, erase, v, log_decay, state, document, carried, for_backw
     π_C when ``cfg.save_rhs`` as well, plus K1's flags (``two_pass``: B2b takes the whole chunk's cut where K1
     did)."""
     keep = for_backward and cfg.save_matrices
+    if not cfg.has_erase:
+        return _forward_plain(cfg, q, k, v, log_decay, state, document, carried, for_backward)
     if cfg.fuse_output and cfg.fold_solve and not for_backward:  # P folded into M P and Pᵀ(K⊙E); V̂ read by the scan
         readout_p, key_start, query_start, key_eff_p, chunk_decay = _intra_alone(cfg, q, k, erase, log_decay,
                                                                                   document, carried)
@@ -112,6 +114,42 @@ def _forward(cfg, q, k, erase, v, log_decay, state, document, carried, for_backw
     return out, final, (starts, readout, inverse[0], rhs, flags if cfg.two_pass_key_grads else None)
 
 
+def _forward_plain(cfg, q, k, v, log_decay, state, document, carried, for_backward):
+    """:func:`_forward` without an erase: K1 writes M, Q̂⊙π, K⊙E, π_C only (no A, no solve) and the scan and the
+    output read V̂ by token. Kept for the backward (``save_matrices``): S₀, M, (Q̂⊙π, K⊙E, π_C), K1's flags —
+    ``save_rhs`` has nothing to choose here (those tiles are all K1 writes besides M)."""
+    keep = for_backward and cfg.save_matrices
+    (readout, query_start, key_eff, chunk_decay), flags = _intra_plain(cfg, q, k, log_decay, document, carried,
+                                                                       keep or not for_backward, with_flags=True)
+    if cfg.fuse_output and not for_backward:
+        out, final = _scan_output(cfg, None, v, key_eff, chunk_decay, query_start, readout, state, v.dtype)
+        return out, final, None
+    starts, final = _scan_plain(cfg, v, key_eff, chunk_decay, state)
+    out = _output(cfg, query_start, starts, readout, v, v.dtype)
+    if not keep:
+        return out, final, (starts, None, None, None, None)
+    return out, final, (starts, readout, None, (query_start, key_eff, chunk_decay),
+                        flags if cfg.two_pass_key_grads else None)
+
+
+def _backward_plain(cfg, residuals, cotangents):
+    """:func:`_delta_rule_bwd` without an erase: B1 gives dV̂ directly, B2 dq̂, dk, dλ from dM (no dA, no solve)."""
+    q, k, _, v, log_decay, state, document, carried, starts, readout, _, rhs, flags = residuals
+    d_out, d_final = cotangents
+    if rhs is None:  # save_matrices=False: K1 once more
+        (readout, query_start, key_eff, chunk_decay), flags = _intra_plain(cfg, q, k, log_decay, document, carried,
+                                                                           True, with_flags=True)
+        flags = flags if cfg.two_pass_key_grads else None
+    else:
+        query_start, key_eff, chunk_decay = rhs
+    d_out = d_out.astype(v.dtype)
+    d_ends, dv, d_state = _scan_bwd_plain(cfg, readout, d_out, key_eff, query_start, chunk_decay,
+                                          d_final.astype(F32), v.dtype)
+    dq, dk, d_log_decay = _grads_plain(cfg, q, k, v, log_decay, document, carried, starts, d_ends, d_out,
+                                       (q.dtype, k.dtype, log_decay.dtype), flags)
+    return dq, dk, None, dv, d_log_decay, d_state.astype(state.dtype), None, None
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _delta_rule(cfg, q, k, erase, v, log_decay, state, document, carried):
     out, final, _ = _forward(cfg, q, k, erase, v, log_decay, state, document, carried)
@@ -125,6 +163,8 @@ def _delta_rule_fwd(cfg, q, k, erase, v, log_decay, state, document, carried):
 
 
 def _delta_rule_bwd(cfg, residuals, cotangents):
+    if not cfg.has_erase:
+        return _backward_plain(cfg, residuals, cotangents)
     q, k, erase, v, log_decay, state, document, carried, starts, readout, inverse, rhs, flags = residuals
     d_out, d_final = cotangents
     if rhs is not None:  # save_rhs: the forward's own U, Y, Q̂⊙π, K⊙E, π_C
@@ -154,12 +194,15 @@ _delta_rule.defvjp(_delta_rule_fwd, _delta_rule_bwd)
 def run(q, k, erase, v, log_decay, state, document_BT, *, chunk_size, leaf_size, interpret=False, **overrides):
     """q, k, erase [B, T, H, Dk]; v [B, T, H, Dv] (one float dtype: bf16 runs bf16 matmul operands);
     log_decay [B, T, H, Dk] log-decay ≤ 0 (f32 recommended); state [B, H, Dk, Dv]; document_BT [B, T] int32.
+    ``erase`` None: no erase (linear attention, gated linear attention): kernels specialised with
+    ``Config.has_erase=False`` (no A, no inverse, no solve, forward or backward).
     Returns (o [B, T, H, Dv] in v's dtype, final_state [B, H, Dk, Dv] f32). Differentiable (custom VJP).
     ``overrides``: :class:`Config` fields (scan_block_v, inverse_precision, warps_*, ...)."""
     b, t, h, dk = q.shape
     dv = v.shape[-1]
-    cfg = make_config(chunk_size, leaf_size, dk, dv, v.dtype, batch_heads=b * h, interpret=interpret, **overrides)
-    padded = [common.pad_time(x, chunk_size) for x in (q, k, erase, v, log_decay)]
+    cfg = make_config(chunk_size, leaf_size, dk, dv, v.dtype, batch_heads=b * h, interpret=interpret,
+                      has_erase=erase is not None, **overrides)
+    padded = [None if x is None else common.pad_time(x, chunk_size) for x in (q, k, erase, v, log_decay)]
     document = common.pad_time(document_BT.astype(jnp.int32), chunk_size, mode="edge")
     _, carried = common.chunk_documents(document, chunk_size)
     out, final = _delta_rule(cfg, *padded[:5], state.astype(F32), document, carried)

@@ -14,8 +14,8 @@ from jax.experimental import pallas as pl
 from mixerlab.pallas_kernels.triton_common import compiler_params
 from mixerlab.pallas_kernels.delta_rule.pallas_triton_config import F32
 from mixerlab.pallas_kernels.delta_rule.pallas_triton_kernels import (
-    _cotangents_kernel, _intra_alone_body, _intra_body, _key_grads_body, _output_kernel, _passes, _rhs_kernel,
-    _scan_bwd_kernel, _scan_kernel, _scan_output_kernel)
+    _cotangents_kernel, _intra_alone_body, _intra_body, _intra_plain_body, _key_grads_body, _output_kernel, _passes,
+    _readout_grad_kernel, _rhs_kernel, _scan_bwd_kernel, _scan_kernel, _scan_output_kernel)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -36,8 +36,9 @@ def _cost(cfg, kernel, batch_heads, n_chunks, save_matrices=True):
     counts = flops_gpu.kernel_counts(cfg.chunk, cfg.leaf, cfg.key_dim, cfg.value_dim, cfg.block_k, sum_passes,
                                      save_matrices, operand_bytes, bounded, cfg.save_rhs, cfg.fuse_output,
                                      end_difference=cfg.end_decays == "difference", fold_solve=cfg.fold_solve,
-                                     two_pass=cfg.two_pass and cfg.two_pass_key_grads)
-    exps = flops_gpu.kernel_exps(cfg.chunk, cfg.key_dim, save_matrices, bounded, cfg.save_rhs, cfg.fuse_output)
+                                     two_pass=cfg.two_pass and cfg.two_pass_key_grads, has_erase=cfg.has_erase)
+    exps = flops_gpu.kernel_exps(cfg.chunk, cfg.key_dim, save_matrices, bounded, cfg.save_rhs, cfg.fuse_output,
+                                 has_erase=cfg.has_erase)
     bf, tf, nbytes = counts[kernel]
     chunks = batch_heads * n_chunks
     return pl.CostEstimate(flops=int(chunks * (bf + tf)), transcendentals=int(chunks * exps[kernel]),
@@ -110,6 +111,19 @@ def _intra(cfg, q, k, erase, v, log_decay, document, carried, with_inverse, with
                (q, k, erase, v, log_decay, document, carried), with_flags)
 
 
+def _intra_plain(cfg, q, k, log_decay, document, carried, with_inverse, with_flags=False):
+    """K1 without an erase: (M, Q̂⊙π, K⊙E, π_C); ``with_flags`` as :func:`_intra`. ``with_inverse`` only selects
+    the cost entry (the training forward's K1 or the forward alone's: the same kernel, no P either way)."""
+    b, t, h, dk = q.shape
+    c, n, od = cfg.chunk, t // cfg.chunk, cfg.operand_dtype
+    shapes = [jax.ShapeDtypeStruct((b, h, n, c, c), od)] + [jax.ShapeDtypeStruct((b, h, n, c, dk), od)] * 2 + [
+        jax.ShapeDtypeStruct((b, h, n, dk), F32)]
+    specs = [_chunk_spec(c, c)] + [_chunk_spec(c, dk)] * 2 + [_chunk_spec(dk)]
+    in_specs = [_token_spec(cfg, dk)] * 3 + _document_specs(cfg)
+    return _k1(cfg, _intra_plain_body(cfg), "delta_rule_intra", shapes, specs, in_specs, (b, h, n),
+               _cost(cfg, "K1_intra", b * h, n, with_inverse), (q, k, log_decay, document, carried), with_flags)
+
+
 def _intra_alone(cfg, q, k, erase, log_decay, document, carried):
     """K1 of a forward without backward (``fold_solve``): (M P, K̂⊙π, Q̂⊙π, Pᵀ(K⊙E), π_C)."""
     b, t, h, dk = q.shape
@@ -158,6 +172,24 @@ def _rhs(cfg, q, k, erase, v, log_decay, document, carried, inverse):
                           name="delta_rule_rhs")(q, k, erase, v, log_decay, document, carried, inverse)
 
 
+def _scan_plain(cfg, v, key_eff, chunk_decay, state):
+    """K2 without an erase: (S₀ per chunk, S_T) from V̂ read by token (Ũ = V̂, nothing else to write)."""
+    b, h, n, c, dk = key_eff.shape
+    dv = v.shape[-1]
+    bv = cfg.scan_block_v
+    by_token = pl.BlockSpec((None, n * c, None, bv), lambda b_, h_, j: (b_, 0, h_, j))
+    return pl.pallas_call(
+        _scan_kernel(cfg, n),
+        out_shape=(jax.ShapeDtypeStruct((b, h, n, dk, dv), cfg.operand_dtype),
+                   jax.ShapeDtypeStruct((b, h, dk, dv), F32)),
+        grid=(b, h, dv // bv),
+        in_specs=[by_token, _per_head(n, c, dk), _per_head(n, dk), _per_head_v_block(dk, bv)],
+        out_specs=(_per_head_v_block(n, dk, bv), _per_head_v_block(dk, bv)),
+        interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_scan, cfg.stages_scan),
+        cost_estimate=_cost(cfg, "K2_scan", b * h, n),
+        name="delta_rule_scan")(v, key_eff, chunk_decay, state)
+
+
 def _scan(cfg, state_reads, pseudo_values, key_eff, chunk_decay, state):
     b, h, n, c, dk = state_reads.shape
     dv = pseudo_values.shape[-1]
@@ -180,32 +212,58 @@ def _scan_output(cfg, state_reads, pseudo_values, key_eff, chunk_decay, query_st
     """K2 with K3 folded in (``fuse_output``, a forward without backward): (o [B, T, H, Dv], S_T). With
     ``fold_solve``, ``pseudo_values`` is V̂ itself [B, T, H, Dv] (and the other operands those of
     :func:`_intra_alone`)."""
-    b, h, n, c, dk = state_reads.shape
+    b, h, n, c, dk = key_eff.shape
     dv = pseudo_values.shape[-1]
     bv = cfg.scan_block_v
     by_token = pl.BlockSpec((None, n * c, None, bv), lambda b_, h_, j: (b_, 0, h_, j))
+    # without an erase (``state_reads`` None) V̂ is Ũ itself, read by token
+    in_specs = [by_token if cfg.fold_solve or not cfg.has_erase else _per_head_v_block(n, c, bv),
+                _per_head(n, c, dk), _per_head(n, dk), _per_head(n, c, dk), _per_head(n, c, c),
+                _per_head_v_block(dk, bv)]
+    args = (pseudo_values, key_eff, chunk_decay, query_start, readout, state)
+    if cfg.has_erase:
+        in_specs, args = [_per_head(n, c, dk), *in_specs], (state_reads, *args)
     return pl.pallas_call(
         _scan_output_kernel(cfg, n), grid=(b, h, dv // bv),
         out_shape=(jax.ShapeDtypeStruct((b, n * c, h, dv), out_dtype), jax.ShapeDtypeStruct((b, h, dk, dv), F32)),
-        in_specs=[_per_head(n, c, dk), by_token if cfg.fold_solve else _per_head_v_block(n, c, bv),
-                  _per_head(n, c, dk), _per_head(n, dk), _per_head(n, c, dk), _per_head(n, c, c),
-                  _per_head_v_block(dk, bv)],
+        in_specs=in_specs,
         out_specs=(by_token, _per_head_v_block(dk, bv)),
         interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_scan, cfg.stages_scan_output),
-        cost_estimate=_cost(cfg, "K2_scan_output", b * h, n), name="delta_rule_scan_output")(
-        state_reads, pseudo_values, key_eff, chunk_decay, query_start, readout, state)
+        cost_estimate=_cost(cfg, "K2_scan_output", b * h, n), name="delta_rule_scan_output")(*args)
 
 
 def _output(cfg, query_start, starts, readout, true_pseudo, out_dtype):
     b, h, n, c, dk = query_start.shape
     dv = true_pseudo.shape[-1]
+    # without an erase Ũ is V̂ [B, T, H, Dv], read by token
+    true_pseudo_spec = _chunk_spec(c, dv) if cfg.has_erase else _token_spec(cfg, dv)
     return pl.pallas_call(
         _output_kernel(cfg), out_shape=jax.ShapeDtypeStruct((b, n * c, h, dv), out_dtype), grid=(b, h, n),
-        in_specs=[_chunk_spec(c, dk), _chunk_spec(dk, dv), _chunk_spec(c, c), _chunk_spec(c, dv)],
+        in_specs=[_chunk_spec(c, dk), _chunk_spec(dk, dv), _chunk_spec(c, c), true_pseudo_spec],
         out_specs=_token_spec(cfg, dv), interpret=cfg.interpret,
         cost_estimate=_cost(cfg, "K3_output", b * h, n),
         compiler_params=_params(cfg, cfg.warps_output), name="delta_rule_output")(query_start, starts, readout,
                                 true_pseudo)
+
+
+def _scan_bwd_plain(cfg, readout, d_out, key_eff, query_start, chunk_decay, d_final, dv_dtype):
+    """B1 without an erase: (dS_C per chunk, dV̂ [B, T, H, Dv] in ``dv_dtype``, dS₀): dŨ is dV̂ itself (no
+    transposed solve), written by token."""
+    b, h, n, c, dk = key_eff.shape
+    dv = d_out.shape[-1]
+    bv = cfg.scan_block_v
+    by_token = pl.BlockSpec((None, n * c, None, bv), lambda b_, h_, j: (b_, 0, h_, j))
+    return pl.pallas_call(
+        _scan_bwd_kernel(cfg, n),
+        out_shape=(jax.ShapeDtypeStruct((b, h, n, dk, dv), cfg.operand_dtype),
+                   jax.ShapeDtypeStruct((b, n * c, h, dv), dv_dtype), jax.ShapeDtypeStruct((b, h, dk, dv), F32)),
+        grid=(b, h, dv // bv),
+        in_specs=[_per_head(n, c, c), by_token, _per_head(n, c, dk), _per_head(n, c, dk), _per_head(n, dk),
+                  _per_head_v_block(dk, bv)],
+        out_specs=(_per_head_v_block(n, dk, bv), by_token, _per_head_v_block(dk, bv)),
+        interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_scan, cfg.stages_scan),
+        cost_estimate=_cost(cfg, "B1_scan_bwd", b * h, n),
+        name="delta_rule_scan_bwd")(readout, d_out, key_eff, query_start, chunk_decay, d_final)
 
 
 def _scan_bwd(cfg, readout, d_out, key_eff, query_start, state_reads, chunk_decay, d_final):
@@ -294,3 +352,40 @@ def _grads(cfg, q, k, erase, log_decay, document, carried, inverse, pseudo_value
                                               d_out, d_true_pseudo, true_pseudo, d_readout, d_strict,
                                               (dtypes[0], dtypes[1], dtypes[2], dtypes[4]), flags)
     return dq, dk, d_erase, dv, d_log_decay
+
+
+def _grads_plain(cfg, q, k, v, log_decay, document, carried, starts, d_ends, d_out, dtypes, flags=None):
+    """B2 without an erase: dM = dO V̂ᵀ (B2a), then dq̂, dk, dλ per chunk and key block (B2b); dV̂ came from B1."""
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    c, bk = cfg.chunk, cfg.block_k
+    n = t // c
+    d_readout = pl.pallas_call(
+        _readout_grad_kernel(cfg), out_shape=jax.ShapeDtypeStruct((b, h, n, c, c), cfg.operand_dtype),
+        grid=(b, h, n), in_specs=[*_document_specs(cfg), _token_spec(cfg, dv), _token_spec(cfg, dv)],
+        out_specs=_chunk_spec(c, c), interpret=cfg.interpret, cost_estimate=_cost(cfg, "B2a_cotangents", b * h, n),
+        compiler_params=_params(cfg, cfg.warps_cotangents), name="delta_rule_cotangents")(document, carried, v, d_out)
+    nkb = dk // bk
+    token = pl.BlockSpec((None, c, None, bk), lambda b_, h_, j: (b_, j // nkb, h_, j % nkb))
+    by_token = pl.BlockSpec((None, c, None, dv), lambda b_, h_, j: (b_, j // nkb, h_, 0))
+    chunk = pl.BlockSpec((None, None, None, c, c), lambda b_, h_, j: (b_, h_, j // nkb, 0, 0))
+    state_rows = pl.BlockSpec((None, None, None, bk, dv), lambda b_, h_, j: (b_, h_, j // nkb, j % nkb, 0))
+    in_specs = [token] * 3 + [pl.BlockSpec((None, c), lambda b_, h_, j: (b_, j // nkb)),
+                              pl.BlockSpec((None, None), lambda b_, h_, j: (b_, j // nkb)),
+                              state_rows, state_rows, by_token, by_token, chunk]
+    out_shape = tuple(jax.ShapeDtypeStruct(x.shape, dt) for x, dt in zip((q, k, log_decay), dtypes))
+    args = (q, k, log_decay, document, carried, starts, d_ends, d_out, v, d_readout)
+    call = functools.partial(pl.pallas_call, out_shape=out_shape, grid=(b, h, n * nkb), out_specs=(token,) * 3,
+                             interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_key_grads))
+    body = _key_grads_body(cfg)
+    cost = _cost(cfg, "B2b_key_grads", b * h, n)
+    if flags is None:
+        return call(_passes(body, len(args), 3, "single"), in_specs=in_specs, cost_estimate=cost,
+                    name="delta_rule_key_grads")(*args)
+    flag_spec = pl.BlockSpec((None, None, None), lambda b_, h_, j: (b_, h_, j // nkb))
+    whole = call(_passes(body, len(args), 3, "whole"), in_specs=in_specs, cost_estimate=cost,
+                 name="delta_rule_key_grads")(*args)
+    return call(_passes(body, len(args), 3, "second"), in_specs=[*in_specs, flag_spec, *(token,) * 3],
+                input_output_aliases={len(args) + 1 + i: i for i in range(3)},
+                cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=4 * b * h * n * nkb),
+                name="delta_rule_key_grads_search")(*args, flags, *whole)

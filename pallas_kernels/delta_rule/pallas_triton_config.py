@@ -72,6 +72,9 @@ class Config:
     #                           that writes no S₀ or Ũ (the training forward keeps S₀ and runs them apart)
     save_matrices: bool = True  # keep M and P (C×C per chunk, operand dtype) for the backward instead of
     #                             running K1 again (≈ 17 % more residual bytes at C 64, D 128, bf16, f32 λ)
+    has_erase: bool = True  # False (the op got no erase key: linear attention, GLA-style gated mixers): no A, no
+    #                         inverse P, no U = P V̂, Y = P (K̂⊙π) or Ũ = U − Y S₀ and none of their backward; the
+    #                         chunk is O = (Q̂⊙π) S₀ + M V̂, S ← Diag(π_C) S + (K⊙E)ᵀ V̂ (kernels specialised on it)
     interpret: bool = False
 
     @property

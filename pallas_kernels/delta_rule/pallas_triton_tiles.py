@@ -210,7 +210,8 @@ def _edge_decays(log_decay, log_decay_split, masks, cfg):
 def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_start_out, key_eff_out, chunk_decay_out,
                     key_start_out, whole_chunk=False):
     """(M (lower incl. diagonal), A (strictly lower), both [C, C] f32, flag); writes Q̂⊙π, K⊙E, π_C and K̂⊙π on the
-    way (K̂⊙π in the operand dtype: the rounding the matmul Y = P (K̂⊙π) applies to it).
+    way (K̂⊙π in the operand dtype: the rounding the matmul Y = P (K̂⊙π) applies to it). Without an erase
+    (``erase_ref`` None, ``cfg.has_erase`` False) A is None and nothing of it is computed: no K̂ products, no K̂⊙π.
 
     ``whole_chunk`` (the first of ``two_pass``'s passes): every key block takes the cut of the whole chunk, with
     no search and no exact level compiled in, and the flag (int32) is 1 when some block's half-chunk sums leave
@@ -225,42 +226,49 @@ def _chunk_matrices(q_ref, k_ref, erase_ref, log_decay_ref, masks, cfg, query_st
         cols = _key_block(b, cfg)
         log_decay = log_decay_ref[:, cols].astype(F32)
         log_decay_split = _split(log_decay, cfg)
-        q, k, e = q_ref[:, cols], k_ref[:, cols], erase_ref[:, cols]  # operand dtype; products promote to f32
+        q, k = q_ref[:, cols], k_ref[:, cols]  # operand dtype; products promote to f32
+        e = erase_ref[:, cols] if cfg.has_erase else None
         start, end, chunk_decay = _edge_decays(log_decay, log_decay_split, masks, cfg)
         query_start_out[:, cols] = (q * start).astype(query_start_out.dtype)
         key_eff_out[:, cols] = (k * end).astype(key_eff_out.dtype)
         chunk_decay_out[cols] = chunk_decay
-        key_start_out[:, cols] = (e * start).astype(key_start_out.dtype)
+        if cfg.has_erase:
+            key_start_out[:, cols] = (e * start).astype(key_start_out.dtype)
+
+        def add_pair_products(a, m, left, kr, pairs=None):
+            """(A, M) plus one pivot product each (A only with an erase), masked to ``pairs``; A first, in the
+            order the delta kernel always issued them."""
+            keep = (lambda x: x) if pairs is None else (lambda x: jnp.where(pairs, x, 0.0))
+            if cfg.has_erase:
+                a = a + keep(_dot(e * left, kr, cfg, trans_b=True))
+            return a, m + keep(_dot(q * left, kr, cfg, trans_b=True))
 
         def level(l, acc):
             pairs, sums = _level(cfg, l)
             f = _decay(sums, log_decay_split, cfg)
-            kf = k * f
-            return (acc[0] + jnp.where(pairs, _dot(e * f, kf, cfg, trans_b=True), 0.0),
-                    acc[1] + jnp.where(pairs, _dot(q * f, kf, cfg, trans_b=True), 0.0))
+            return add_pair_products(*acc, f, k * f, pairs)
 
         diag = diag + jnp.sum(q.astype(F32) * k.astype(F32), axis=1)
         if whole_chunk:  # pairs above the diagonal (e^{positive}, possibly inf) are dropped by the final select
             sums = _cut_sums(cfg.levels, log_decay_split, cfg)
             low = jnp.minimum(low, jnp.min(sums, axis=1))  # per row (within a warp); across rows after the loop
             _, left, right = _pivot_factors(cfg.levels, sums, log_decay_split, cfg)
-            kr = k * right
-            return a + _dot(e * left, kr, cfg, trans_b=True), m + _dot(q * left, kr, cfg, trans_b=True), diag, low
+            return (*add_pair_products(a, m, left, k * right), diag, low)
         cut = 0  # the exact tree for every pair
         if cfg.bounded_span is not None:
             cut, sums = _bounded_cut(log_decay_split, cfg, keep_sums=True)
             pairs, left, right = _pivot_factors(cut, sums, log_decay_split, cfg)
-            kr = k * right
-            a = a + jnp.where(pairs, _dot(e * left, kr, cfg, trans_b=True), 0.0)
-            m = m + jnp.where(pairs, _dot(q * left, kr, cfg, trans_b=True), 0.0)
+            a, m = add_pair_products(a, m, left, k * right, pairs)
         a, m = jax.lax.fori_loop(cut, cfg.levels, level, (a, m))
         return a, m, diag, low
 
     zeros = jnp.zeros((c, c), F32)
+    # no erase: A's accumulator is a scalar zero that no matmul ever feeds
     a, m, diag, low = jax.lax.fori_loop(0, cfg.key_dim // cfg.block_k, key_block,
-                                        (zeros, zeros, jnp.zeros((c,), F32), jnp.zeros((c,), F32)))
+                                        (zeros if cfg.has_erase else jnp.zeros((), F32), zeros,
+                                         jnp.zeros((c,), F32), jnp.zeros((c,), F32)))
     flag = (jnp.min(low) < -cfg.bounded_span).astype(jnp.int32) if whole_chunk else 0
-    a = jnp.where(masks.strict & masks.same_doc, a, 0.0)
+    a = jnp.where(masks.strict & masks.same_doc, a, 0.0) if cfg.has_erase else None
     m = jnp.where(masks.strict & masks.same_doc, m, 0.0) + jnp.where(masks.eye, diag[:, None], 0.0)
     return m, a, flag
 

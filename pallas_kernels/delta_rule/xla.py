@@ -29,7 +29,7 @@ so the only sequential work is the scan S₀ ← F S₀ + G (a d_k×d_k by d_k×
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -177,15 +177,16 @@ def leaves_to_diagonals(leaves_BHNLNN):
 
 def leaf_blocks(q, k, erase, diagonals: LeafDiagonals, leaf_size):
     """A_leaf (strictly lower) and M_leaf (lower incl. diagonal), [..., C/n0, n0, n0], from the exact decays
-    with mask-before-exp (no exponent > 0, nothing pivoted inside a leaf)."""
+    with mask-before-exp (no exponent > 0, nothing pivoted inside a leaf). ``erase`` None: A_leaf is None."""
     a_diag = [jnp.zeros(q.shape[:-1], q.dtype)]
     m_diag = [jnp.sum(q * k, axis=-1)]
     for offset, (decay, keep) in enumerate(zip(diagonals.decays, diagonals.keep), start=1):
         key = shift_rows(k, offset) * decay
-        a_diag.append(jnp.where(keep, jnp.sum(erase * key, axis=-1), 0.0))
+        if erase is not None:
+            a_diag.append(jnp.where(keep, jnp.sum(erase * key, axis=-1), 0.0))
         m_diag.append(jnp.where(keep, jnp.sum(q * key, axis=-1), 0.0))
-    return (diagonals_to_leaves(jnp.stack(a_diag, axis=-1), leaf_size),
-            diagonals_to_leaves(jnp.stack(m_diag, axis=-1), leaf_size))
+    a_leaf = None if erase is None else diagonals_to_leaves(jnp.stack(a_diag, axis=-1), leaf_size)
+    return a_leaf, diagonals_to_leaves(jnp.stack(m_diag, axis=-1), leaf_size)
 
 
 def pivot_level(log_decay_BHNCK, document_B1NC, half):
@@ -199,8 +200,14 @@ def pivot_level(log_decay_BHNCK, document_B1NC, half):
 
 def cross_blocks(erase, q, k, level):
     """A[R, L] = (K̂_R⊙ρ)(K_L⊙κ)ᵀ and M[R, L] = (Q̂_R⊙ρ)(K_L⊙κ)ᵀ on same-document pairs, as one
-    (2h × K)(K × h) matmul: ([..., nodes, h, h], [..., nodes, h, h])."""
+    (2h × K)(K × h) matmul: ([..., nodes, h, h], [..., nodes, h, h]). ``erase`` None: (None, M[R, L]), one
+    (h × K)(K × h) matmul."""
     h = level.half
+    _, query_right = split_halves(q, h)
+    key_left, _ = split_halves(k, h)
+    if erase is None:
+        return None, jnp.where(level.same_doc, matmul(query_right * level.rho_right,
+                                                      transpose(key_left * level.kappa_left)), 0.0)
     _, erase_right = split_halves(erase, h)
     _, query_right = split_halves(q, h)
     key_left, _ = split_halves(k, h)
@@ -269,25 +276,25 @@ class ChunkTensors(NamedTuple):
     end_decay: jax.Array  # E masked to the chunk's last document    [..., C, K]
     chunk_decay: jax.Array  # π_C, zero if the chunk holds a boundary  [..., K]
     same_doc: jax.Array  # [B, 1, N, C, C] bool
-    inverse: jax.Array  # P = (I + A)⁻¹   [..., C, C]
+    inverse: Optional[jax.Array]  # P = (I + A)⁻¹   [..., C, C]; None without an erase (P = I)
     readout: jax.Array  # M (lower incl. diagonal)  [..., C, C]
-    pseudo_values: jax.Array  # U = P V̂   [..., C, V]
-    state_reads: jax.Array  # Y = P (K̂⊙π)   [..., C, K]
+    pseudo_values: jax.Array  # U = P V̂   [..., C, V]  (V̂ itself without an erase)
+    state_reads: Optional[jax.Array]  # Y = P (K̂⊙π)   [..., C, K]; None without an erase (Y = 0)
     query_eff: jax.Array  # Q̂⊙π − M Y   [..., C, K]
     key_eff: jax.Array  # K⊙E   [..., C, K]
-    transition: jax.Array  # F = Diag(π_C) − K_effᵀ Y   [..., K, K]
+    transition: Optional[jax.Array]  # F = Diag(π_C) − K_effᵀ Y   [..., K, K]; None without an erase (F = Diag(π_C))
     write: jax.Array  # G = K_effᵀ U   [..., K, V]
 
 
 def chunk_tensors(q, k, erase, v, log_decay, document_B1NC, carry_document_B1N, leaf_size) -> ChunkTensors:
-    """All chunks in parallel. Inputs [B, H, N, C, D] in the compute dtype."""
+    """All chunks in parallel. Inputs [B, H, N, C, D] in the compute dtype. ``erase`` None (no erase): no A, no
+    inverse, no solve: U = V̂, Y = 0, Q_eff = Q̂⊙π, F = Diag(π_C) (kept as π_C), G = K_effᵀ V̂."""
     chunk = q.shape[-2]
     diagonals = leaf_diagonals(log_decay, document_B1NC, leaf_size)
     a_leaf, m_leaf = leaf_blocks(q, k, erase, diagonals, leaf_size)
 
     levels = tuple(pivot_level(log_decay, document_B1NC, h) for h in tree_half_sizes(chunk, leaf_size))
     a_cross, m_cross = zip(*[cross_blocks(erase, q, k, level) for level in levels]) if levels else ((), ())
-    inverse = recursive_inverse(a_leaf, a_cross)
     readout = assemble_tree(m_leaf, m_cross)
 
     carried = (document_B1NC == carry_document_B1N[..., None])[..., None]
@@ -296,16 +303,20 @@ def chunk_tensors(q, k, erase, v, log_decay, document_B1NC, carry_document_B1N, 
     start_decay = jnp.where(carried, jnp.exp(inclusive_cumsum(log_decay)), 0.0)
     end_decay = jnp.where(in_last, jnp.exp(exclusive_reverse_cumsum(log_decay)), 0.0)
     chunk_decay = jnp.where(no_boundary, jnp.exp(jnp.sum(log_decay, axis=-2)), 0.0)
+    same_doc = document_B1NC[..., :, None] == document_B1NC[..., None, :]
+    key_eff = k * end_decay
+    if erase is None:
+        return ChunkTensors(diagonals, levels, start_decay, end_decay, chunk_decay, same_doc, None, readout, v, None,
+                            q * start_decay, key_eff, None, matmul(transpose(key_eff), v))
+    inverse = recursive_inverse(a_leaf, a_cross)
 
     # fused solve [U Y] = P [V̂ ‖ K̂⊙π]
     value_width = v.shape[-1]
     solved = matmul(inverse, jnp.concatenate([v, erase * start_decay], axis=-1))
     pseudo_values, state_reads = solved[..., :value_width], solved[..., value_width:]
     query_eff = q * start_decay - matmul(readout, state_reads)
-    key_eff = k * end_decay
     transition = _diag_embed(chunk_decay) - matmul(transpose(key_eff), state_reads)
     write = matmul(transpose(key_eff), pseudo_values)
-    same_doc = document_B1NC[..., :, None] == document_B1NC[..., None, :]
     return ChunkTensors(diagonals, levels, start_decay, end_decay, chunk_decay, same_doc, inverse, readout,
                         pseudo_values, state_reads, query_eff, key_eff, transition, write)
 
@@ -314,12 +325,18 @@ def _diag_embed(x_K):
     return x_K[..., :, None] * jnp.eye(x_K.shape[-1], dtype=x_K.dtype)
 
 
+def apply_transition(transition, state):
+    """F S: a [K, K] matmul, or a row scaling when F = Diag(π_C) is given as π_C [K] (no erase)."""
+    return transition[..., :, None] * state if transition.ndim == state.ndim - 1 else matmul(transition, state)
+
+
 def scan_chunk_states(transition_BHNKK, write_BHNKV, initial_BHKV):
-    """S₀⁽ⁿ⁺¹⁾ = F⁽ⁿ⁾ S₀⁽ⁿ⁾ + G⁽ⁿ⁾. Returns (every chunk-start state [B,H,N,K,V], final state [B,H,K,V])."""
+    """S₀⁽ⁿ⁺¹⁾ = F⁽ⁿ⁾ S₀⁽ⁿ⁾ + G⁽ⁿ⁾. Returns (every chunk-start state [B,H,N,K,V], final state [B,H,K,V]).
+    F may be π_C [B,H,N,K] (F diagonal: no erase)."""
 
     def step(state, chunk):
         transition, write = chunk
-        return matmul(transition, state) + write, state
+        return apply_transition(transition, state) + write, state
 
     final, starts = jax.lax.scan(step, initial_BHKV,
                                  (jnp.moveaxis(transition_BHNKK, 2, 0), jnp.moveaxis(write_BHNKV, 2, 0)))
@@ -329,7 +346,7 @@ def scan_chunk_states(transition_BHNKK, write_BHNKV, initial_BHKV):
 def chunked_forward(q, k, erase, v, log_decay, initial_BHKV, document_B1NC, carry_document_B1N, leaf_size):
     """Returns (o [B,H,N,C,V], final state [B,H,K,V], chunk-start states [B,H,N,K,V])."""
     t = chunk_tensors(q, k, erase, v, log_decay, document_B1NC, carry_document_B1N, leaf_size)
-    starts, final = scan_chunk_states(t.transition, t.write, initial_BHKV)
+    starts, final = scan_chunk_states(t.chunk_decay if t.transition is None else t.transition, t.write, initial_BHKV)
     out = matmul(t.query_eff, starts) + matmul(t.readout, t.pseudo_values)
     return out, final, starts
 
