@@ -69,8 +69,8 @@ class GLAOptions:
 
 
 def gla_log_decay(z: jax.Array, normalizer: float, clamp_min: float) -> jax.Array:
-    """lambda = logsigmoid(z) / normalizer, clamped below at clamp_min (0 = no clamp); float32, <= 0."""
-    lam = jax.nn.log_sigmoid(z.astype(jnp.float32)) / normalizer
+    """lambda = logsigmoid(z) / normalizer, clamped below at clamp_min (0 = no clamp); float32 at least, <= 0."""
+    lam = jax.nn.log_sigmoid(z.astype(jnp.promote_types(z.dtype, jnp.float32))) / normalizer
     return jnp.maximum(lam, clamp_min) if clamp_min < 0 else lam
 
 
@@ -90,7 +90,7 @@ class GLA(GatedLinearMixer):
     def _features(self, x, q, k, v):
         H, o = self.num_heads, self.options
         s = self.head_dim ** -0.5
-        q = (split_heads(q, H).astype(jnp.float32) * s).astype(self.dtype)
+        q = (split_heads(q, H).astype(self.gate_dtype) * s).astype(self.dtype)
         lam = split_heads(gla_log_decay(self.gk_proj(x), o.gate_logit_normalizer, o.clamp_min), H)
         g = split_heads(self.g_proj(x), H) if o.use_output_gate else None
         return Features(q, split_heads(k, H).astype(self.dtype), split_heads(v, H).astype(self.dtype), lam, g)

@@ -36,7 +36,7 @@ class Features(NamedTuple):
     q: jax.Array  # q_hat [.., H, d_k], compute dtype (the d_k^-1/2 scale applied)
     k: jax.Array  # k_hat [.., H, d_k], compute dtype
     v: jax.Array  # v_hat [.., H, d_v], compute dtype
-    log_decay: jax.Array  # lambda <= 0, [.., H, d_k] float32
+    log_decay: jax.Array  # lambda <= 0, [.., H, d_k] float32 (float64 for a float64 layer)
     out_gate: jax.Array | None  # [.., H, d_v] pre-activation output gate, or None
 
 
@@ -54,6 +54,7 @@ class GatedLinearMixer(nnx.Module):
         d, H, Dk, Dv = spec.d_model, spec.num_heads, spec.head_dim, spec.value_head_dim
         self.num_heads, self.head_dim, self.value_head_dim = H, Dk, Dv
         self.dtype = spec.dtype
+        self.gate_dtype = jnp.promote_types(spec.dtype, jnp.float32)  # gates: float32, or float64 in f64 tests
         build_qkv(self, spec, options, rngs, conv_activation=self.CONV_ACTIVATION)
         self._build_gates(rngs)
         self.o_proj = dense(H * Dv, d, init_scheme="normal", std=spec.out_init_std, dtype=spec.dtype, rngs=rngs)

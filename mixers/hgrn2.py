@@ -79,7 +79,7 @@ def initial_lower_bound(layer_index: int, num_layers: int) -> float:
 def forget_log(z: jax.Array, bound_logit: jax.Array | float | None) -> jax.Array:
     """log f = log(gamma + (1 - gamma) sigmoid(z)) with gamma = sigmoid(bound_logit), in log space (float32);
     ``bound_logit`` None: log f = logsigmoid(z)."""
-    g = jax.nn.log_sigmoid(z.astype(jnp.float32))
+    g = jax.nn.log_sigmoid(z.astype(jnp.promote_types(z.dtype, jnp.float32)))
     if bound_logit is None:
         return g
     return jnp.logaddexp(jax.nn.log_sigmoid(bound_logit), jax.nn.log_sigmoid(-bound_logit) + g)
@@ -109,8 +109,8 @@ class HGRN2(GatedLinearMixer):
         del x
         H = self.num_heads
         s = self.head_dim ** -0.5
-        q = (jax.nn.silu(split_heads(q, H).astype(jnp.float32)) * s).astype(self.dtype)
-        lam = split_heads(forget_log(k, self._bound_logit()), H)
+        q = (jax.nn.silu(split_heads(q, H).astype(self.gate_dtype)) * s).astype(self.dtype)
+        lam = split_heads(forget_log(k.astype(self.gate_dtype), self._bound_logit()), H)
         k_hat = (-jnp.expm1(lam)).astype(self.dtype)  # 1 - f
         return Features(q, k_hat, split_heads(v, H).astype(self.dtype), lam, None)
 
