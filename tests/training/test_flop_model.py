@@ -145,3 +145,15 @@ def test_trainer_refuses_an_mfu_above_100_percent(tmp_path, monkeypatch, capsys)
     assert len(rows) == 2 and all("mfu" not in r and r["model_tflops_per_s"] > 0 for r in rows)
     out = capsys.readouterr().out
     assert out.count("is above 100 %") == 1 and "model FLOPs per step" in out and str(tmp_path / "slow") in out
+
+
+@pytest.mark.parametrize("mixer", ["gla", "hgrn2"])
+def test_no_erase_mixers_count_the_delta_kernel_with_a_note(mixer):
+    """gla / hgrn2 run the delta-rule op without erase: their core is the delta kernel's count at the same dims
+    (an upper bound), never 0, and the note says so."""
+    cfg = load_config("configs/tiny.yaml", [f"model.mixer={mixer}"])
+    core, note = flop_model.core_flops_per_token(cfg, mixer, cfg.data.seq_len)
+    delta, delta_note = flop_model.core_flops_per_token(cfg, "gdn2", cfg.data.seq_len)
+    assert core == delta > 0 and delta_note is None
+    assert note is not None and mixer in note and "upper bound" in note
+    assert flop_model.training_flops(cfg, {}, 256).notes == (note,)
