@@ -4,7 +4,7 @@ Hardware-Efficient Training", ICML 2024, §4); the block of FLA ``fla/layers/gla
     q, k, v  = x W_q, x W_k, x W_v                     (no biases, no feature map, no short conv by default)
     lambda_t = max(logsigmoid(x_t W_down W_up + b) / tau, clamp_min)   channel-wise [B,T,H,d_k]
                (W_down: d -> 16, W_up: 16 -> H d_k, bias b init 0; tau = gate_logit_normalizer = 16:
-                alpha_t = sigmoid(.)^(1/tau), GLA paper §4.4)
+                alpha_t = sigmoid(.)^(1/tau), GLA paper §4)
     S_t = Diag(exp lambda_t) S_{t-1} + k_t^T v_t,   o_t = s q_t S_t,  s = d_k^-1/2
     y   = RMSNorm(o) * omega * SiLU(x W_g)   per head (FLA FusedRMSNormGated), W_g dense d -> H d_v
     out = concat_heads(y) W_o
@@ -32,8 +32,8 @@ from mixerlab.mixers.registry import register
 class GLAOptions:
     """GLA options (docs/mixers.md, 'gla').
 
-    gate_low_rank_dim: int = 16        rank of the forget-gate projection W_down W_up [FLA, GLA paper §4.4].
-    gate_logit_normalizer: float = 16  tau: lambda = logsigmoid(.) / tau [FLA, GLA paper §4.4].
+    gate_low_rank_dim: int = 16        rank of the forget-gate projection W_down W_up [FLA, GLA paper §4].
+    gate_logit_normalizer: float = 16  tau: lambda = logsigmoid(.) / tau [FLA, GLA paper §4].
     clamp_min: float = 0.0             lower clamp of lambda (FLA clamp_min); 0 = no clamp (FLA's None: a clamp
                                        at 0 would remove the decay, so 0 is free to mean "off"); else < 0 [FLA].
     use_output_gate: bool = True       RMSNorm(o) * omega * SiLU(x W_g); False: plain RMSNorm * omega [FLA].

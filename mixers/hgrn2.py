@@ -77,7 +77,7 @@ def initial_lower_bound(layer_index: int, num_layers: int) -> float:
 
 
 def forget_log(z: jax.Array, bound_logit: jax.Array | float | None) -> jax.Array:
-    """log f = log(gamma + (1 - gamma) sigmoid(z)) with gamma = sigmoid(bound_logit), in log space (float32);
+    """log f = log(gamma + (1 - gamma) sigmoid(z)) with gamma = sigmoid(bound_logit), in log space (float32 at least);
     ``bound_logit`` None: log f = logsigmoid(z)."""
     g = jax.nn.log_sigmoid(z.astype(jnp.promote_types(z.dtype, jnp.float32)))
     if bound_logit is None:
