@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mixerlab import mixers  # noqa: F401  (registers every mixer)
+from mixerlab import mixers, pallas_kernels  # noqa: F401  (mixers: registers every mixer)
 from mixerlab.mixers import registry
 from mixerlab.mixers.base import MixerSpec
 
@@ -99,6 +99,13 @@ _DECODE = nnx.jit(lambda m, x, c, p: m.decode(x, c, p))
 _EXTEND = nnx.jit(lambda m, x, c, p: m.extend(x, c, p))
 
 
+@nnx.jit
+def _op_on_layer_inputs(layer, x, seg):
+    f = layer._features(x, *layer._project(x))
+    return f, pallas_kernels.delta_rule(f.q, f.k, f.v, erase_key=None, log_decay=f.log_decay, segment_ids=seg,
+                                        **CHUNKING)
+
+
 def forward(layer, x, seg=None):
     return _FORWARD(layer, x, seg)
 
@@ -118,6 +125,11 @@ def decode_all(layer, x, positions, cache=None):
 
 def extend(layer, x, cache, positions):
     return _EXTEND(layer, x, cache, positions)
+
+
+def op_on_layer_inputs(layer, x, seg=None):
+    """The op's inputs as the layer builds them (``Features``) and the op's (output, final state) on them."""
+    return _op_on_layer_inputs(layer, x, seg)
 
 
 def compile_layer_for_tpu(gen, name, layer_spec, B=1, T=512, **options):

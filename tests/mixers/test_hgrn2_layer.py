@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gated_linear_checks import (  # noqa: E402
     build, compile_layer_for_tpu, decode_all, extend, forward, log_sigmoid, max_rel_err, naive_recurrence,
-    one_train_step, packed_segments, params64, prefill, rms_norm, spec, x_input)
+    one_train_step, op_on_layer_inputs, packed_segments, params64, prefill, rms_norm, spec, x_input)
 from mixerlab.mixers.base import DynamicsParam  # noqa: E402
 from mixerlab.mixers.hgrn2 import HGRN2Options, forget_log  # noqa: E402
 
@@ -75,10 +75,9 @@ def test_forward_and_final_state_match_the_float64_oracle(dims):
         assert y.dtype == jnp.float64
         assert max_rel_err(y, y_ref) < LAYER_TOL
         assert max_rel_err(cache["state"], s_ref) < LAYER_TOL
-        f = layer._features(x, *layer._project(x))
+        f, (o, state) = op_on_layer_inputs(layer, x, seg)
         o_ref, s_ref = naive_recurrence(f.q, f.k, f.v, f.log_decay, seg)
-        _, state = layer._mix(x, *layer._project(x), seg, None)
-        assert max_rel_err(state, s_ref) < OP_TOL
+        assert max_rel_err(o, o_ref) < OP_TOL and max_rel_err(state, s_ref) < OP_TOL
 
 
 @pytest.mark.parametrize("mode", ["fixed", "none"])
