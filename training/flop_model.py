@@ -6,8 +6,8 @@ FLOPs are forward + backward (3 × forward for matmuls; 2 FLOPs per multiply-add
   * recurrent mixers (the delta family), per token: the chunked algorithm's MXU FLOPs, forward + backward, per
     token per head, × H, from pallas_kernels/delta_rule/flops.py (chunk = the mixer's chunk_size or 64, leaf 8).
     Fixed by the architecture and the config, not by the kernel that runs, so a faster kernel shows a higher MFU.
-    Linear attention is counted the same way (an upper bound: its T and Y vanish), and so are Mamba-2 and RetNet
-    (the same op without an erase key; a note says so);
+    Linear attention, Mamba-2, RetNet, GLA and HGRN2 run the same op without an erase key and are counted with the
+    no-erase kernel's stages (no A, no inverse, no solve);
   * softmax attention, per causal query-key pair *inside a document*: forward QKᵀ 2·d_k and PV 2·d_v per pair
     and head, × 3 for forward + backward, i.e. 6·H·(d_k + d_v) per pair and layer. A row whose documents have
     lengths L1..Ln holds Σ Li(Li+1)/2 pairs (the packed-document kernels skip the pairs across documents), so the
@@ -27,9 +27,9 @@ import numpy as np
 from mixerlab.pallas_kernels import chips
 from mixerlab.pallas_kernels.delta_rule import flops as kernel_flops
 
-DELTA_FAMILY = {"linear_attention", "deltanet", "gated_deltanet", "kda", "gdn2", "muir"}
-# mixers on the same op without an erase key, counted as the delta kernel (no no-erase count there yet): an upper bound
-NO_ERASE_ON_DELTA_KERNEL = {"mamba2", "retnet"}
+DELTA_FAMILY = {"deltanet", "gated_deltanet", "kda", "gdn2", "muir"}
+# mixers on the delta-rule op without an erase key (erase_key=None): the no-erase kernel's stages
+NO_ERASE = {"linear_attention", "mamba2", "retnet", "gla", "hgrn2"}
 ATTENTION = {"softmax"}
 
 
@@ -55,17 +55,14 @@ def core_flops_per_token(cfg, mixer: str, seq_len: int) -> tuple[float, str | No
     h, dk, dv = cfg.model.num_heads, cfg.head_dim, cfg.value_head_dim
     if mixer in ATTENTION:
         return 0.0, None
-    if mixer in DELTA_FAMILY or mixer in NO_ERASE_ON_DELTA_KERNEL:
+    if mixer in DELTA_FAMILY or mixer in NO_ERASE:
         chunk = getattr(cfg.mixer_options(mixer), "chunk_size", 0) or 64
         chunk = _pow2_floor(min(chunk, max(seq_len, 2)))
         leaf = min(8, chunk) if chunk >= 2 else 2
-        kc = kernel_flops.KernelConfig(chunk=max(chunk, 2), leaf=max(leaf, 2), d_k=dk, d_v=dv)
+        kc = kernel_flops.KernelConfig(chunk=max(chunk, 2), leaf=max(leaf, 2), d_k=dk, d_v=dv,
+                                       has_erase=mixer not in NO_ERASE)
         fwd = kernel_flops.total(kernel_flops.forward_stages(kc)).mxu
         bwd = kernel_flops.total(kernel_flops.backward_stages(kc)).mxu
-        if mixer in NO_ERASE_ON_DELTA_KERNEL:
-            note = (f"{mixer}: core counted as the delta-rule chunk kernel with its erase "
-                    "(pallas_kernels/delta_rule/flops.py has no no-erase count): an upper bound")
-            return float(h * (fwd + bwd)), note
         return float(h * (fwd + bwd)), None
     return 0.0, f"{mixer}: core FLOPs not modelled (counted as 0)"
 

@@ -13,9 +13,10 @@ VOCAB = 16384  # the corpus tokenizer's vocabulary (docs/lm_corpus.md)
 CONFIGS = sorted(p for p in glob.glob("configs/lm_compare/*.yaml") if not os.path.basename(p).startswith("_"))
 
 
-def test_all_the_models_are_there():
+def test_every_model_is_there():
     names = [os.path.basename(p)[:-5] for p in CONFIGS]
-    assert names == ["gdn2", "interdomain", "mamba2", "muir", "muir_no_gamma", "muir_static_gamma", "retnet", "s4d",
+    assert names == ["gdn2", "gla", "hgrn2", "interdomain", "mamba2", "muir", "muir_no_gamma", "muir_static_gamma",
+                     "retnet", "s4d",
                      "transformer"]
 
 

@@ -68,23 +68,28 @@ def test_recurrent_mixers_have_no_attention_pairs():
     assert count.step_flops(100, 1e9) == count.step_flops(100, 0)
 
 
-@pytest.mark.parametrize("mixer", ["mamba2", "retnet"])
-def test_no_erase_mixers_count_the_delta_kernel_core_with_a_note(mixer):
-    """Mamba-2 and RetNet run the delta-rule op without an erase key: their core is the delta kernel's count at
-    their head shape (an upper bound, said in a note), never a silent 0."""
+@pytest.mark.parametrize("mixer", ["linear_attention", "mamba2", "retnet", "gla", "hgrn2"])
+def test_no_erase_mixers_count_the_no_erase_kernel(mixer):
+    """Linear attention, Mamba-2, RetNet, GLA and HGRN2 run the delta-rule op without an erase key: their core is
+    the no-erase kernel's count at their head shape (no A, inverse or solve: fewer FLOPs than a delta mixer of the
+    same shape), never a silent 0, and no note."""
     from mixerlab.pallas_kernels.delta_rule import flops as kernel_flops
 
     over = ["model.num_heads=4", "model.head_dim=16", "model.value_head_dim=32", "data.seq_len=64"]
     cfg = load_config("configs/tiny.yaml", [f"model.mixer={mixer}", *over])
     core, note = flop_model.core_flops_per_token(cfg, mixer, 64)
-    kc = kernel_flops.KernelConfig(chunk=64, leaf=8, d_k=16, d_v=32)
-    per_head = (kernel_flops.total(kernel_flops.forward_stages(kc)).mxu
-                + kernel_flops.total(kernel_flops.backward_stages(kc)).mxu)
-    assert core == 4 * per_head > 0
-    assert note and mixer in note and "upper bound" in note
+    per_head = {}
+    for erase in (True, False):
+        kc = kernel_flops.KernelConfig(chunk=64, leaf=8, d_k=16, d_v=32, has_erase=erase)
+        per_head[erase] = (kernel_flops.total(kernel_flops.forward_stages(kc)).mxu
+                           + kernel_flops.total(kernel_flops.backward_stages(kc)).mxu)
+    assert core == 4 * per_head[False] > 0 and per_head[False] < per_head[True]
+    assert note is None
+    delta, _ = flop_model.core_flops_per_token(cfg, "gdn2", 64)
+    assert delta == 4 * per_head[True]
     count = flop_model.training_flops(cfg, {}, 256)
     assert count.core_per_token == cfg.model.num_layers * core and count.per_attention_pair == 0
-    assert note in count.notes
+    assert count.notes == ()
 
 
 @pytest.mark.parametrize("kind, name, peak, measured", [
@@ -164,3 +169,4 @@ def test_trainer_refuses_an_mfu_above_100_percent(tmp_path, monkeypatch, capsys)
     assert len(rows) == 2 and all("mfu" not in r and r["model_tflops_per_s"] > 0 for r in rows)
     out = capsys.readouterr().out
     assert out.count("is above 100 %") == 1 and "model FLOPs per step" in out and str(tmp_path / "slow") in out
+
