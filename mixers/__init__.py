@@ -1,3 +1,3 @@
 """Token mixers. Importing this package registers every mixer (see mixers/registry.py)."""
 from mixerlab.mixers import (  # noqa: F401  (registration)
-    deltanet, gated_deltanet, gdn2, interdomain, kda, linear_attention, muir, s4d, softmax_attention, vla)
+    deltanet, gated_deltanet, gdn2, interdomain, kda, linear_attention, muir, rwkv7, s4d, softmax_attention, vla)
