@@ -6,7 +6,8 @@ FLOPs are forward + backward (3 × forward for matmuls; 2 FLOPs per multiply-add
   * recurrent mixers (the delta family), per token: the chunked algorithm's MXU FLOPs, forward + backward, per
     token per head, × H, from pallas_kernels/delta_rule/flops.py (chunk = the mixer's chunk_size or 64, leaf 8).
     Fixed by the architecture and the config, not by the kernel that runs, so a faster kernel shows a higher MFU.
-    Linear attention is counted the same way (an upper bound: its T and Y vanish);
+    Linear attention is counted the same way (an upper bound: its T and Y vanish); RWKV-7 (the DPLR op) from
+    pallas_kernels/dplr_delta_rule/flops.py (chunk = its chunk_size or 64);
   * softmax attention, per causal query-key pair *inside a document*: forward QKᵀ 2·d_k and PV 2·d_v per pair
     and head, × 3 for forward + backward, i.e. 6·H·(d_k + d_v) per pair and layer. A row whose documents have
     lengths L1..Ln holds Σ Li(Li+1)/2 pairs (the packed-document kernels skip the pairs across documents), so the
@@ -25,9 +26,11 @@ import numpy as np
 
 from mixerlab.pallas_kernels import chips
 from mixerlab.pallas_kernels.delta_rule import flops as kernel_flops
+from mixerlab.pallas_kernels.dplr_delta_rule import flops as dplr_flops
 
 DELTA_FAMILY = {"linear_attention", "deltanet", "gated_deltanet", "kda", "gdn2", "muir"}
 ATTENTION = {"softmax"}
+DPLR_FAMILY = {"rwkv7"}  # the diagonal-plus-low-rank op (pallas_kernels/dplr_delta_rule/flops.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +63,9 @@ def core_flops_per_token(cfg, mixer: str, seq_len: int) -> tuple[float, str | No
         fwd = kernel_flops.total(kernel_flops.forward_stages(kc)).mxu
         bwd = kernel_flops.total(kernel_flops.backward_stages(kc)).mxu
         return float(h * (fwd + bwd)), None
+    if mixer in DPLR_FAMILY:
+        chunk = min(getattr(cfg.mixer_options(mixer), "chunk_size", 0) or 64, max(seq_len, 1))
+        return h * dplr_flops.training_flops_per_token(chunk, dk, dv), None
     return 0.0, f"{mixer}: core FLOPs not modelled (counted as 0)"
 
 
