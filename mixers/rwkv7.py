@@ -39,13 +39,13 @@ STREAMS = ("r", "w", "k", "v", "a", "g")
 
 @dataclasses.dataclass(frozen=True)
 class RWKV7Options:
-    """RWKV-7 options (sources: [FLA] fla/layers/rwkv7.py, [RWKV-7 §n] the paper, [ours]).
+    """RWKV-7 options (sources: [FLA] fla/layers/rwkv7.py, [RWKV-7] the paper, [ours]).
 
     decay_low_rank_dim: int = 0   rank of the decay LoRA; 0 = FLA's max(32, round(2.5·√d·d_k/64 / 32)·32) [FLA].
     a_low_rank_dim: int = 0       rank of the in-context-learning-rate LoRA; 0 = the same formula [FLA].
     gate_low_rank_dim: int = 0    rank of the output-gate LoRA; 0 = max(32, round(5·√d / 32)·32) [FLA].
     norm_eps: float = 1e-5        GroupNorm eps per unit of head dim (eps = d_k · norm_eps) [FLA].
-    value_residual: bool = False  RWKV-7's v_first mixing [RWKV-7 §4; FLA v_lora]; True raises: the decoder has
+    value_residual: bool = False  RWKV-7's v_first mixing [RWKV-7 paper; FLA v_lora]; True raises: the decoder has
                                   no channel to pass layer 0's values to later layers [ours].
     implementation: str = "auto"  implementation of the dplr_delta_rule op ("auto" = "xla": no Pallas kernel).
     chunk_size: int = 0           chunk length of the op; 0 = its default (64) [FLA chunk 64].

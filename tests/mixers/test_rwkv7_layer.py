@@ -266,8 +266,12 @@ def test_tiny_model_through_config_one_finite_train_step():
 def test_layer_forward_backward_compiles_for_tpu(gen):
     """The layer's forward + backward (bf16 activations) for a TPU topology; "auto" picks the op's xla path
     (no Pallas kernel for the DPLR op)."""
+    import os
     import sys
-    sys.path.insert(0, __file__.rsplit("/mixers/", 1)[0] + "/pallas_kernels")
+
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pallas_kernels")
+    if here not in sys.path:  # the topology helper of the kernel tests (its folder's conftest does the same)
+        sys.path.insert(0, here)
     from tpu_topologies import replicated
 
     rep = replicated(gen)
