@@ -254,10 +254,15 @@ def test_tiny_model_through_config_one_finite_train_step():
         logits = m(tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
 
-    value, grads = nnx.jit(nnx.value_and_grad(loss))(model)
+    step = nnx.jit(nnx.value_and_grad(loss))
+    value, grads = step(model)
     leaves = [g[...] for _, g in nnx.to_flat_state(grads)]
     assert np.isfinite(float(value)) and all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
     assert any(float(jnp.abs(g).max()) > 0 for g in leaves)
+    # one plain gradient step lowers the loss on the same batch
+    nnx.update(model, jax.tree.map(lambda p, g: p - 0.05 * g, nnx.state(model, nnx.Param), grads))
+    after, _ = step(model)
+    assert np.isfinite(float(after)) and float(after) < float(value)
 
 
 @pytest.mark.tpu_compile
