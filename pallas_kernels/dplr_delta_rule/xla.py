@@ -148,14 +148,32 @@ def chunk_pieces(q, k, v, alpha, beta, lam, document_B1NC, carry_B1N, n0):
     return q_eff, o_intra, f, g
 
 
-def chunked_dplr(q, k, v, alpha, beta, lam, state_BHKV, document_B1NC, carry_B1N, n0):
-    """Chunked inputs [B,H,N,C,·] in the compute dtype -> (o [B,H,N,C,V], final state [B,H,K,V])."""
-    q_eff, o_intra, f, g = chunk_pieces(q, k, v, alpha, beta, lam, document_B1NC, carry_B1N, n0)
+def grouped_chunk_pieces(q, k, v, alpha, beta, lam, document_B1NC, carry_B1N, n0, group):
+    """:func:`chunk_pieces` for ``group`` chunks at a time (``lax.map`` over the chunk axis, vectorised inside a
+    group), each group rematerialised in the backward pass: the pieces' temporaries (the leaves' [n0, n0, K]
+    decay tensors, the pair matrices, the inverse: tens of times the chunk's inputs) then exist for one group,
+    not for the whole sequence, and autodiff keeps only the pieces themselves."""
+    n = q.shape[2]
+    if n <= group:
+        return chunk_pieces(q, k, v, alpha, beta, lam, document_B1NC, carry_B1N, n0)
+    chunk_major = [jnp.moveaxis(x, 2, 0) for x in (q, k, v, alpha, beta, lam, document_B1NC, carry_B1N)]
+    one = jax.checkpoint(lambda xs: chunk_pieces(*xs, n0))
+    pieces = jax.lax.map(one, chunk_major, batch_size=group)
+    return tuple(jnp.moveaxis(x, 0, 2) for x in pieces)
 
-    def step(state, fg):
-        f_n, g_n = fg
-        return einsum("...kj,...jv->...kv", f_n, state) + g_n, state
 
-    final, entering_NBHKV = jax.lax.scan(step, state_BHKV, (jnp.moveaxis(f, 2, 0), jnp.moveaxis(g, 2, 0)))
-    entering = jnp.moveaxis(entering_NBHKV, 0, 2)  # [B,H,N,K,V]: the state entering each chunk
-    return einsum("...ck,...kv->...cv", q_eff, entering) + o_intra, final
+def chunked_dplr(q, k, v, alpha, beta, lam, state_BHKV, document_B1NC, carry_B1N, n0, group=8):
+    """Chunked inputs [B,H,N,C,·] in the compute dtype -> (o [B,H,N,C,V], final state [B,H,K,V]). ``group``:
+    chunks whose pieces are computed at once (:func:`grouped_chunk_pieces`)."""
+    q_eff, o_intra, f, g = grouped_chunk_pieces(q, k, v, alpha, beta, lam, document_B1NC, carry_B1N, n0, group)
+
+    def step(state, pieces):
+        q_eff_n, o_intra_n, f_n, g_n = pieces
+        # the output of the chunk is read here, from the state entering it (reading it after the scan from a
+        # stacked, transposed state tripped XLA:CPU's algebraic simplifier at some shapes)
+        out_n = einsum("...ck,...kv->...cv", q_eff_n, state) + o_intra_n
+        return einsum("...kj,...jv->...kv", f_n, state) + g_n, out_n
+
+    chunk_major = tuple(jnp.moveaxis(x, 2, 0) for x in (q_eff, o_intra, f, g))
+    final, out_NBHCV = jax.lax.scan(step, state_BHKV, chunk_major)
+    return jnp.moveaxis(out_NBHCV, 0, 2), final

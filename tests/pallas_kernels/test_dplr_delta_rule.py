@@ -55,8 +55,10 @@ def float64():
 
 
 @pytest.mark.parametrize("t, dk, dv, chunk, leaf, segmented", [
-    (37, 8, 6, 16, 4, True), (37, 16, 16, 64, 16, True), (29, 16, 8, 8, 8, False), (5, 8, 8, 64, 16, False)])
+    (37, 8, 6, 16, 4, True), (37, 16, 16, 64, 16, True), (29, 16, 8, 8, 8, False), (5, 8, 8, 64, 16, False),
+    (37, 8, 6, 4, 2, True)])
 def test_xla_matches_reference_float64(float64, t, dk, dv, chunk, leaf, segmented):
+    """The last case has 10 chunks: their pieces are computed in groups of 8 (xla.grouped_chunk_pieces)."""
     inputs = rwkv7_inputs(0, 2, t, 2, dk, dv)
     seg = jnp.asarray(SEGMENTS[:, :t]) if segmented else None
     o_ref, s_ref = run(inputs, "reference", segment_ids=seg)
@@ -83,8 +85,10 @@ def test_strong_decay_does_not_overflow(float64):
     assert np.all(np.isfinite(o)) and rel_err(o, o_ref) < 1e-11 and rel_err(s, s_ref) < 1e-11
 
 
-@pytest.mark.parametrize("t, dk, dv, decay_shape", [(21, 8, 6, "channel"), (19, 16, 8, "head")])
-def test_gradients_match_reference(float64, t, dk, dv, decay_shape):
+@pytest.mark.parametrize("t, dk, dv, decay_shape, chunk, leaf", [
+    (21, 8, 6, "channel", 8, 4), pytest.param(19, 16, 8, "head", 2, 1, marks=pytest.mark.slow)])  # 17-38 s loaded
+def test_gradients_match_reference(float64, t, dk, dv, decay_shape, chunk, leaf):
+    """Every input's gradient, initial state included; the second case runs 10 chunks in groups of 8."""
     inputs = rwkv7_inputs(3, 2, t, 2, dk, dv)
     if decay_shape == "head":
         inputs["log_decay"] = inputs["log_decay"][..., 0]
@@ -94,7 +98,7 @@ def test_gradients_match_reference(float64, t, dk, dv, decay_shape):
     probe_s = jnp.asarray(np.random.default_rng(5).standard_normal((2, 2, dk, dv)))
 
     def loss(implementation, *arrays):
-        o, s = run(dict(zip(names, arrays)), implementation, segment_ids=seg, chunk_size=8, leaf_size=4)
+        o, s = run(dict(zip(names, arrays)), implementation, segment_ids=seg, chunk_size=chunk, leaf_size=leaf)
         return jnp.sum(o * probe_o) + jnp.sum(s * probe_s)
 
     argnums = tuple(range(1, len(names) + 1))
