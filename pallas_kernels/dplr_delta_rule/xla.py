@@ -17,7 +17,8 @@ Every exponent is a sum of λ ≤ 0 over a token range, never a difference of pr
   * a diagonal block uses the exact [n0, n0, K] tensor of range sums.
 Segments: pairs of different documents are masked; the S₀ rows apply to the carried-in document only, the E
 rows to the chunk's last document only, and Diag(Γ_C) only to a chunk without a boundary. The chunk is then an
-affine map S_C = F S₀ + G of its initial state; the only sequential work is that K×K by K×V scan.
+affine map S_C = F S₀ + G of its initial state; the only sequential work is that K×K by K×V scan. The
+pieces are built for 8 chunks at a time and rematerialised in the backward pass (``grouped_chunk_pieces``).
 """
 from __future__ import annotations
 
