@@ -8,6 +8,7 @@ FLOPs are forward + backward (3 × forward for matmuls; 2 FLOPs per multiply-add
     Fixed by the architecture and the config, not by the kernel that runs, so a faster kernel shows a higher MFU.
     Linear attention, Mamba-2, RetNet, GLA and HGRN2 run the same op without an erase key and are counted with the
     no-erase kernel's stages (no A, no inverse, no solve);
+    RWKV-7 (the DPLR op) from pallas_kernels/dplr_delta_rule/flops.py (chunk = its chunk_size or 64);
   * softmax attention, per causal query-key pair *inside a document*: forward QKᵀ 2·d_k and PV 2·d_v per pair
     and head, × 3 for forward + backward, i.e. 6·H·(d_k + d_v) per pair and layer. A row whose documents have
     lengths L1..Ln holds Σ Li(Li+1)/2 pairs (the packed-document kernels skip the pairs across documents), so the
@@ -26,11 +27,13 @@ import numpy as np
 
 from mixerlab.pallas_kernels import chips
 from mixerlab.pallas_kernels.delta_rule import flops as kernel_flops
+from mixerlab.pallas_kernels.dplr_delta_rule import flops as dplr_flops
 
 DELTA_FAMILY = {"deltanet", "gated_deltanet", "kda", "gdn2", "muir"}
 # mixers on the delta-rule op without an erase key (erase_key=None): the no-erase kernel's stages
 NO_ERASE = {"linear_attention", "mamba2", "retnet", "gla", "hgrn2"}
 ATTENTION = {"softmax"}
+DPLR_FAMILY = {"rwkv7"}  # the diagonal-plus-low-rank op (pallas_kernels/dplr_delta_rule/flops.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,9 @@ def core_flops_per_token(cfg, mixer: str, seq_len: int) -> tuple[float, str | No
         fwd = kernel_flops.total(kernel_flops.forward_stages(kc)).mxu
         bwd = kernel_flops.total(kernel_flops.backward_stages(kc)).mxu
         return float(h * (fwd + bwd)), None
+    if mixer in DPLR_FAMILY:
+        chunk = min(getattr(cfg.mixer_options(mixer), "chunk_size", 0) or 64, max(seq_len, 1))
+        return h * dplr_flops.training_flops_per_token(chunk, dk, dv), None
     return 0.0, f"{mixer}: core FLOPs not modelled (counted as 0)"
 
 
