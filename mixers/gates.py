@@ -69,6 +69,35 @@ def build_qkv(layer: nnx.Module, spec, options, rngs: nnx.Rngs, *, conv_activati
         layer.v_conv = ShortConv(H * Dv, **ck)
 
 
+QKV_CONVS = (("conv_q", "q_conv"), ("conv_k", "k_conv"), ("conv_v", "v_conv"))  # cache key, layer attribute
+
+
+def qkv_conv_cache(layer: nnx.Module, batch_size: int) -> dict:
+    """Empty decode caches of ``build_qkv``'s short convs (``{}`` without them)."""
+    if not layer.options.use_short_conv:
+        return {}
+    return {key: getattr(layer, conv).init_cache(batch_size) for key, conv in QKV_CONVS}
+
+
+def qkv_conv_cache_from_sequence(layer: nnx.Module, q, k, v, segment_ids) -> dict:
+    """The convs' decode caches after the pre-conv streams q, k, v (each row's last document; ``{}`` without
+    convs)."""
+    if not layer.options.use_short_conv:
+        return {}
+    return {key: getattr(layer, conv).cache_from_sequence(x, segment_ids)
+            for (key, conv), x in zip(QKV_CONVS, (q, k, v))}
+
+
+def advance_qkv_convs(layer: nnx.Module, q, k, v, cache: dict, new_cache: dict, advance: str):
+    """q, k, v through the short convs continuing their cached inputs (``advance``: "step" for one token,
+    "extend" for a chunk); the new conv caches are written into ``new_cache``."""
+    out = []
+    for (key, conv), x in zip(QKV_CONVS, (q, k, v)):
+        y, new_cache[key] = getattr(getattr(layer, conv), advance)(x, cache[key])
+        out.append(y)
+    return tuple(out)
+
+
 def zeros_like_linear(layer: nnx.Linear) -> None:
     layer.kernel[...] = jnp.zeros_like(layer.kernel[...])
 

@@ -27,7 +27,8 @@ from flax import nnx
 
 from mixerlab import pallas_kernels
 from mixerlab.mixers.base import MixerSpec, reset_rows
-from mixerlab.mixers.gates import build_qkv, dense
+from mixerlab.mixers.gates import (
+    advance_qkv_convs, build_qkv, dense, qkv_conv_cache, qkv_conv_cache_from_sequence)
 
 
 class Features(NamedTuple):
@@ -100,11 +101,7 @@ class GatedLinearMixer(nnx.Module):
         """q, k, v through the short convs continuing their cached inputs (``advance``: "step" | "extend")."""
         if not self.options.use_short_conv:
             return q, k, v
-        out = []
-        for name, conv, s in (("conv_q", self.q_conv, q), ("conv_k", self.k_conv, k), ("conv_v", self.v_conv, v)):
-            y, new_cache[name] = getattr(conv, advance)(s, cache[name])
-            out.append(y)
-        return tuple(out)
+        return advance_qkv_convs(self, q, k, v, cache, new_cache, advance)
 
     # ---- mixer protocol --------------------------------------------------------------------------------
     def __call__(self, x_BTD: jax.Array, *, segment_ids: jax.Array | None = None,
@@ -115,25 +112,16 @@ class GatedLinearMixer(nnx.Module):
     def init_cache(self, batch_size: int, max_length: int = 0) -> dict:
         del max_length  # constant-size state
         H, Dk, Dv = self.num_heads, self.head_dim, self.value_head_dim
-        cache = {"state": jnp.zeros((batch_size, H, Dk, Dv), jnp.float32)}
-        if self.options.use_short_conv:
-            cache["conv_q"] = self.q_conv.init_cache(batch_size)
-            cache["conv_k"] = self.k_conv.init_cache(batch_size)
-            cache["conv_v"] = self.v_conv.init_cache(batch_size)
-        return cache
+        return {"state": jnp.zeros((batch_size, H, Dk, Dv), jnp.float32), **qkv_conv_cache(self, batch_size)}
 
     def prefill(self, x_BTD: jax.Array, *, segment_ids: jax.Array | None = None,
                 positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Parallel forward that also returns the decode cache continuing each row's last document."""
         del positions
         y, state = self._run(x_BTD, segment_ids)
-        cache = {"state": state.astype(jnp.float32)}
-        if self.options.use_short_conv:
-            q, k, v = self._project(x_BTD.astype(self.dtype))
-            cache["conv_q"] = self.q_conv.cache_from_sequence(q, segment_ids)
-            cache["conv_k"] = self.k_conv.cache_from_sequence(k, segment_ids)
-            cache["conv_v"] = self.v_conv.cache_from_sequence(v, segment_ids)
-        return y, cache
+        convs = (qkv_conv_cache_from_sequence(self, *self._project(x_BTD.astype(self.dtype)), segment_ids)
+                 if self.options.use_short_conv else {})
+        return y, {"state": state.astype(jnp.float32), **convs}
 
     def extend(self, x_BCD: jax.Array, cache: dict, positions_BC: jax.Array) -> tuple[jax.Array, dict]:
         """C tokens of one document per row continuing ``cache``: the chunked op from the cached state."""
