@@ -33,7 +33,7 @@ from mixerlab import pallas_kernels
 from mixerlab.mixers.base import MixerSpec, reset_rows
 from mixerlab.mixers.gated_norm import GatedRMSNorm
 from mixerlab.mixers.gates import (
-    advance_qkv_convs, build_qkv, dense, qkv_conv_cache, qkv_conv_cache_from_sequence, split_heads)
+    StateAndConvCache, advance_qkv_convs, build_qkv, dense, split_heads)
 
 
 QK_L2_EPS = 1e-6  # inside the sqrt, per head [FLA l2norm / use_qk_l2norm_in_kernel]
@@ -88,7 +88,7 @@ def _none_if_zero(n: int) -> int | None:
     return n if n > 0 else None
 
 
-class DeltaMixer(nnx.Module):
+class DeltaMixer(StateAndConvCache):
     """Base layer of the delta-rule family. Subclasses: ``_build_gates`` and ``_gates``."""
 
     def __init__(self, spec: MixerSpec, options: DeltaOptions, *, rngs: nnx.Rngs):
@@ -158,25 +158,6 @@ class DeltaMixer(nnx.Module):
             leaf_size=_none_if_zero(self.options.leaf_size), implementation=self.options.implementation)
         return self._output(o, g), state
 
-    # ---- mixer protocol --------------------------------------------------------------------------------
-    def __call__(self, x_BTD: jax.Array, *, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
-        del positions  # recurrent: order is given by the sequence itself
-        return self._run(x_BTD, segment_ids)[0]
-
-    def init_cache(self, batch_size: int, max_length: int = 0) -> dict:
-        del max_length  # constant-size state
-        H, Dk, Dv = self.num_heads, self.head_dim, self.value_head_dim
-        return {"state": jnp.zeros((batch_size, H, Dk, Dv), jnp.float32), **qkv_conv_cache(self, batch_size)}
-
-    def prefill(self, x_BTD: jax.Array, *, segment_ids: jax.Array | None = None,
-                positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
-        """Parallel forward that also returns the decode cache continuing each row's last document."""
-        del positions
-        y, state = self._run(x_BTD, segment_ids)
-        convs = (qkv_conv_cache_from_sequence(self, *self._project(x_BTD.astype(self.dtype)), segment_ids)
-                 if self.options.use_short_conv else {})
-        return y, {"state": state.astype(jnp.float32), **convs}
 
     def _cached_convs(self, q, k, v, cache, new_cache, advance: str):
         """q, k, v through the short convolutions continuing their cached inputs (``advance``: "step" for one

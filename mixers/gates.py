@@ -98,6 +98,32 @@ def advance_qkv_convs(layer: nnx.Module, q, k, v, cache: dict, new_cache: dict, 
     return tuple(out)
 
 
+class StateAndConvCache(nnx.Module):
+    """The mixer protocol of a recurrent layer with ``build_qkv``'s projections: one [B, H, d_k, d_v] float32 state
+    plus the short convs' caches. A subclass provides ``_run(x, segment_ids) -> (y, final state)`` and
+    ``_project(x) -> (q, k, v)`` before the convs, and its own ``extend`` / ``decode``."""
+
+    # ---- mixer protocol --------------------------------------------------------------------------------
+    def __call__(self, x_BTD: jax.Array, *, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        del positions  # recurrent: order is given by the sequence itself
+        return self._run(x_BTD, segment_ids)[0]
+
+    def init_cache(self, batch_size: int, max_length: int = 0) -> dict:
+        del max_length  # constant-size state
+        H, Dk, Dv = self.num_heads, self.head_dim, self.value_head_dim
+        return {"state": jnp.zeros((batch_size, H, Dk, Dv), jnp.float32), **qkv_conv_cache(self, batch_size)}
+
+    def prefill(self, x_BTD: jax.Array, *, segment_ids: jax.Array | None = None,
+                positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """Parallel forward that also returns the decode cache continuing each row's last document."""
+        del positions
+        y, state = self._run(x_BTD, segment_ids)
+        convs = (qkv_conv_cache_from_sequence(self, *self._project(x_BTD.astype(self.dtype)), segment_ids)
+                 if self.options.use_short_conv else {})
+        return y, {"state": state.astype(jnp.float32), **convs}
+
+
 def zeros_like_linear(layer: nnx.Linear) -> None:
     layer.kernel[...] = jnp.zeros_like(layer.kernel[...])
 

@@ -28,7 +28,7 @@ from flax import nnx
 from mixerlab import pallas_kernels
 from mixerlab.mixers.base import MixerSpec, reset_rows
 from mixerlab.mixers.gates import (
-    advance_qkv_convs, build_qkv, dense, qkv_conv_cache, qkv_conv_cache_from_sequence)
+    StateAndConvCache, advance_qkv_convs, build_qkv, dense)
 
 
 class Features(NamedTuple):
@@ -45,7 +45,7 @@ def _none_if_zero(n: int) -> int | None:
     return n if n > 0 else None
 
 
-class GatedLinearMixer(nnx.Module):
+class GatedLinearMixer(StateAndConvCache):
     """Base layer. Subclasses: ``CONV_ACTIVATION``, ``_build_gates``, ``_features``, ``_output``."""
 
     CONV_ACTIVATION = True  # SiLU after the short conv (FLA's GLA); HGRN2's conv has none
@@ -103,25 +103,6 @@ class GatedLinearMixer(nnx.Module):
             return q, k, v
         return advance_qkv_convs(self, q, k, v, cache, new_cache, advance)
 
-    # ---- mixer protocol --------------------------------------------------------------------------------
-    def __call__(self, x_BTD: jax.Array, *, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
-        del positions  # recurrent: order is given by the sequence itself
-        return self._run(x_BTD, segment_ids)[0]
-
-    def init_cache(self, batch_size: int, max_length: int = 0) -> dict:
-        del max_length  # constant-size state
-        H, Dk, Dv = self.num_heads, self.head_dim, self.value_head_dim
-        return {"state": jnp.zeros((batch_size, H, Dk, Dv), jnp.float32), **qkv_conv_cache(self, batch_size)}
-
-    def prefill(self, x_BTD: jax.Array, *, segment_ids: jax.Array | None = None,
-                positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
-        """Parallel forward that also returns the decode cache continuing each row's last document."""
-        del positions
-        y, state = self._run(x_BTD, segment_ids)
-        convs = (qkv_conv_cache_from_sequence(self, *self._project(x_BTD.astype(self.dtype)), segment_ids)
-                 if self.options.use_short_conv else {})
-        return y, {"state": state.astype(jnp.float32), **convs}
 
     def extend(self, x_BCD: jax.Array, cache: dict, positions_BC: jax.Array) -> tuple[jax.Array, dict]:
         """C tokens of one document per row continuing ``cache``: the chunked op from the cached state."""
