@@ -23,6 +23,20 @@ def unavailable(backend: str, what: str = "the Pallas-Triton kernel") -> Optiona
     return None
 
 
+# JAX's matmul-precision settings that ask a float32 matmul for float32 accuracy (jax.default_matmul_precision)
+_FLOAT32_SETTINGS = frozenset({"highest", "float32", "F32_F32_F32", "TF32_TF32_F32_X3"})
+
+
+def f32_matmul_precision(interpret: bool) -> str:
+    """The default precision of a kernel's float32-operand matmuls: what XLA does for a float32 ``jnp.dot`` under
+    the same setting. On the GPU XLA's default is one TF32 tensor-core pass ("tf32"); under
+    ``jax.default_matmul_precision("highest" / "float32")`` it is float32-accurate, and so are the kernels
+    ("highest"), so that a float32 run compared with another implementation means float32. The interpreter
+    (CPU) always computes in float32."""
+    setting = jax.config.jax_default_matmul_precision
+    return "highest" if interpret or str(setting) in _FLOAT32_SETTINGS else "tf32"
+
+
 def compiler_params(interpret: bool, num_warps: int, num_stages: Optional[int] = 1):
     """Triton compiler parameters; None in interpret mode (or without the backend)."""
     if interpret or pltriton is None:

@@ -59,6 +59,12 @@ def parse_args(argv=None):
                    help="fla's Triton kernels try only their first N autotune configurations (0: all). Their full "
                         "autotune compiles hundreds of variants; parity needs correct kernels, not the fastest. "
                         "With TRITON_INTERPRET=1 (fla's kernels on the CPU) nothing is timed and the first is used")
+    p.add_argument("--torch-f32-dots", choices=["default", "tf32x3", "ieee"], default="default",
+                   help="the precision of every float32-operand tl.dot in fla's Triton kernels (TRITON_F32_DEFAULT, "
+                        "process-wide). 'default' keeps fla's own: one TF32 pass, ~1e-3 relative, so its float32 "
+                        "logits differ from a float32-accurate model by that much; 'tf32x3' is float32-accurate "
+                        "(what mixerlab's kernels do under the float32 matmul setting this tool uses); 'ieee' is "
+                        "exact but compiles and runs far slower")
     a = p.parse_args(argv)
     lo, hi = (int(x) for x in a.window.split(","))
     if not 1 <= lo <= hi <= a.steps:
@@ -306,6 +312,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"parity_torch: unknown --runs {unknown}; known: {[*OURS, 'torch_f32', 'torch_autocast']}")
     os.makedirs(args.out, exist_ok=True)
     if any(r.startswith("torch") for r in args.runs):
+        if args.torch_f32_dots != "default":  # read by Triton when it compiles a kernel (before any is compiled)
+            os.environ["TRITON_F32_DEFAULT"] = args.torch_f32_dots
         limit_triton_autotune(args.torch_autotune)
         if args.torch_core == "naive":
             use_naive_gdn2_core()
@@ -314,7 +322,8 @@ def main(argv=None) -> int:
     batches = make_batches(base, args.steps, os.path.join(args.out, "batches.npy"))
     print(f"parity: {args.mixer}, batches {batches.shape} (sha {digest(batches)}), vocab {vocab}", flush=True)
     curves, timings = {}, {}
-    result = {"mixer": args.mixer, "shape": SHAPE, "set": args.set, "steps": args.steps, "batches_sha": digest(batches)}
+    result = {"mixer": args.mixer, "shape": SHAPE, "set": args.set, "steps": args.steps, "batches_sha": digest(batches),
+              "torch_f32_dots": args.torch_f32_dots, "torch_core": args.torch_core}
     first = batches[0][:4]
     logits = {}
     # ours_f32 first (its weights are exported), then the torch runs, then the other runs of ours

@@ -10,7 +10,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from mixerlab.pallas_kernels.triton_common import pow2, unavailable
+from mixerlab.pallas_kernels.triton_common import f32_matmul_precision, pow2, unavailable
 
 
 F32 = jnp.float32
@@ -31,7 +31,8 @@ class Config:
     key_dim: int
     value_dim: int
     operand_dtype: jnp.dtype  # matmul operands of the big products (bf16 or f32)
-    inverse_precision: str = "highest"  # f32 matmuls (P = (I + A)⁻¹, f32 operands): "tf32" | "highest" | "ieee"
+    inverse_precision: str = "highest"  # f32-operand matmuls (P = (I + A)⁻¹; all with f32 inputs): "tf32" |
+    #   "highest" | "ieee"; make_config's default follows jax.default_matmul_precision (f32_matmul_precision)
     scan_block_v: int = 64  # Dv block of the sequential kernels (more CTAs when B·H is small)
     block_k: int = 64  # key channels per pass of K1 and B2
     warps_intra: int = 4
@@ -118,7 +119,7 @@ def default_block_v(batch_heads: int, value_dim: int) -> int:
 def make_config(chunk, leaf, key_dim, value_dim, operand_dtype, *, batch_heads=128, interpret=False, **overrides):
     operand_dtype = jnp.dtype(operand_dtype)
     base = dict(chunk=chunk, leaf=leaf, key_dim=key_dim, value_dim=value_dim, operand_dtype=operand_dtype,
-                inverse_precision="highest" if interpret else "tf32",
+                inverse_precision=f32_matmul_precision(interpret),
                 scan_block_v=default_block_v(batch_heads, value_dim), block_k=min(32, key_dim),
                 bounded_span=None if operand_dtype == jnp.dtype(jnp.float16) else 60.0, interpret=interpret)
     base.update(overrides)

@@ -8,7 +8,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from mixerlab.pallas_kernels.triton_common import pow2, unavailable
+from mixerlab.pallas_kernels.triton_common import f32_matmul_precision, pow2, unavailable
 
 F32 = jnp.float32
 SUPPORTED_CHUNKS = (16, 32, 64, 128)
@@ -29,7 +29,8 @@ class Config:
     value_dim: int
     modes: int
     operand_dtype: jnp.dtype  # matmul operands (the caller's q, k, v dtype)
-    precision: str = "tf32"  # GEMMs with f32 operands (f32 inputs): "tf32" | "highest"
+    precision: str = "tf32"  # GEMMs with f32 operands (f32 inputs): "tf32" | "highest"; make_config's default
+    #   follows jax.default_matmul_precision (f32_matmul_precision)
     range_sums: str = "auto"  # the 0/1 range-sum matmuls: "tf32x3" | "tf32" | "auto" (see sum_precision)
     block_m: int = 32  # modes per pass of the forward kernels (per-mode tiles are [K, BM])
     block_m_backward: int = 16  # the same for the backward kernels (more live tiles: smaller blocks)
@@ -74,7 +75,7 @@ class Config:
 
 def make_config(chunk, key_dim, value_dim, modes, operand_dtype, *, interpret=False, **overrides):
     base = dict(chunk=chunk, key_dim=key_dim, value_dim=value_dim, modes=modes,
-                operand_dtype=jnp.dtype(operand_dtype), precision="highest" if interpret else "tf32",
+                operand_dtype=jnp.dtype(operand_dtype), precision=f32_matmul_precision(interpret),
                 block_m=min(32, modes), block_m_backward=min(16, modes), interpret=interpret)
     base.update(overrides)
     cfg = Config(**base)

@@ -342,6 +342,23 @@ def test_config_defaults():
         pallas_triton.make_config(64, 16, 128, 128, jnp.float32, block_k=48)
 
 
+@pytest.mark.parametrize("setting, expected", [(None, "tf32"), ("default", "tf32"), ("tensorfloat32", "tf32"),
+                                               ("highest", "highest"), ("float32", "highest")])
+def test_f32_matmuls_follow_jax_matmul_precision(setting, expected):
+    """A float32 run under jax.default_matmul_precision("float32") is float32 in the kernels too (as XLA's own
+    matmuls are), one TF32 pass otherwise; the interpreter is always float32."""
+    def made(**kw):
+        return pallas_triton.make_config(64, 16, 128, 128, jnp.float32, **kw).inverse_precision
+
+    if setting is None:
+        assert made() == expected
+    else:
+        with jax.default_matmul_precision(setting):
+            assert made() == expected
+            assert made(inverse_precision="tf32") == "tf32"  # an explicit choice wins
+    assert made(interpret=True) == "highest"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # GPU only
 

@@ -125,6 +125,8 @@ def test_config_and_tf32_rounding():
     cfg = pallas_triton.make_config(64, 64, 64, 64, jnp.bfloat16)
     assert cfg.levels == 6 and cfg.resolved_range_sums == "tf32" and cfg.precision == "tf32"
     assert pallas_triton.make_config(64, 64, 64, 64, jnp.float32).resolved_range_sums == "tf32x3"
+    with jax.default_matmul_precision("float32"):  # float32 runs mean float32, as for XLA's own matmuls
+        assert pallas_triton.make_config(64, 64, 64, 64, jnp.float32).precision == "highest"
     assert cfg.block_m == 32 and cfg.block_m_backward == 16
     assert pallas_triton.make_config(64, 64, 64, 16, jnp.float32).block_m == 16
     for bad in (dict(precision="fp8"), dict(range_sums="bf16"), dict(block_m=24), dict(block_m=128),
