@@ -50,6 +50,10 @@ def parse_args(argv=None):
     p.add_argument("--window", default="200,300", help="first,last step (1-based, inclusive) of the summary")
     p.add_argument("--runs", default="ours_f32,ours_bf16,ours_bf16_res16,ours_f32_seed1,torch_f32,torch_autocast")
     p.add_argument("--previous", help="an earlier parity.json of the same batches and weights: its curves join")
+    p.add_argument("--merge", nargs="+", metavar="PARITY_JSON",
+                   help="run nothing: join the curves of these parity.json files (same batches and initial "
+                        "weights; e.g. the torch runs and ours from parallel processes) into OUT's parity.json, "
+                        "plot and summary")
     p.add_argument("--set", action="append", default=[], help="section.key=value over the default shape")
     p.add_argument("--torch-core", choices=["kernel", "naive"], default="kernel",
                    help="gdn2: 'naive' runs fla's token-by-token naive_recurrent_gdn2 (plain torch, differentiable) "
@@ -300,8 +304,30 @@ def digest(tree) -> str:
     return h.hexdigest()[:16]
 
 
+def merge(args) -> int:
+    """--merge: one parity.json from several of the same batches and initial weights (later files win a name)."""
+    parts = []
+    for path in args.merge:
+        with open(path) as f:
+            parts.append(json.load(f))
+    keys = {(p.get("mixer"), p.get("batches_sha"), p.get("init_sha")) for p in parts}
+    if len(keys) != 1:
+        raise SystemExit("parity_torch: --merge files differ in mixer, batches or initial weights: "
+                         f"{sorted(map(str, keys))}")
+    result = {k: v for p in parts for k, v in p.items() if k not in ("curves", "timings_s", "summary", "window")}
+    result["logits"] = {k: v for p in parts for k, v in p.get("logits", {}).items()}
+    result["merged_from"] = list(args.merge)
+    curves = {k: v for p in parts for k, v in p["curves"].items()}
+    timings = {k: v for p in parts for k, v in p.get("timings_s", {}).items()}
+    os.makedirs(args.out, exist_ok=True)
+    finish(args, result, curves, timings)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        return merge(args)
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")  # float32 means float32 (torch's default too)

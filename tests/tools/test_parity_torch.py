@@ -43,3 +43,14 @@ def test_our_runs_write_curves_and_summary(tmp_path, capsys):
     with pytest.raises(SystemExit, match="other batches or initial weights"):
         parity_torch.main([*args, "--runs", "ours_f32", "--set", "train.seed=3", "--previous",
                            str(tmp_path / "first.json")])
+    # --merge: files written by parallel processes become one summary; other weights are refused
+    merged_dir = tmp_path / "m"
+    assert parity_torch.main(["--mixer", "softmax", "--steps", "3", "--window", "2,3", "--out", str(merged_dir),
+                              "--merge", str(tmp_path / "first.json"), str(out / "parity.json")]) == 0
+    merged = json.load(open(merged_dir / "parity.json"))
+    assert merged["curves"] == joined["curves"] and merged["summary"] == joined["summary"]
+    other = {**first, "init_sha": "0" * 16}
+    json.dump(other, open(tmp_path / "other.json", "w"))
+    with pytest.raises(SystemExit, match="differ in mixer, batches or initial weights"):
+        parity_torch.main(["--mixer", "softmax", "--steps", "3", "--window", "2,3", "--out", str(merged_dir),
+                           "--merge", str(tmp_path / "first.json"), str(tmp_path / "other.json")])
