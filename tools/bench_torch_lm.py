@@ -23,10 +23,8 @@ the GDN-2 model took more than 300 s on the H200). Each run goes in its own proc
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +33,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # JAX only draws and exports the 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_train import _parse_run, expand_runs  # noqa: E402
+from bench_train import _parse_run, child_result, error_row, expand_runs, pct, print_table, run_all, run_arguments  # noqa: E402
 
 
 def limit_autotune(n: int) -> None:
@@ -128,26 +126,16 @@ HEADER = ("| run | target | batch | first step | step | tokens/s | model TFLOP/s
 
 def _row(name: str, r: dict) -> str:
     if "error" in r:
-        return f"| {name} | — | — | — | — | — | — | — | — | {r['error'].split(' / ')[-1][:300]} |"
-    pct = lambda x: "n/a" if x is None else f"{100 * x:.1f} %"  # noqa: E731
+        return error_row(name, r["error"], HEADER)
     return (f"| {name} | {r['target']} | {r['batch']}×{r['seq_len']} | {r['first_step_s']:.1f} s | {r['step_s']:.3f} s "
             f"| {r['tokens_per_s'] / 1e3:,.0f}K | {r['model_tflops_per_s']:.1f} | {pct(r['mfu'])} "
             f"| {pct(r['mfu_measured_peak'])} | {r['peak_gib']:.1f} |")
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="*", metavar="RUN", help="name=config.yaml[,section.key=value,...]")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
-    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first, the first included (default 3)")
+    p = run_arguments(__doc__)
     p.add_argument("--autotune", type=int, default=1, metavar="N",
                    help="fla's Triton kernels try only their first N autotune configurations (0: all; default 1)")
-    p.add_argument("--seq-lens", type=lambda t: [int(x) for x in t.split(",") if x], default=[],
-                   metavar="T1,T2,...", help="run every RUN at each context length (with --tokens-per-step)")
-    p.add_argument("--tokens-per-step", type=int, help="tokens per step for --seq-lens (batch = tokens / length)")
-    p.add_argument("--out", help="write every run's numbers to this JSON file")
-    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:  # one run, its JSON on the last line of stdout
         _, config, overrides = _parse_run(args.child)
@@ -155,26 +143,13 @@ def main(argv=None) -> None:
         return
     if not args.runs:
         p.error("give at least one RUN (name=config.yaml[,section.key=value,...])")
-    results = {}
-    for run in expand_runs(args.runs, args.seq_lens, args.tokens_per_step):
-        name = _parse_run(run)[0]
-        print(f"bench_torch_lm: {name} ...", file=sys.stderr, flush=True)
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", run, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--autotune", str(args.autotune), *[f"--set={s}" for s in args.set]]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode == 0:
-            results[name] = json.loads(out.stdout.strip().splitlines()[-1])
-        else:  # the error's last lines
-            tail = [line for line in out.stderr.strip().splitlines() if line.strip()][-3:]
-            results[name] = {"error": " / ".join(tail) or f"exit {out.returncode}"}
-        print(f"bench_torch_lm: {name}: {json.dumps(results[name])[:400]}", file=sys.stderr, flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
-    print(HEADER)
-    print("|---" * (HEADER.count(" | ") + 1) + "|")
-    for name, r in results.items():
-        print(_row(name, r))
+    def one(run: str) -> dict:
+        return child_result([sys.executable, os.path.abspath(__file__), "--child", run, "--steps", str(args.steps),
+                             "--warmup", str(args.warmup), "--autotune", str(args.autotune),
+                             *[f"--set={s}" for s in args.set]])[0]
+
+    results = run_all("bench_torch_lm", expand_runs(args.runs, args.seq_lens, args.tokens_per_step), one, args.out)
+    print_table(HEADER, [_row(name, r) for name, r in results.items()])
 
 
 if __name__ == "__main__":

@@ -220,10 +220,54 @@ HEADER = ("| run | batch | step | tokens/s | model TFLOP/s | attention share | M
           "| peak GiB | previous loop (per-step sync) |")
 
 
+def pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f} %"
+
+
+def error_row(name: str, error: str, header: str) -> str:
+    """A table row of ``header``'s columns for a run that failed: dashes, then the error's last part."""
+    return f"| {name} |" + " — |" * (header.count(" | ") - 1) + f" {error.split(' / ')[-1][:300]} |"
+
+
+def print_table(header: str, rows: list[str]) -> None:
+    print(header)
+    print("|---" * (header.count(" | ") + 1) + "|")
+    for row in rows:
+        print(row)
+
+
+def child_result(cmd: list[str], keep=lambda line: False) -> tuple[dict, list[str]]:
+    """Runs one run's child process: (its JSON, the last line of its stdout; the stdout lines ``keep`` selects). A
+    failed child raises RuntimeError with those lines and the last lines of its stderr."""
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    kept = [line for line in out.stdout.splitlines() if keep(line)]
+    if out.returncode != 0:
+        tail = [line for line in out.stderr.strip().splitlines() if line.strip()][-3:]
+        raise RuntimeError(" / ".join(kept + tail) or f"exit {out.returncode}")
+    return json.loads(out.stdout.strip().splitlines()[-1]), kept
+
+
+def run_all(tool: str, runs: list[str], one, out: str | None) -> dict:
+    """{name: one(run)} for each run in turn; a run that raises is reported as its error and the next one goes on.
+    Each result is printed (stderr) as it comes and ``out`` (JSON) rewritten, so a cut benchmark keeps its rows."""
+    results = {}
+    for run in runs:
+        name = _parse_run(run)[0]
+        print(f"{tool}: {name} ...", file=sys.stderr, flush=True)
+        try:
+            results[name] = one(run)
+        except Exception as e:  # noqa: BLE001 - report and go on with the next run
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"{tool}: {name}: {json.dumps(results[name])[:400]}", file=sys.stderr, flush=True)
+        if out:
+            with open(out, "w") as f:
+                json.dump(results, f, indent=1)
+    return results
+
+
 def _row(name: str, r: dict) -> str:
     if "error" in r:
-        return f"| {name} | — | — | — | — | — | — | — | — | — | {r['error'].split(' / ')[-1][:300]} |"
-    pct = lambda x: "n/a" if x is None else f"{100 * x:.1f} %"  # noqa: E731
+        return error_row(name, r["error"], HEADER)
     peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
     share = r["attention_flops_per_step"] / r["model_flops_per_step"]
     return (f"| {name} | {r['batch']}×{r['seq_len']} | {r['step_s']:.3f} s | {r['tokens_per_s'] / 1e3:,.0f}K | "
@@ -251,21 +295,28 @@ def expand_runs(runs: list[str], seq_lens: list[int], tokens_per_step: int | Non
     return out
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_arguments(doc: str) -> argparse.ArgumentParser:
+    """The arguments every step-time benchmark takes: RUNs, --set, --steps, --warmup, --seq-lens,
+    --tokens-per-step, --out, and the hidden --child (one run in a child process)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="*", metavar="RUN", help="name=config.yaml[,section.key=value,...]")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
     p.add_argument("--steps", type=int, default=10, help="timed steps per timing (default 10)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first, the compile included (default 3)")
-    p.add_argument("--depth", type=int, default=2, help="batches prefetched ahead (default 2)")
-    p.add_argument("--long-docs", action="store_true",
-                   help="one document per row (the packed documents joined): attention over the whole context")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first, the first included (default 3)")
     p.add_argument("--seq-lens", type=lambda t: [int(x) for x in t.split(",") if x], default=[],
                    metavar="T1,T2,...", help="run every RUN at each context length (with --tokens-per-step)")
     p.add_argument("--tokens-per-step", type=int, help="tokens per step for --seq-lens (batch = tokens / length)")
     p.add_argument("--out", help="write every run's numbers to this JSON file")
-    p.add_argument("--in_process", action="store_true", help="run every config in this process")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> None:
+    p = run_arguments(__doc__)
+    p.add_argument("--depth", type=int, default=2, help="batches prefetched ahead (default 2)")
+    p.add_argument("--long-docs", action="store_true",
+                   help="one document per row (the packed documents joined): attention over the whole context")
+    p.add_argument("--in_process", action="store_true", help="run every config in this process")
     args = p.parse_args(argv)
 
     if args.child:  # one run, its JSON on the last line of stdout
@@ -275,36 +326,20 @@ def main(argv=None) -> None:
         return
     if not args.runs:
         p.error("give at least one RUN (name=config.yaml[,section.key=value,...])")
-    results = {}
-    for run in expand_runs(args.runs, args.seq_lens, args.tokens_per_step):
-        name, config, overrides = _parse_run(run)
-        print(f"bench_train: {name} ...", file=sys.stderr, flush=True)
-        try:
-            if args.in_process:
-                results[name] = measure(config, overrides + args.set, args.steps, args.warmup, args.depth,
-                                        long_docs=args.long_docs)
-            else:
-                cmd = [sys.executable, os.path.abspath(__file__), "--child", run, "--steps", str(args.steps),
-                       "--warmup", str(args.warmup), "--depth", str(args.depth), *[f"--set={s}" for s in args.set],
-                       *(["--long-docs"] if args.long_docs else [])]
-                out = subprocess.run(cmd, capture_output=True, text=True)
-                auto = [line for line in out.stdout.splitlines() if line.startswith("model.remat=auto")]  # its choice
-                if out.returncode != 0:  # the error's last lines, after what model.remat=auto decided
-                    tail = [line for line in out.stderr.strip().splitlines() if line.strip()][-3:]
-                    raise RuntimeError(" / ".join(auto + tail) or f"exit {out.returncode}")
-                results[name] = json.loads(out.stdout.strip().splitlines()[-1])
-                if auto:
-                    results[name]["remat_auto"] = auto
-        except Exception as e:  # report and go on with the next run
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
-        print(f"bench_train: {name}: {json.dumps(results[name])[:400]}", file=sys.stderr, flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
-    print(HEADER)
-    print("|---" * HEADER.count(" | ") + "|---|")
-    for name, r in results.items():
-        print(_row(name, r))
+
+    def one(run: str) -> dict:
+        _, config, overrides = _parse_run(run)
+        if args.in_process:
+            return measure(config, overrides + args.set, args.steps, args.warmup, args.depth, long_docs=args.long_docs)
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", run, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--depth", str(args.depth), *[f"--set={s}" for s in args.set],
+               *(["--long-docs"] if args.long_docs else [])]
+        # what model.remat=auto decided goes with the result, or before the error's last lines
+        result, auto = child_result(cmd, keep=lambda line: line.startswith("model.remat=auto"))
+        return {**result, "remat_auto": auto} if auto else result
+
+    results = run_all("bench_train", expand_runs(args.runs, args.seq_lens, args.tokens_per_step), one, args.out)
+    print_table(HEADER, [_row(name, r) for name, r in results.items()])
 
 
 if __name__ == "__main__":
