@@ -34,16 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_train import _parse_run, child_result, error_row, expand_runs, pct, print_table, run_all, run_arguments  # noqa: E402
-
-
-def limit_autotune(n: int) -> None:
-    """Triton's autotuner considers only the first ``n`` configurations of each kernel (0: all)."""
-    if n <= 0:
-        return
-    from triton.runtime import autotuner
-
-    prune = autotuner.Autotuner.prune_configs
-    autotuner.Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:n]
+from parity_torch import limit_triton_autotune  # noqa: E402
 
 
 def torch_model(config: str, overrides: list[str], device: str = "cuda"):
@@ -75,7 +66,7 @@ def measure(config: str, overrides: list[str], steps: int, warmup: int, autotune
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_torch_lm: needs a CUDA GPU visible to torch (the anchor is a GPU measurement)")
-    limit_autotune(autotune)
+    limit_triton_autotune(autotune)
     cfg, vocab, target, net, params = torch_model(config, overrides)
     o, rows, length = cfg.optim, cfg.train.batch_size, cfg.data.seq_len
     opt = torch.optim.AdamW([{"params": [p for p in net.parameters() if p.ndim >= 2], "weight_decay": o.weight_decay},

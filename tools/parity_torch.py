@@ -304,21 +304,26 @@ def digest(tree) -> str:
     return h.hexdigest()[:16]
 
 
+def join(parts: list[dict], refusal: str) -> tuple[dict, dict]:
+    """(curves, timings) of parity results made on the same mixer, batches and initial weights (a later part wins
+    a run name); ``refusal`` is the error when they were not."""
+    keys = {(p.get("mixer"), p.get("batches_sha"), p.get("init_sha")) for p in parts}
+    if len(keys) != 1:
+        raise SystemExit(f"parity_torch: {refusal}: {sorted(map(str, keys))}")
+    return ({k: v for p in parts for k, v in p["curves"].items()},
+            {k: v for p in parts for k, v in p.get("timings_s", {}).items()})
+
+
 def merge(args) -> int:
-    """--merge: one parity.json from several of the same batches and initial weights (later files win a name)."""
+    """--merge: one parity.json from several of the same batches and initial weights."""
     parts = []
     for path in args.merge:
         with open(path) as f:
             parts.append(json.load(f))
-    keys = {(p.get("mixer"), p.get("batches_sha"), p.get("init_sha")) for p in parts}
-    if len(keys) != 1:
-        raise SystemExit("parity_torch: --merge files differ in mixer, batches or initial weights: "
-                         f"{sorted(map(str, keys))}")
+    curves, timings = join(parts, "--merge files differ in mixer, batches or initial weights")
     result = {k: v for p in parts for k, v in p.items() if k not in ("curves", "timings_s", "summary", "window")}
     result["logits"] = {k: v for p in parts for k, v in p.get("logits", {}).items()}
     result["merged_from"] = list(args.merge)
-    curves = {k: v for p in parts for k, v in p["curves"].items()}
-    timings = {k: v for p in parts for k, v in p.get("timings_s", {}).items()}
     os.makedirs(args.out, exist_ok=True)
     finish(args, result, curves, timings)
     return 0
@@ -401,10 +406,8 @@ def finish(args, result, curves, timings) -> None:
     if args.previous:  # curves of an earlier call on the same batches and initial weights
         with open(args.previous) as f:
             prev = json.load(f)
-        if (prev.get("batches_sha"), prev.get("init_sha")) != (result["batches_sha"], result["init_sha"]):
-            raise SystemExit(f"parity_torch: --previous {args.previous} ran other batches or initial weights")
-        curves = {**{k: v for k, v in prev["curves"].items() if k not in curves}, **curves}
-        timings = {**prev.get("timings_s", {}), **timings}
+        curves, timings = join([prev, {**result, "curves": curves, "timings_s": timings}],
+                               f"--previous {args.previous} ran other batches or initial weights")
     result.update(curves=curves, timings_s=timings, window=args.window, summary=summarize(curves, args.window))
     with open(os.path.join(args.out, "parity.json"), "w") as f:
         json.dump(result, f, indent=1)
