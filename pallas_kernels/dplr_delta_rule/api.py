@@ -84,17 +84,20 @@ def validate(q, k, v, alpha, beta, log_decay, initial_state, segment_ids, chunk_
 
 
 # ---------------------------------------------------------------------------------------------------------
-# implementations: run(q, k, v, alpha, beta, log_decay, state, document_BT, *, chunk_size, leaf_size), every
-# array already in the compute dtype (float32, or float64 for float64 inputs).
+# implementations: run(q, k, v, alpha, beta, log_decay, state, document_BT, *, chunk_size, leaf_size); q, k, v,
+# alpha, beta in the caller's dtype, log_decay and state in the compute dtype (float32, or float64 for float64
+# inputs), which every implementation computes in.
 
 
 def _run_reference(q, k, v, alpha, beta, log_decay, state, document_BT, **unused_tuning):
+    q, k, v, alpha, beta = (x.astype(log_decay.dtype) for x in (q, k, v, alpha, beta))
     return reference.dplr_reference(q, k, v, alpha, beta, log_decay, state, document_BT)
 
 
 def _run_xla(q, k, v, alpha, beta, log_decay, state, document_BT, *, chunk_size, leaf_size):
     t = q.shape[1]
-    # zero tokens with λ = 0 are identity transitions; padded tokens stay in the last document
+    # zero tokens with λ = 0 are identity transitions; padded tokens stay in the last document. The operands stay
+    # in the caller's dtype here (chunked_dplr casts them a chunk group at a time: no float32 copy is kept)
     chunked = [xla.to_chunks(common.pad_time(x, chunk_size), chunk_size) for x in (q, k, v, alpha, beta, log_decay)]
     document_BNC, carried_BN = common.chunk_documents(common.pad_time(document_BT, chunk_size, mode="edge"),
                                                       chunk_size)
@@ -135,8 +138,7 @@ def dplr_delta_rule(q, k, v, *, alpha, beta, log_decay=None, initial_state=None,
     b, t, h, dk = q.shape
     lam = _channelwise(log_decay, (b, t, h, dk), dtype)
     state = (jnp.zeros((b, h, dk, v.shape[-1]), dtype) if initial_state is None else initial_state.astype(dtype))
-    cast = [x.astype(dtype) for x in (q, k, v, alpha, beta)]
-    out, final = impl.run(*cast, lam, state, common.document_index(segment_ids, b, t),
+    out, final = impl.run(q, k, v, alpha, beta, lam, state, common.document_index(segment_ids, b, t),
                           chunk_size=call.chunk_size, leaf_size=call.leaf_size)
     return common.poison(violation, out.astype(v.dtype), final)
 

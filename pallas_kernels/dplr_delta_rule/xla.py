@@ -18,7 +18,8 @@ Every exponent is a sum of λ ≤ 0 over a token range, never a difference of pr
 Segments: pairs of different documents are masked; the S₀ rows apply to the carried-in document only, the E
 rows to the chunk's last document only, and Diag(Γ_C) only to a chunk without a boundary. The chunk is then an
 affine map S_C = F S₀ + G of its initial state; the only sequential work is that K×K by K×V scan. The
-pieces are built for 8 chunks at a time and rematerialised in the backward pass (``grouped_chunk_pieces``).
+pieces are built for about 8 chunks at a time, in a scan over those groups whose step is rematerialised in the
+backward pass (:func:`chunked_dplr`): autodiff keeps the inputs and one state per group.
 """
 from __future__ import annotations
 
@@ -149,32 +150,53 @@ def chunk_pieces(q, k, v, alpha, beta, lam, document_B1NC, carry_B1N, n0):
     return q_eff, o_intra, f, g
 
 
-def grouped_chunk_pieces(q, k, v, alpha, beta, lam, document_B1NC, carry_B1N, n0, group):
-    """:func:`chunk_pieces` for ``group`` chunks at a time (``lax.map`` over the chunk axis, vectorised inside a
-    group), each group rematerialised in the backward pass: the pieces' temporaries (the leaves' [n0, n0, K]
-    decay tensors, the pair matrices, the inverse: tens of times the chunk's inputs) then exist for one group,
-    not for the whole sequence, and autodiff keeps only the pieces themselves."""
-    n = q.shape[2]
-    if n <= group:
-        return chunk_pieces(q, k, v, alpha, beta, lam, document_B1NC, carry_B1N, n0)
-    chunk_major = [jnp.moveaxis(x, 2, 0) for x in (q, k, v, alpha, beta, lam, document_B1NC, carry_B1N)]
-    one = jax.checkpoint(lambda xs: chunk_pieces(*xs, n0))
-    pieces = jax.lax.map(one, chunk_major, batch_size=group)
-    return tuple(jnp.moveaxis(x, 0, 2) for x in pieces)
+def _pad_chunks(x, n_pad, edge=False):
+    """Pads the chunk axis (2) of ``x`` with ``n_pad`` chunks: zeros (identity transitions that write nothing), or
+    the last entry repeated (documents: the padding stays in the last document, so it carries the state)."""
+    if n_pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[2] = (0, n_pad)
+    return jnp.pad(x, widths, mode="edge" if edge else "constant")
 
 
 def chunked_dplr(q, k, v, alpha, beta, lam, state_BHKV, document_B1NC, carry_B1N, n0, group=8):
-    """Chunked inputs [B,H,N,C,·] in the compute dtype -> (o [B,H,N,C,V], final state [B,H,K,V]). ``group``:
-    chunks whose pieces are computed at once (:func:`grouped_chunk_pieces`)."""
-    q_eff, o_intra, f, g = grouped_chunk_pieces(q, k, v, alpha, beta, lam, document_B1NC, carry_B1N, n0, group)
+    """Chunked inputs [B,H,N,C,·] -> (o [B,H,N,C,V] in λ's dtype, final state [B,H,K,V]); q, k, v, alpha, beta
+    may be in a narrower dtype than λ (the compute dtype): they are cast chunk group by chunk group.
 
-    def step(state, pieces):
-        q_eff_n, o_intra_n, f_n, g_n = pieces
-        # the output of the chunk is read here, from the state entering it (reading it after the scan from a
-        # stacked, transposed state tripped XLA:CPU's algebraic simplifier at some shapes)
-        out_n = einsum("...ck,...kv->...cv", q_eff_n, state) + o_intra_n
-        return einsum("...kj,...jv->...kv", f_n, state) + g_n, out_n
+    A scan over groups of about ``group`` chunks (the chunk count padded to whole groups with identity chunks):
+    a group's pieces are built at once (:func:`chunk_pieces`, vectorised over its chunks), then its chunks are
+    stepped in order. The group step is rematerialised in the backward pass, so autodiff keeps only the inputs
+    and the state entering each group; the pieces' temporaries (the leaves' [n0, n0, K] decay tensors, the pair
+    matrices, the inverse: tens of times the chunk's inputs) exist for one group at a time."""
+    n = q.shape[2]
+    n_groups = -(-n // group)
+    size = -(-n // n_groups)  # chunks per group: as even as the count allows, so padding stays < one group
+    n_pad = n_groups * size - n
+    xs = [_pad_chunks(x, n_pad) for x in (q, k, v, alpha, beta, lam)]
+    docs = (_pad_chunks(document_B1NC, n_pad, edge=True), _pad_chunks(carry_B1N[..., None], n_pad, edge=True)[..., 0])
+    # [B, H, G·size, ...] -> [G, B, H, size, ...]: the scan walks the groups
+    grouped = [jnp.moveaxis(x.reshape(*x.shape[:2], n_groups, size, *x.shape[3:]), 2, 0) for x in (*xs, *docs)]
+    dtype = lam.dtype
 
-    chunk_major = tuple(jnp.moveaxis(x, 2, 0) for x in (q_eff, o_intra, f, g))
-    final, out_NBHCV = jax.lax.scan(step, state_BHKV, chunk_major)
-    return jnp.moveaxis(out_NBHCV, 0, 2), final
+    @jax.checkpoint
+    def group_step(state, pieces_in):
+        *inputs, lam_g, document_g, carry_g = pieces_in
+        inputs = [x.astype(dtype) for x in inputs]
+        q_eff, o_intra, f, g = chunk_pieces(*inputs, lam_g, document_g, carry_g, n0)
+
+        def step(state, chunk):
+            q_eff_n, o_intra_n, f_n, g_n = chunk
+            # the output of the chunk is read here, from the state entering it (reading it after the scan from a
+            # stacked, transposed state tripped XLA:CPU's algebraic simplifier at some shapes)
+            out_n = einsum("...ck,...kv->...cv", q_eff_n, state) + o_intra_n
+            return einsum("...kj,...jv->...kv", f_n, state) + g_n, out_n
+
+        chunk_major = tuple(jnp.moveaxis(x, 2, 0) for x in (q_eff, o_intra, f, g))
+        state, out_nBHCV = jax.lax.scan(step, state, chunk_major)
+        return state, jnp.moveaxis(out_nBHCV, 0, 2)  # [B, H, size, C, V]
+
+    final, out_GBHSCV = jax.lax.scan(group_step, state_BHKV, grouped)
+    out = jnp.moveaxis(out_GBHSCV, 0, 2)  # [B, H, G, size, C, V]
+    out = out.reshape(*out.shape[:2], n_groups * size, *out.shape[4:])
+    return out[:, :, :n], final

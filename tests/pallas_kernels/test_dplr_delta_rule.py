@@ -56,9 +56,10 @@ def float64():
 
 @pytest.mark.parametrize("t, dk, dv, chunk, leaf, segmented", [
     (37, 8, 6, 16, 4, True), (37, 16, 16, 64, 16, True), (29, 16, 8, 8, 8, False), (5, 8, 8, 64, 16, False),
-    (37, 8, 6, 4, 2, True)])
+    (37, 8, 6, 4, 2, True), (37, 8, 6, 2, 2, True)])
 def test_xla_matches_reference_float64(float64, t, dk, dv, chunk, leaf, segmented):
-    """The last case has 10 chunks: their pieces are computed in groups of 8 (xla.grouped_chunk_pieces)."""
+    """The last two cases scan over chunk groups (xla.chunked_dplr): 10 chunks as two groups of 5, and 19 as three
+    groups of 7 (two identity chunks of padding, documents crossing the groups)."""
     inputs = rwkv7_inputs(0, 2, t, 2, dk, dv)
     seg = jnp.asarray(SEGMENTS[:, :t]) if segmented else None
     o_ref, s_ref = run(inputs, "reference", segment_ids=seg)
@@ -86,9 +87,11 @@ def test_strong_decay_does_not_overflow(float64):
 
 
 @pytest.mark.parametrize("t, dk, dv, decay_shape, chunk, leaf", [
-    (21, 8, 6, "channel", 8, 4), pytest.param(19, 16, 8, "head", 2, 1, marks=pytest.mark.slow)])  # 17-38 s loaded
+    (21, 8, 6, "channel", 8, 4), (21, 8, 6, "channel", 2, 2),
+    (19, 16, 8, "head", 2, 1)])
 def test_gradients_match_reference(float64, t, dk, dv, decay_shape, chunk, leaf):
-    """Every input's gradient, initial state included; the second case runs 10 chunks in groups of 8."""
+    """Every input's gradient, initial state included, through the rematerialised scan over chunk groups: the
+    second case has 11 chunks (two groups of 6, one identity chunk of padding), the third 10 (two of 5)."""
     inputs = rwkv7_inputs(3, 2, t, 2, dk, dv)
     if decay_shape == "head":
         inputs["log_decay"] = inputs["log_decay"][..., 0]
@@ -106,6 +109,29 @@ def test_gradients_match_reference(float64, t, dk, dv, decay_shape, chunk, leaf)
     got = jax.grad(loss, argnums)("xla", *inputs.values())
     for name, g, w in zip(names, got, want):
         assert rel_err(g, w) < 1e-10, name
+
+
+
+def test_backward_keeps_the_inputs_and_one_state_per_chunk_group():
+    """What autodiff saves for the backward pass: the (bfloat16) operands and the state entering each chunk group
+    — not the chunk pieces (Q_eff, O_intra, F, G: float32, one K×K and one K×V matrix per chunk) nor per-chunk
+    states, which made the op 18× its inputs in TPU memory at the RWKV-7 166M shape."""
+    b, t, h, dk, dv, chunk = 2, 1024, 2, 16, 16, 16  # 64 chunks: 8 groups of 8
+    inputs = rwkv7_inputs(6, b, t, h, dk, dv, np.float32)
+    inputs.update({n: inputs[n].astype(jnp.bfloat16) for n in ("q", "k", "v", "alpha", "beta")})
+    names = list(inputs)
+
+    def loss(*arrays):
+        o, s = run(dict(zip(names, arrays)), "xla", chunk_size=chunk, leaf_size=4)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    _, backward = jax.vjp(jax.jit(loss), *inputs.values())  # a Partial: its leaves are the saved residuals
+    saved = jax.tree.leaves(backward)
+    saved_bytes = sum(x.size * x.dtype.itemsize for x in saved)
+    input_bytes = sum(x.size * x.dtype.itemsize for x in inputs.values())
+    group_states = 8 * b * h * dk * dv * 4
+    shapes = [(x.shape, x.dtype) for x in saved]
+    assert saved_bytes <= 2 * input_bytes + 2 * group_states, (saved_bytes, input_bytes, shapes)
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 1e-2)])
