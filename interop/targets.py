@@ -63,7 +63,10 @@ def check(cfg, vocab_size: int, tokenizer_vocab: int | None) -> str:
 
 
 def _check_softmax(cfg, o) -> None:
-    pass  # rope_theta -> rope_theta; implementation is not a weight
+    # rope_theta -> rope_theta; implementation is not a weight
+    if o.use_short_conv:
+        raise refuse("mixers.softmax.use_short_conv", True, "Llama's and fla's attention layers have no short "
+                     "convolution on q, k, v")
 
 
 def _check_delta(cfg, o, name: str, *, expand_v: bool = True) -> None:

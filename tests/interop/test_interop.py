@@ -261,6 +261,7 @@ REFUSED = {
     "model.mixer": dict(mixer="linear_attention"),
     "model.ffn_kind": dict(mixer="softmax", ffn_kind="mlp"),
     "model.vocab_size": dict(mixer="softmax", vocab_size=200),  # the byte tokenizer has 257 ids
+    "mixers.softmax.use_short_conv": dict(mixer="softmax", mixer_options={"use_short_conv": True}),
     "mixers.gdn2.norm_eps": dict(mixer="gdn2", mixer_options={"decay_rank": DV, "gate_rank": DV,
                                                               "gate_act": "sigmoid"}),
     "mixers.gdn2.gate_act": dict(mixer="gdn2", mixer_options=LOW_RANK),

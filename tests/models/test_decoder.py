@@ -12,6 +12,7 @@ from mixerlab.models.decoder import build_model
 from mixerlab.training.config import load_config
 
 MIXERS = mixers.registry.names()
+CASES = [*MIXERS, "softmax_conv"]  # softmax_conv: the Transformer with mixers.softmax.use_short_conv
 
 
 @pytest.fixture(autouse=True)
@@ -22,6 +23,8 @@ def _full_precision_matmuls():
 
 
 def _model(mixer, **over):
+    if mixer == "softmax_conv":
+        mixer, over = "softmax", {"mixers.softmax.use_short_conv": "true", **over}
     args = ["model.d_model=64", "model.num_layers=2", "model.num_heads=2", "model.ffn_dim=96",
             f"model.mixer={mixer}", *[f"{k}={v}" for k, v in over.items()]]
     return build_model(load_config("configs/tiny.yaml", args), vocab_size=97, seed=1)
@@ -55,7 +58,7 @@ def test_every_registered_mixer_implements_the_mixer_protocol():
         assert list(inspect.signature(cls.__call__).parameters)[:2] == ["self", "x_BTD"], name
 
 
-@pytest.mark.parametrize("mixer", MIXERS)
+@pytest.mark.parametrize("mixer", CASES)
 def test_documents_in_one_row_do_not_see_each_other(mixer):
     model = _jitted(_model(mixer))
     rng = np.random.default_rng(0)
@@ -73,7 +76,7 @@ def test_documents_in_one_row_do_not_see_each_other(mixer):
     np.testing.assert_allclose(np.asarray(base[0, 21:40]), np.asarray(alone[0, :19]), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("mixer", MIXERS)
+@pytest.mark.parametrize("mixer", CASES)
 def test_decode_token_by_token_equals_parallel_forward(mixer):
     from flax import nnx
 
@@ -88,6 +91,9 @@ def test_decode_token_by_token_equals_parallel_forward(mixer):
         logits, cache = decode(model, tokens[:, i:i + 1], cache, jnp.full((2,), i, jnp.int32))
         steps.append(logits[:, 0])
     np.testing.assert_allclose(np.asarray(jnp.stack(steps, 1)), np.asarray(full), rtol=1e-4, atol=1e-4)
+    # position 0 starts a new document: the used cache gives the first step's logits again
+    again, _ = decode(model, tokens[:, :1], cache, jnp.zeros((2,), jnp.int32))
+    np.testing.assert_allclose(np.asarray(again[:, 0]), np.asarray(steps[0]), rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_compute_keeps_float32_params_and_logits():
