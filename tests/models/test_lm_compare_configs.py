@@ -16,7 +16,7 @@ CONFIGS = sorted(p for p in glob.glob("configs/lm_compare/*.yaml") if not os.pat
 def test_every_model_is_there():
     names = [os.path.basename(p)[:-5] for p in CONFIGS]
     assert names == ["gdn2", "gla", "hgrn2", "interdomain", "mamba2", "muir", "muir_no_gamma", "muir_static_gamma",
-                     "retnet", "rwkv7", "s4d", "transformer"]
+                     "retnet", "rwkv7", "s4d", "transformer", "transformer_conv"]
 
 
 @functools.cache
