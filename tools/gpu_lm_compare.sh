@@ -7,7 +7,10 @@
 # a few files per call, so copy that one file out.
 #
 #   usage: bash tools/gpu_lm_compare.sh OUT_DIR [MODELS] [SECONDS] [section.key=value ...]
-#   MODELS   comma-separated config names in configs/lm_compare/ (default: all seven)
+#   MODELS   comma-separated runs (default: the seven models below). A run is a config name in configs/lm_compare/
+#            (its run directory takes that name) or LABEL:CONFIG:key=value:key=value... (a run named LABEL, the
+#            config with those overrides on top of the ones for every run), e.g.
+#            transformer,transformer_lr3:transformer:optim.lr=3e-3,gdn2_noconv:gdn2:mixers.gdn2.use_short_conv=false
 #   e.g. (device call, carry [".whl", "data/lm_corpus/device"]):
 #        bash tools/gpu_lm_compare.sh runs/lm_compare transformer,gdn2,muir 530; cp runs/lm_compare.tgz $OUT/
 # The data (data/lm_corpus/device: Parquet text + tokenizer) comes from
@@ -17,8 +20,10 @@ out=${1:?output directory}
 models=${2:-transformer,gdn2,muir,muir_static_gamma,muir_no_gamma,interdomain,s4d}
 seconds=${3:-500}
 shift $(( $# < 3 ? $# : 3 ))
-for m in ${models//,/ }; do
-  [ -f "configs/lm_compare/$m.yaml" ] || { echo "unknown model '$m': no configs/lm_compare/$m.yaml" >&2; exit 2; }
+for run in ${models//,/ }; do
+  IFS=: read -r label config _ <<< "$run"; config=${config:-$label}
+  [ -f "configs/lm_compare/$config.yaml" ] || {
+    echo "run '$run': no configs/lm_compare/$config.yaml (a run is NAME or LABEL:CONFIG:key=value...)" >&2; exit 2; }
 done
 [ -f data/lm_corpus/device/tokenizer.json ] || {
   echo "data/lm_corpus/device/tokenizer.json missing: build it with tools/build_lm_corpus.py (docs/lm_corpus.md)" >&2
@@ -26,9 +31,10 @@ done
 source tools/gpu_env.sh lm_compare
 mkdir -p "$out"
 pids=()
-for m in ${models//,/ }; do
-  timeout -s KILL "$seconds" python3 train.py --config "configs/lm_compare/$m.yaml" train.output_dir="$out/$m" \
-      train.resume=false "$@" >"$out/$m.log" 2>&1 &
+for run in ${models//,/ }; do
+  IFS=: read -r -a parts <<< "$run"; label=${parts[0]}; config=${parts[1]:-$label}
+  timeout -s KILL "$seconds" python3 train.py --config "configs/lm_compare/$config.yaml" train.output_dir="$out/$label" \
+      train.resume=false "$@" "${parts[@]:2}" >"$out/$label.log" 2>&1 &
   pids+=($!)
 done
 status=0

@@ -18,7 +18,10 @@ case $what in
   pair)  # the float32-accurate pair in one call: three processes on the GPU at once (times are shares of it) —
     # torch (f32 with its Triton dots at TF32x3, autocast; autotune limited to one candidate), ours seed 0 (f32, bf16),
     # ours seed 1 (the spread) — joined by --merge into OUT_DIR/parity.json, parity.png and the summary
+    # PAIR_JAX_MEM (a fraction of the GPU's memory) caps each of the two JAX processes: on an 80 GB H100 they
+    # grew to 38 and 35 GiB and torch's process ran out of memory (2026-12-05); the 141 GB H200 had room
     mixer=${2:?mixer}; out=${3:?output directory}; mkdir -p "$out"; shift 3
+    [ -n "${PAIR_JAX_MEM:-}" ] && export XLA_PYTHON_CLIENT_MEM_FRACTION=$PAIR_JAX_MEM
     run() { timeout ${PARITY_TIMEOUT:-540} python3 tools/parity_torch.py --mixer "$mixer" --steps 300 --out "/tmp/pair_$1" \
               --runs "$2" "${@:3}" 2>&1 | grep -v -i "warn" > "$out/$1.log"; }
     run torch torch_f32,torch_autocast --torch-autotune 1 --torch-f32-dots tf32x3 "$@" &

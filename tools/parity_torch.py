@@ -323,6 +323,10 @@ def merge(args) -> int:
     curves, timings = join(parts, "--merge files differ in mixer, batches or initial weights")
     result = {k: v for p in parts for k, v in p.items() if k not in ("curves", "timings_s", "summary", "window")}
     result["logits"] = {k: v for p in parts for k, v in p.get("logits", {}).items()}
+    torch_parts = [p for p in parts if any(k.startswith("torch") for k in p["curves"])]
+    for key in ("torch_f32_dots", "torch_core"):  # how the torch side ran: from the part that ran it
+        if torch_parts and key in torch_parts[-1]:
+            result[key] = torch_parts[-1][key]
     result["merged_from"] = list(args.merge)
     os.makedirs(args.out, exist_ok=True)
     finish(args, result, curves, timings)

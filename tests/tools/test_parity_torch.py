@@ -49,6 +49,12 @@ def test_our_runs_write_curves_and_summary(tmp_path, capsys):
                               "--merge", str(tmp_path / "first.json"), str(out / "parity.json")]) == 0
     merged = json.load(open(merged_dir / "parity.json"))
     assert merged["curves"] == joined["curves"] and merged["summary"] == joined["summary"]
+    # how the torch side ran comes from the part that has torch runs, whatever the order of the files
+    torch_part = {**first, "curves": {"torch_f32": first["curves"]["ours_f32"]}, "torch_f32_dots": "tf32x3"}
+    json.dump(torch_part, open(tmp_path / "torch.json", "w"))
+    assert parity_torch.main(["--mixer", "softmax", "--steps", "3", "--window", "2,3", "--out", str(merged_dir),
+                              "--merge", str(tmp_path / "torch.json"), str(out / "parity.json")]) == 0
+    assert json.load(open(merged_dir / "parity.json"))["torch_f32_dots"] == "tf32x3"
     other = {**first, "init_sha": "0" * 16}
     json.dump(other, open(tmp_path / "other.json", "w"))
     with pytest.raises(SystemExit, match="differ in mixer, batches or initial weights"):
