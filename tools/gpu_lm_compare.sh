@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The small language-model comparison (configs/lm_compare/) on the GPU machine: every model as its own train.py
 # process, all at once on the one GPU (42M-parameter models leave most of an H200 idle; the CPU cores compile
-# them in parallel), each killed after SECONDS (SIGKILL: a SIGTERM would make the trainer checkpoint). Every run writes its metrics.jsonl as it goes, so a run cut by
-# the time limit keeps its curve; the report (tools/lm_compare_report.py) marks how far each got. OUT_DIR.tgz packs
+# them in parallel), each killed after SECONDS (SIGKILL: a SIGTERM would make the trainer checkpoint; but see
+# LM_COMPARE_RESUME below). Every run writes its metrics.jsonl as it goes, so a run cut by the time limit keeps its
+# curve; the report (tools/lm_compare_report.py) marks how far each got. OUT_DIR.tgz packs
 # the metrics, logs, configs, table and plot (not checkpoints or TensorBoard files): the device tool returns only
 # a few files per call, so copy that one file out.
 #
@@ -13,6 +14,10 @@
 #            transformer,transformer_lr3:transformer:optim.lr=3e-3,gdn2_noconv:gdn2:mixers.gdn2.use_short_conv=false
 #   e.g. (device call, carry [".whl", "data/lm_corpus/device"]):
 #        bash tools/gpu_lm_compare.sh runs/lm_compare transformer,gdn2,muir 530; cp runs/lm_compare.tgz $OUT/
+# LM_COMPARE_RESUME=1: runs longer than one call. Each run gets SIGTERM (then SIGKILL 60 s later) at SECONDS, so the
+# trainer saves a checkpoint; the same command in the next call on the still-warm machine (runs/ stays there between
+# calls) resumes every run where it stopped (train.resume=true). The report marks a run still under way by its
+# step count. Without it, every call starts its runs afresh and kills them at SECONDS (their curves are kept).
 # The data (data/lm_corpus/device: Parquet text + tokenizer) comes from
 #   python tools/build_lm_corpus.py ... --device_subset TOKENS   (docs/lm_corpus.md)
 set -euo pipefail
@@ -33,8 +38,13 @@ mkdir -p "$out"
 pids=()
 for run in ${models//,/ }; do
   IFS=: read -r -a parts <<< "$run"; label=${parts[0]}; config=${parts[1]:-$label}
-  timeout -s KILL "$seconds" python3 train.py --config "configs/lm_compare/$config.yaml" train.output_dir="$out/$label" \
-      train.resume=false "$@" "${parts[@]:2}" >"$out/$label.log" 2>&1 &
+  train=(train.py --config "configs/lm_compare/$config.yaml" train.output_dir="$out/$label")
+  if [ -n "${LM_COMPARE_RESUME:-}" ]; then  # SIGTERM: the trainer checkpoints; the log grows call by call
+    timeout --foreground -s TERM -k 60 "$seconds" python3 "${train[@]}" train.resume=true "$@" "${parts[@]:2}" \
+        >>"$out/$label.log" 2>&1 &
+  else
+    timeout -s KILL "$seconds" python3 "${train[@]}" train.resume=false "$@" "${parts[@]:2}" >"$out/$label.log" 2>&1 &
+  fi
   pids+=($!)
 done
 status=0

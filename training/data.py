@@ -13,8 +13,9 @@ Pipeline of ``train_iterator`` (one per process)::
       ConcatThenSplitIterDataset(length T+1)           grain's packer: segment ids 1..n, positions per segment
         .map(_to_example)  row[:-1] / row[1:] -> inputs, targets, segment_ids, positions, loss_mask
     InterleaveIterDataset(slots)                        round robin: one row from each slot, in slot order
+      [.mp_prefetch(W)]   W worker processes (data.num_workers, cut to a divisor of b): worker w runs slots
+                          w, w+W, ...; rows are taken from the workers in turn, so the slot order is kept
       .batch(b)
-      [.mp_prefetch(num_workers)]
     _JsonStateIterDataset  get_state() is plain JSON; set_state() accepts it back
 
 Why row slots: row r of every global batch of B rows comes from slot r, which owns the contiguous documents
@@ -443,8 +444,9 @@ class _JsonStateIterator(grain.DatasetIterator):
         # Batches from grain worker processes live in shared memory: hand out private copies instead, so
         # that a batch kept by the caller does not pin (and, at exit, leak) a shared-memory block.
         self._copy = bool(fingerprint.get("num_workers"))
-        # batches handed out from the start of the pipeline, while fewer than the worker processes (see get_state)
-        self._workers = int(fingerprint.get("num_workers") or 0)
+        # batches handed out from the start of the pipeline before every worker process has delivered a row
+        # (see get_state): the first batch takes rows from all of them
+        self._workers = 1 if fingerprint.get("num_workers") else 0
         self._from_start = 0
 
     def __next__(self):
@@ -563,17 +565,27 @@ def train_iterator(cfg, tokenizer: Tokenizer, *, global_batch_size: int, seed: i
                             tokenizer=tokenizer)
         slots.append(_packed_rows(docs, cfg.seq_len, threads=threads,
                                   prefetch=max(2, PREFETCH_DOCS // local_batch)))
-    ds = InterleaveIterDataset(slots, cycle_length=local_batch).batch(local_batch, drop_remainder=True)
-    if cfg.num_workers and cfg.num_workers > 0:
+    ds = InterleaveIterDataset(slots, cycle_length=local_batch)
+    workers = _worker_count(int(cfg.num_workers or 0), local_batch)
+    if workers > 0:
+        # Worker w runs slots w, w+W, w+2W, ... and grain takes one row from each worker in turn, so the rows
+        # arrive in slot order and the batch (made here, after the workers) is the in-process one.
         _mark_absl_flags_parsed()
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(cfg.num_workers)),
-                            worker_init_fn=_die_with_parent)
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers), worker_init_fn=_die_with_parent)
+    ds = ds.batch(local_batch, drop_remainder=True)
     fingerprint = {"train_path": str(cfg.train_path), "seq_len": int(cfg.seq_len), "seed": int(seed),
                    "shuffle": bool(cfg.shuffle), "global_batch": global_batch_size, "local_batch": local_batch,
                    "process_index": process_index,
-                   "process_count": process_count, "num_workers": int(cfg.num_workers or 0),
+                   "process_count": process_count, "num_workers": workers,
                    "tokenizer": getattr(tokenizer, "name", type(tokenizer).__name__)}
     return batch_trace.maybe_trace(iter(_JsonStateIterDataset(ds, fingerprint)), process_index)
+
+
+def _worker_count(requested: int, local_batch: int) -> int:
+    """The most worker processes, up to ``requested`` (data.num_workers), that divide the local batch's rows:
+    each worker owns every W-th row slot, and a worker without slots (W > rows) would fail, one with more slots
+    than another (W not dividing the rows) would break the slot order."""
+    return max((w for w in range(1, min(requested, local_batch) + 1) if local_batch % w == 0), default=0)
 
 
 def eval_batches(cfg, tokenizer: Tokenizer, *, batch_size: int, max_batches: int,

@@ -300,9 +300,28 @@ def test_worker_processes_match_in_process(letters):
         it.close()
 
 
+@pytest.mark.parametrize("batch,requested,used", [(2, 2, 2), (2, 4, 2), (6, 4, 3)])
+def test_worker_processes_give_the_in_process_batches(letters, batch, requested, used):
+    """Any number of workers gives the batches of the in-process pipeline (rows in slot order), with as many
+    workers as divide the batch's rows (more would leave a worker without rows: IndexError inside grain)."""
+    a = take(data.train_iterator(make_cfg(letters.path, shuffle=True), BYTE, global_batch_size=batch, seed=4), 4)
+    it = data.train_iterator(make_cfg(letters.path, shuffle=True, num_workers=requested), BYTE,
+                             global_batch_size=batch, seed=4)
+    try:
+        assert_same(take(it, 4), a)
+        assert it.get_state()["pipeline"]["num_workers"] == used
+    finally:
+        it.close()
+
+
+def test_worker_count_divides_the_rows():
+    assert [data._worker_count(4, b) for b in (1, 2, 3, 4, 6, 16)] == [1, 2, 3, 4, 3, 4]
+    assert data._worker_count(0, 16) == 0 and data._worker_count(5, 16) == 4
+
+
 def test_worker_processes_resume_from_the_first_batches(letters):
-    """With 2 worker processes, a state saved after 0, 1 (before every worker has delivered: grain's own state
-    of that moment cannot be restored) or 3 batches resumes exactly where the uninterrupted run goes on."""
+    """With 2 worker processes, a state saved after 0 (before every worker has delivered: grain's own state of
+    that moment cannot be restored), 1 or 3 batches resumes exactly where the uninterrupted run goes on."""
     cfg = make_cfg(letters.path, shuffle=True, num_workers=2)
     it = data.train_iterator(cfg, BYTE, global_batch_size=2, seed=4)
     try:
@@ -312,14 +331,14 @@ def test_worker_processes_resume_from_the_first_batches(letters):
             batches.append(next(it))
     finally:
         it.close()
-    assert "batches_from_start" in states[1] and "grain" in states[3]
+    assert "batches_from_start" in states[0] and "grain" in states[1] and "grain" in states[3]
     for k in (0, 1, 3):
         again = data.train_iterator(cfg, BYTE, global_batch_size=2, seed=4)
         try:
             again.set_state(states[k])
             assert_same(take(again, 2), batches[k:k + 2])
             with pytest.raises(ValueError, match="fresh iterator"):
-                again.set_state(states[1])
+                again.set_state(states[0])
         finally:
             again.close()
 
