@@ -568,10 +568,14 @@ def write_parquet(docs: list[tuple[str, str]], path: Path, row_group_docs: int =
     write_documents(str(path), [t for _, t in docs], [i for i, _ in docs], row_group_docs)
 
 
-def write_device_subset(out: Path, tokenizer_path: Path, budget: int, known: dict | None = None) -> dict:
+def write_device_subset(out: Path, tokenizer_path: Path, budget: int, known: dict | None = None,
+                        parts: int = 1) -> dict:
     """OUT/device/{train,val,tokenizer.json}: the whole val split plus a hash-ordered sample of train of at
     most ``budget`` tokens (EOS counted, as the trainer packs them). ``known``: token counts by id (no EOS)
-    already measured with this tokenizer; documents not in it are encoded here."""
+    already measured with this tokenizer; documents not in it are encoded here. ``parts`` > 1: as many more
+    disjoint samples of ``budget`` tokens each, the next documents in hash order, as
+    OUT/device_parts/part-0000k.parquet (k = 1, 2, ...): each fits one transfer to a machine that receives
+    little per call, where it joins OUT/device/train/ before training starts."""
     import pyarrow.parquet as pq
     from tokenizers import Tokenizer
 
@@ -591,7 +595,15 @@ def write_device_subset(out: Path, tokenizer_path: Path, budget: int, known: dic
     chosen = select_subset(rows, budget)
     device = out / "device"
     shutil.rmtree(device, ignore_errors=True)
+    shutil.rmtree(out / "device_parts", ignore_errors=True)
     write_parquet(chosen, device / "train" / "part-00000.parquet")
+    taken, more = {i for i, _ in chosen}, []
+    for k in range(1, parts):
+        part = select_subset([r for r in rows if r[0] not in taken], budget)
+        taken |= {i for i, _ in part}
+        write_parquet(part, out / "device_parts" / f"part-{k:05d}.parquet")
+        more.append({"file": f"device_parts/part-{k:05d}.parquet", "train_docs": len(part),
+                     "train_tokens_with_eos": sum(lengths[i] for i, _ in part)})
     shutil.copytree(out / "val", device / "val")
     shutil.copy(tokenizer_path, device / "tokenizer.json")  # the subset travels alone (configs/lm_compare read it)
     train_tokens = sum(lengths[i] for i, _ in chosen)
@@ -601,13 +613,16 @@ def write_device_subset(out: Path, tokenizer_path: Path, budget: int, known: dic
             "train_parquet_bytes": train_bytes, "val_parquet_bytes": val_bytes,
             "parquet_bytes_per_train_token": round(train_bytes / max(train_tokens, 1), 4),
             "sources": sorted({source_of(i) for i, _ in chosen})}
+    if more:
+        info["more_parts"] = more
     (device / "manifest.json").write_text(json.dumps(info, indent=1))
     return info
 
 
 # ------------------------------------------------------------------------------------------ main
 def build(packages: list[str], cache: Path, out: Path, *, vocab_size: int, val_fraction: float,
-          tokenizer_docs: int | None, device_subset: int | None, workers: int, command: str) -> dict:
+          tokenizer_docs: int | None, device_subset: int | None, workers: int, command: str,
+          device_parts: int = 1) -> dict:
     from mixerlab.training import prepare_data, train_tokenizer
 
     start = time.time()
@@ -663,7 +678,7 @@ def build(packages: list[str], cache: Path, out: Path, *, vocab_size: int, val_f
     }
     if device_subset:
         log(f"device subset: {device_subset:,} train tokens")
-        manifest["device_subset"] = write_device_subset(out, tok_path, device_subset, train_lengths)
+        manifest["device_subset"] = write_device_subset(out, tok_path, device_subset, train_lengths, device_parts)
     manifest["wall_seconds"] = round(time.time() - start)
     # One manifest: training.prepare_data's (shards, split rule, checksums) gains this build's "corpus" record.
     split_manifest = json.loads((out / prepare_data.MANIFEST).read_text())
@@ -714,13 +729,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="train the BPE on the first N train documents (a random sample: rows are hash-ordered)")
     ap.add_argument("--device_subset", type=int, default=None, metavar="TOKENS",
                     help="also write OUT/device/: val + this many train tokens (EOS included)")
+    ap.add_argument("--device_parts", type=int, default=1, metavar="K",
+                    help="with --device_subset: K disjoint samples of that many tokens, the first in OUT/device/, "
+                         "the others as OUT/device_parts/part-0000k.parquet (one transfer each)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes converting pages")
     args = ap.parse_args(argv)
+    if args.device_parts < 1 or (args.device_parts > 1 and not args.device_subset):
+        ap.error(f"--device_parts: a count >= 1 that needs --device_subset, got {args.device_parts}")
     packages = [p.strip() for p in args.packages.split(",") if p.strip()]
     command = "python tools/build_lm_corpus.py " + " ".join(argv if argv is not None else sys.argv[1:])
     m = build(packages, Path(args.cache).resolve(), Path(args.out).resolve(), vocab_size=args.vocab_size,
               val_fraction=args.val_fraction, tokenizer_docs=args.tokenizer_docs, device_subset=args.device_subset,
-              workers=args.workers, command=command)
+              workers=args.workers, command=command, device_parts=args.device_parts)
     log(f"done in {m['wall_seconds']} s: train {m['splits']['train']['tokens']:,} tokens, "
         f"val {m['splits']['val']['tokens']:,} tokens; {Path(args.out) / 'README.md'}")
     return 0

@@ -19,7 +19,12 @@
 # calls) resumes every run where it stopped (train.resume=true). The report marks a run still under way by its
 # step count. Without it, every call starts its runs afresh and kills them at SECONDS (their curves are kept).
 # The data (data/lm_corpus/device: Parquet text + tokenizer) comes from
-#   python tools/build_lm_corpus.py ... --device_subset TOKENS   (docs/lm_corpus.md)
+#   python tools/build_lm_corpus.py ... --device_subset TOKENS [--device_parts K]   (docs/lm_corpus.md)
+# With K parts (for a budget that would repeat one subset more than ~3 times), on one warm machine: a call with
+# carry [".whl", "data/lm_corpus/device"] and the command `true`, then one per part with carry
+# ["data/lm_corpus/device_parts/part-0000k.parquet"] and `true`, then the runs (carry [".whl"]): this script first
+# moves the parts into data/lm_corpus/device/train/. Every part must be there before the first run starts (the
+# pipeline gives each batch row its share of the documents by their count).
 set -euo pipefail
 out=${1:?output directory}
 models=${2:-transformer,gdn2,muir,muir_static_gamma,muir_no_gamma,interdomain,s4d}
@@ -33,6 +38,10 @@ done
 [ -f data/lm_corpus/device/tokenizer.json ] || {
   echo "data/lm_corpus/device/tokenizer.json missing: build it with tools/build_lm_corpus.py (docs/lm_corpus.md)" >&2
   exit 2; }
+if compgen -G "data/lm_corpus/device_parts/*.parquet" >/dev/null; then
+  mv data/lm_corpus/device_parts/*.parquet data/lm_corpus/device/train/
+fi
+echo "train data: $(ls data/lm_corpus/device/train | tr '\n' ' ')"
 source tools/gpu_env.sh lm_compare
 mkdir -p "$out"
 pids=()

@@ -243,8 +243,17 @@ def test_device_subset_stays_within_its_token_budget(tmp_path):
     known: dict = {}
     blc.count_tokens(tmp_path / "train", tmp_path / "tokenizer.json", known)
     assert blc.write_device_subset(tmp_path, tmp_path / "tokenizer.json", budget, known) == info
+    # parts: disjoint samples of the same budget, the next documents in hash order
+    info = blc.write_device_subset(tmp_path, tmp_path / "tokenizer.json", budget, known, parts=3)
+    files = [tmp_path / "device" / "train" / "part-00000.parquet"] + [
+        tmp_path / "device_parts" / f"part-{k:05d}.parquet" for k in (1, 2)]
+    ids = [pq.read_table(f).column("id").to_pylist() for f in files]
+    assert all(ids) and sum(map(len, ids)) == len(set().union(*map(set, ids)))  # none empty, none shared
+    assert [p["train_docs"] for p in info["more_parts"]] == [len(ids[1]), len(ids[2])]
+    assert all(p["train_tokens_with_eos"] <= budget for p in info["more_parts"])
     known = {doc_id: 10 ** 6 for doc_id in known}  # counts are taken as given: nothing fits
     assert blc.write_device_subset(tmp_path, tmp_path / "tokenizer.json", budget, known)["train_docs"] == 0
+    assert not (tmp_path / "device_parts").exists()  # a new subset clears the old parts
 
 
 def test_select_subset_passes_over_a_document_too_large_for_the_rest_of_the_budget():
