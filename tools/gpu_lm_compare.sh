@@ -43,6 +43,10 @@ if compgen -G "data/lm_corpus/device_parts/*.parquet" >/dev/null; then
 fi
 echo "train data: $(ls data/lm_corpus/device/train | tr '\n' ' ')"
 source tools/gpu_env.sh lm_compare
+# the runs share the GPU: each JAX process gets its share of its memory (remat: auto picks a policy that fits it)
+n_runs=$(tr ',' '\n' <<< "$models" | grep -c .)
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(python3 -c "print(round(0.9 / $n_runs, 3))")}
+echo "$n_runs runs, XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION each"
 mkdir -p "$out"
 pids=()
 for run in ${models//,/ }; do
