@@ -1,0 +1,32 @@
+"""tools/plot_lm_budget.py: the sweep and long-run tables (seed means, spreads, epochs) and the band figure."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+sys.path.insert(0, os.path.dirname(__file__))
+import plot_lm_budget  # noqa: E402
+from test_lm_compare_report import _run  # noqa: E402
+
+
+def test_tables_and_figure_from_a_budget_dir(tmp_path):
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "long").mkdir()
+    for lr, loss in (("3e-4", 4.7), ("6e-4", 4.5), ("1e-3", 4.6)):
+        _run(tmp_path / "sweep", f"transformer_lr{lr}", "softmax", [(500, loss)], 500, 500)
+    _run(tmp_path / "long", "transformer_s0", "softmax", [(250, 4.2), (500, 3.9)], 500, 500)
+    _run(tmp_path / "long", "transformer_s1", "softmax", [(250, 4.3), (500, 3.8)], 500, 500)
+    _run(tmp_path / "long", "gdn2_s0", "gdn2", [(250, 3.7), (500, 3.5)], 500, 500)
+    out = tmp_path / "report"
+    assert plot_lm_budget.main([str(tmp_path), "--train_tokens", "8192000", "--out", str(out)]) == 0
+    text = (out / "budget.md").read_text()
+    assert "| transformer | 0.0003 → 4.7000, 0.0006 → 4.5000, 0.001 → 4.6000 | 0.0006 |" in text
+    rows = [line for line in text.split("## Long runs")[1].splitlines() if line.startswith("| ") and "---" not in line]
+    # best mean first; 500 steps × 16 × 2048 tokens = 16.4M = 2 epochs of 8.192M
+    assert rows[1].startswith("| gdn2 |") and "| 3.5000 | nan | 16.4M | 2.00 |" in rows[1]
+    assert rows[2].startswith("| transformer |") and "3.9000 (500), 3.8000 (500) | 3.8500 | 0.1000 |" in rows[2]
+    assert (out / "budget.png").stat().st_size > 1000
+
+
+def test_refuses_a_directory_that_is_not_a_budget_run(tmp_path, capsys):
+    assert plot_lm_budget.main([str(tmp_path), "--train_tokens", "1e6", "--out", str(tmp_path / "o")]) == 2
+    assert "neither sweep/ nor long/" in capsys.readouterr().err

@@ -1,0 +1,141 @@
+"""Table and figure of a tools/gpu_lm_budget.sh run: the LR sweep and the long runs with their seed bands.
+
+    python tools/plot_lm_budget.py BUDGET_DIR [BUDGET_DIR ...] --train_tokens N --out DIR [--title TITLE]
+
+BUDGET_DIR is what gpu_lm_budget.sh leaves (sweep/CONFIG_lrLR/, long/CONFIG_sSEED/); several (e.g. one per
+device session, each with other models) go into one table and figure. N is the size of the training corpus the
+runs read, in tokens, so that the table can say how many epochs each run saw. Writes DIR/budget.md (the sweep:
+every LR's final validation loss and the chosen one; the long runs: each seed's final loss, their mean and
+spread, tokens and epochs) and DIR/budget.png (left: validation loss against training tokens, the mean of the
+seeds as a line, their range as a band; right: the sweep's final loss against the peak LR).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lm_compare_report import load_dir, summarize, tokens_per_step  # noqa: E402
+from lm_pick_lr import pick  # noqa: E402
+
+_SEED = re.compile(r"^(?P<config>.+)_s(?P<seed>\d+)$")
+
+
+def long_runs(budget_dirs: list[str]) -> dict[str, list[dict]]:
+    """{config: [run, ...]} of the long runs (named CONFIG_sSEED), seeds in order."""
+    models: dict[str, list[dict]] = {}
+    for d in budget_dirs:
+        path = os.path.join(d, "long")
+        if not os.path.isdir(path):
+            continue
+        for run in load_dir(path):
+            m = _SEED.match(run["name"])
+            if m:
+                run["seed"] = int(m["seed"])
+                models.setdefault(m["config"], []).append(run)
+    return {k: sorted(v, key=lambda r: r["seed"]) for k, v in sorted(models.items())}
+
+
+def sweeps(budget_dirs: list[str]) -> dict[str, dict]:
+    choice: dict[str, dict] = {}
+    for d in budget_dirs:
+        path = os.path.join(d, "sweep")
+        if os.path.isdir(path):
+            choice.update(pick(load_dir(path)))
+    return choice
+
+
+def long_table(models: dict[str, list[dict]], train_tokens: float) -> str:
+    lines = ["| model | peak LR | seeds | final validation loss per seed (step) | mean | spread | tokens | epochs |",
+             "|---|---|---|---|---|---|---|---|"]
+    rows = []
+    for config, runs in models.items():
+        s = [summarize(r) for r in runs]
+        finals = [x["val_loss"] for x in s if x["val_loss"] is not None]
+        mean = statistics.fmean(finals) if finals else None
+        lrs = sorted({r["config"].get("optim", {}).get("lr") for r in runs} - {None})
+        per_seed = ", ".join(f"{x['val_loss']:.4f} ({x['val_step']})" if x["val_loss"] is not None else "–"
+                             for x in s)
+        tokens = min(x["tokens_M"] for x in s) * 1e6
+        rows.append((mean if mean is not None else float("inf"),
+                     f"| {config} | {', '.join(f'{lr:g}' for lr in lrs)} | {', '.join(str(r['seed']) for r in runs)} | "
+                     f"{per_seed} | {'–' if mean is None else f'{mean:.4f}'} | "
+                     f"{(max(finals) - min(finals)) if len(finals) > 1 else float('nan'):.4f} | "
+                     f"{tokens / 1e6:.1f}M | {tokens / train_tokens:.2f} |"))
+    lines += [r for _, r in sorted(rows)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(models: dict[str, list[dict]], choice: dict[str, dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (ax_val, ax_lr) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    names = sorted(set(models) | set(choice))
+    colours = {m: f"C{i % 10}" for i, m in enumerate(names)}
+    for config, runs in models.items():
+        steps = sorted(set.intersection(*[{v["step"] for v in r["val"]} for r in runs])) if runs else []
+        if not steps:
+            continue
+        tps = tokens_per_step(runs[0]["config"]) / 1e6
+        losses = np.array([[{v["step"]: v["loss"] for v in r["val"]}[s] for s in steps] for r in runs])
+        x = np.array(steps) * tps
+        ax_val.plot(x, losses.mean(0), color=colours[config], label=f"{config} ({len(runs)} seeds)")
+        if len(runs) > 1:
+            ax_val.fill_between(x, losses.min(0), losses.max(0), color=colours[config], alpha=0.25, lw=0)
+    ax_val.set_xlabel("training tokens (M)")
+    ax_val.set_ylabel("validation loss (mean of seeds, band: their range)")
+    if ax_val.get_ylim()[0] < 6.0:  # the first evaluations (loss 7-9) would flatten the part that ranks models
+        ax_val.set_ylim(top=min(6.0, ax_val.get_ylim()[1]))
+    for config, c in choice.items():
+        lrs = [lr for lr, v in c["losses"].items() if v is not None]
+        ax_lr.plot(lrs, [c["losses"][lr] for lr in lrs], marker="o", color=colours[config], label=config)
+        if c["lr"] is not None:
+            ax_lr.plot([c["lr"]], [c["losses"][c["lr"]]], marker="*", markersize=14, color=colours[config])
+    ax_lr.set_xscale("log")
+    ax_lr.set_xlabel("peak learning rate (sweep; ★ chosen)")
+    ax_lr.set_ylabel("final validation loss of the sweep run")
+    for ax in (ax_val, ax_lr):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("budget_dirs", nargs="+", metavar="BUDGET_DIR")
+    p.add_argument("--train_tokens", type=float, required=True, help="tokens in the training corpus the runs read")
+    p.add_argument("--out", required=True, help="where budget.md and budget.png go")
+    p.add_argument("--title", default="Language-model comparison: LR sweep and long runs")
+    args = p.parse_args(argv)
+    for d in args.budget_dirs:
+        if not (os.path.isdir(os.path.join(d, "sweep")) or os.path.isdir(os.path.join(d, "long"))):
+            print(f"error: {d} has neither sweep/ nor long/ (a tools/gpu_lm_budget.sh OUT_DIR)", file=sys.stderr)
+            return 2
+    if args.train_tokens <= 0:
+        print(f"error: --train_tokens must be positive, got {args.train_tokens:g}", file=sys.stderr)
+        return 2
+    models, choice = long_runs(args.budget_dirs), sweeps(args.budget_dirs)
+    from lm_pick_lr import table as sweep_table
+
+    text = "## LR sweep\n\n" + sweep_table(choice) + "\n## Long runs\n\n" + long_table(models, args.train_tokens)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "budget.md"), "w") as f:
+        f.write(text)
+    plot(models, choice, os.path.join(args.out, "budget.png"), args.title)
+    print(text)
+    print(f"wrote {os.path.join(args.out, 'budget.md')}, {os.path.join(args.out, 'budget.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
