@@ -48,23 +48,40 @@ def sweeps(budget_dirs: list[str]) -> dict[str, dict]:
     return choice
 
 
+def _val_at(run: dict, step: int) -> float | None:
+    return next((v["loss"] for v in run["val"] if v["step"] == step), None)
+
+
+def _last_common_step(runs: list[dict]) -> int:
+    """The last evaluation step every run reached (0 if one has none): runs cut at different steps compare there."""
+    return min((max((v["step"] for v in r["val"]), default=0) for r in runs), default=0)
+
+
 def long_table(models: dict[str, list[dict]], train_tokens: float) -> str:
-    lines = ["| model | peak LR | seeds | final validation loss per seed (step) | mean | spread | tokens | epochs |",
-             "|---|---|---|---|---|---|---|---|"]
+    """Per model: its seeds' validation loss at the last step all of them reached, mean and spread, and every
+    model's mean at the last step all models reached (runs cut by a time limit end at different steps)."""
+    everyone = _last_common_step([r for runs in models.values() for r in runs])
+    lines = ["| model | peak LR | seeds | steps done / planned | validation loss per seed at step S | S | mean | "
+             f"spread | tokens at S | epochs at S | mean at step {everyone} (all models) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for config, runs in models.items():
         s = [summarize(r) for r in runs]
-        finals = [x["val_loss"] for x in s if x["val_loss"] is not None]
+        step = _last_common_step(runs)
+        losses = [_val_at(r, step) for r in runs]
+        finals = [v for v in losses if v is not None]
         mean = statistics.fmean(finals) if finals else None
+        at_all = [v for r in runs if (v := _val_at(r, everyone)) is not None]
         lrs = sorted({r["config"].get("optim", {}).get("lr") for r in runs} - {None})
-        per_seed = ", ".join(f"{x['val_loss']:.4f} ({x['val_step']})" if x["val_loss"] is not None else "–"
-                             for x in s)
-        tokens = min(x["tokens_M"] for x in s) * 1e6
-        rows.append((mean if mean is not None else float("inf"),
+        tokens = step * tokens_per_step(runs[0]["config"])
+        rows.append((statistics.fmean(at_all) if at_all else float("inf"),
                      f"| {config} | {', '.join(f'{lr:g}' for lr in lrs)} | {', '.join(str(r['seed']) for r in runs)} | "
-                     f"{per_seed} | {'–' if mean is None else f'{mean:.4f}'} | "
+                     f"{', '.join(str(x['steps']) for x in s)} / {s[0]['planned']} | "
+                     f"{', '.join('–' if v is None else f'{v:.4f}' for v in losses)} | {step} | "
+                     f"{'–' if mean is None else f'{mean:.4f}'} | "
                      f"{(max(finals) - min(finals)) if len(finals) > 1 else float('nan'):.4f} | "
-                     f"{tokens / 1e6:.1f}M | {tokens / train_tokens:.2f} |"))
+                     f"{tokens / 1e6:.1f}M | {tokens / train_tokens:.2f} | "
+                     f"{f'{statistics.fmean(at_all):.4f}' if at_all else '–'} |"))
     lines += [r for _, r in sorted(rows)]
     return "\n".join(lines) + "\n"
 
@@ -74,6 +91,7 @@ def plot(models: dict[str, list[dict]], choice: dict[str, dict], path: str, titl
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     import numpy as np
 
     fig, (ax_val, ax_lr) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
@@ -99,6 +117,10 @@ def plot(models: dict[str, list[dict]], choice: dict[str, dict], path: str, titl
         if c["lr"] is not None:
             ax_lr.plot([c["lr"]], [c["losses"][c["lr"]]], marker="*", markersize=14, color=colours[config])
     ax_lr.set_xscale("log")
+    ticks = sorted({lr for c in choice.values() for lr in c["losses"]})
+    if ticks:  # the swept values as the ticks, plainly written
+        ax_lr.set_xticks(ticks, [f"{lr:g}" for lr in ticks], rotation=30)
+        ax_lr.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax_lr.set_xlabel("peak learning rate (sweep; ★ chosen)")
     ax_lr.set_ylabel("final validation loss of the sweep run")
     for ax in (ax_val, ax_lr):

@@ -22,9 +22,21 @@ def test_tables_and_figure_from_a_budget_dir(tmp_path):
     assert "| transformer | 0.0003 → 4.7000, 0.0006 → 4.5000, 0.001 → 4.6000 | 0.0006 |" in text
     rows = [line for line in text.split("## Long runs")[1].splitlines() if line.startswith("| ") and "---" not in line]
     # best mean first; 500 steps × 16 × 2048 tokens = 16.4M = 2 epochs of 8.192M
-    assert rows[1].startswith("| gdn2 |") and "| 3.5000 | nan | 16.4M | 2.00 |" in rows[1]
-    assert rows[2].startswith("| transformer |") and "3.9000 (500), 3.8000 (500) | 3.8500 | 0.1000 |" in rows[2]
+    assert rows[1].startswith("| gdn2 |") and "| 500 / 500 | 3.5000 | 500 | 3.5000 | nan | 16.4M | 2.00 | 3.5000 |" in rows[1]
+    assert rows[2].startswith("| transformer |") and "| 3.9000, 3.8000 | 500 | 3.8500 | 0.1000 |" in rows[2]
     assert (out / "budget.png").stat().st_size > 1000
+
+
+def test_runs_cut_at_different_steps_compare_where_all_arrived(tmp_path):
+    (tmp_path / "long").mkdir()
+    _run(tmp_path / "long", "transformer_s0", "softmax", [(250, 4.2), (500, 3.9), (750, 3.0)], 750, 1000)
+    _run(tmp_path / "long", "transformer_s1", "softmax", [(250, 4.4), (500, 3.7)], 600, 1000)
+    _run(tmp_path / "long", "gdn2_s0", "gdn2", [(250, 4.0)], 300, 1000)
+    text = plot_lm_budget.long_table(plot_lm_budget.long_runs([str(tmp_path)]), 8192000)
+    assert "mean at step 250 (all models)" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert rows[0].startswith("| gdn2 |") and rows[0].endswith("| 4.0000 |")  # 4.0 < (4.2 + 4.4) / 2 at step 250
+    assert "| 750, 600 / 1000 | 3.9000, 3.7000 | 500 | 3.8000 | 0.2000 |" in rows[1]
 
 
 def test_refuses_a_directory_that_is_not_a_budget_run(tmp_path, capsys):
