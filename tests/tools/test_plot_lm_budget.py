@@ -22,7 +22,8 @@ def test_tables_and_figure_from_a_budget_dir(tmp_path):
     assert "| transformer | 0.0003 → 4.7000, 0.0006 → 4.5000, 0.001 → 4.6000 | 0.0006 |" in text
     rows = [line for line in text.split("## Long runs")[1].splitlines() if line.startswith("| ") and "---" not in line]
     # best mean first; 500 steps × 16 × 2048 tokens = 16.4M = 2 epochs of 8.192M
-    assert rows[1].startswith("| gdn2 |") and "| 500 / 500 | 3.5000 | 500 | 3.5000 | nan | 16.4M | 2.00 | 3.5000 |" in rows[1]
+    assert rows[1].startswith("| gdn2 |")
+    assert "| 500 / 500 | 3.5000 | 500 | 3.5000 | nan | 16.4M | 2.00 | 3.5000 |" in rows[1]
     assert rows[2].startswith("| transformer |") and "| 3.9000, 3.8000 | 500 | 3.8500 | 0.1000 |" in rows[2]
     assert (out / "budget.png").stat().st_size > 1000
 
