@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The LM comparison at a budget longer than one device call, on the GPU machine: for every model a short sweep of
 # peak learning rates (the small comparison's 500 steps, configs/lm_compare/), the best LR per model picked by
-# tools/lm_pick_lr.py, then the long runs (every model × every seed at that LR, LONG_STEPS steps). One detached
+# tools/lm_pick_lr.py (after one more LR beyond a winner at its grid's end), then the long runs (every model × every seed at that LR, LONG_STEPS steps). One detached
 # pipeline (setsid) does all of it, so it runs on between calls; each call waits on it and brings back what it has.
 #
 #   bash tools/gpu_lm_budget.sh start OUT_DIR MODELS [WAIT]   start the pipeline, then wait WAIT s (default 560)
@@ -11,7 +11,8 @@
 #   environment: SEEDS (default 0,1), LONG_STEPS (5000: 10× the sweep's 500 steps of 32,768 tokens),
 #                LONG_EVERY (evaluation every this many steps, 250), SWEEP_LIMIT / LONG_LIMIT (each stage's
 #                per-run time limit in seconds, 900 / 2400: a run past it is stopped and keeps its curve),
-#                SWEEP_STEPS (default: the configs' 500), SET (overrides for every run, space-separated)
+#                SWEEP_STEPS (default: the configs' 500), SET (overrides for every run, space-separated),
+#                EXTEND_ROUNDS (1: rounds of one more LR beyond a winner at its grid's end; 0: none)
 # Every call packs OUT_DIR.tgz (metrics, logs, configs, tables, plots; no checkpoints) and copies it to $OUT when
 # that is set, so each call brings back the curves so far. The machine must stay held between calls (the next
 # `wait` within its warm time): a pipeline on a machine given back is lost; the curves already back are not.
@@ -58,6 +59,16 @@ pipeline() {  # the sweep, the pick, the long runs (runs detached: its output go
   # shellcheck disable=SC2086  # SET: a list of overrides
   bash tools/gpu_lm_compare.sh "$out/sweep" "$sweep" "${SWEEP_LIMIT:-900}" checkpoint.every=0 ${SET:-} \
     ${SWEEP_STEPS:+train.steps=$SWEEP_STEPS} || status=$?
+  for (( round = 1; round <= ${EXTEND_ROUNDS:-1}; round++ )); do  # a winner at its grid's end: one LR further out
+    local more=""
+    while read -r config lr; do more+="${more:+,}${config}_lr${lr}:${config}:optim.lr=${lr}"; done \
+      < <(python3 tools/lm_pick_lr.py "$out/sweep" --extend)
+    [ -n "$more" ] || break
+    echo "sweep, round $((round + 1)) (winners at a grid end): $more"
+    # shellcheck disable=SC2086
+    bash tools/gpu_lm_compare.sh "$out/sweep" "$more" "${SWEEP_LIMIT:-900}" checkpoint.every=0 ${SET:-} \
+      ${SWEEP_STEPS:+train.steps=$SWEEP_STEPS} || status=$?
+  done
   python3 tools/lm_pick_lr.py "$out/sweep" > "$out/lr.txt" || status=$?
   while read -r config lr; do
     for seed in ${seeds//,/ }; do

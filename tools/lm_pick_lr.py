@@ -1,13 +1,15 @@
 """Each model's peak learning rate from a short sweep (tools/gpu_lm_budget.sh runs it before the long runs).
 
-    python tools/lm_pick_lr.py SWEEP_DIR [--out FILE]
+    python tools/lm_pick_lr.py SWEEP_DIR [--out FILE] [--extend]
 
 SWEEP_DIR holds one run per (model, LR), named CONFIG_lrVALUE (e.g. gdn2_lr1.5e-3), as tools/gpu_lm_compare.sh
 writes them. For every CONFIG the LR whose run ends with the lowest validation loss wins; only runs that finished
 their planned steps and were evaluated at the last one compete (a run cut short, or one that diverged to a
 non-finite loss, does not win). A winner at either end of its grid is marked: the optimum may lie outside it.
 Prints one line per model, `CONFIG LR` (what the long runs read), and writes the table (every LR's loss) to
-SWEEP_DIR/lr_choice.md or --out.
+SWEEP_DIR/lr_choice.md or --out. With --extend it prints instead, for every model whose winner is at an end of
+its grid, `CONFIG NEXT_LR`: one step further out, by the ratio of the two LRs at that end (nothing when every
+optimum is inside its grid), which tools/gpu_lm_budget.sh runs before it picks again.
 """
 from __future__ import annotations
 
@@ -44,6 +46,21 @@ def pick(runs: list[dict]) -> dict[str, dict]:
     return choice
 
 
+def beyond_edges(choice: dict[str, dict]) -> dict[str, float]:
+    """{config: the next LR to try} for the winners at an end of their grid: the top LR × (top / the one below),
+    the bottom LR ÷ (the one above / bottom)."""
+    out = {}
+    for config, c in choice.items():
+        lrs = sorted(c["losses"])
+        if not c["edge"]:
+            continue
+        if c["lr"] == lrs[-1]:
+            out[config] = lrs[-1] * lrs[-1] / lrs[-2]
+        else:
+            out[config] = lrs[0] * lrs[0] / lrs[1]
+    return out
+
+
 def table(choice: dict[str, dict]) -> str:
     lines = ["| model | peak LR → final validation loss (– : not finished) | chosen |", "|---|---|---|"]
     for config, c in choice.items():
@@ -57,6 +74,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("sweep_dir")
     p.add_argument("--out", help="the table's file (default SWEEP_DIR/lr_choice.md)")
+    p.add_argument("--extend", action="store_true",
+                   help="print CONFIG NEXT_LR for each winner at an end of its grid instead of the choice")
     args = p.parse_args(argv)
     if not os.path.isdir(args.sweep_dir):
         print(f"error: {args.sweep_dir} is not a directory of runs", file=sys.stderr)
@@ -69,6 +88,10 @@ def main(argv=None) -> int:
     with open(args.out or os.path.join(args.sweep_dir, "lr_choice.md"), "w") as f:
         f.write(text)
     print(text, file=sys.stderr)
+    if args.extend:
+        for config, lr in beyond_edges(choice).items():
+            print(f"{config} {lr:.3g}")
+        return 0
     missing = [config for config, c in choice.items() if c["lr"] is None]
     for config, c in choice.items():
         if c["lr"] is not None:

@@ -35,6 +35,17 @@ def test_a_winner_at_the_grid_edge_is_marked(tmp_path):
     assert "0.001 (grid edge)" in lm_pick_lr.table(choice)
 
 
+def test_extend_steps_past_the_winning_end_by_the_grid_ratio(tmp_path, capsys):
+    for lr, loss in (("7.5e-4", 3.8), ("1.5e-3", 3.6), ("3e-3", 3.5)):  # top end wins
+        _run(tmp_path, f"gdn2_lr{lr}", "gdn2", [(500, loss)], 500, 500)
+    for lr, loss in (("3e-4", 4.2), ("6e-4", 4.3), ("1e-3", 4.4)):  # bottom end wins
+        _run(tmp_path, f"transformer_lr{lr}", "softmax", [(500, loss)], 500, 500)
+    for lr, loss in (("1e-3", 4.0), ("2e-3", 3.9), ("4e-3", 4.1)):  # inside: nothing to add
+        _run(tmp_path, f"muir_lr{lr}", "muir", [(500, loss)], 500, 500)
+    assert lm_pick_lr.main([str(tmp_path), "--extend"]) == 0
+    assert capsys.readouterr().out.split() == ["gdn2", "0.006", "transformer", "0.00015"]
+
+
 def test_a_model_with_no_finished_run_fails_by_name(tmp_path, capsys):
     _run(tmp_path, "muir_lr1e-3", "muir", [(100, 5.0)], 100, 500)
     _run(tmp_path, "gdn2_lr1e-3", "gdn2", [(500, 4.0)], 500, 500)
