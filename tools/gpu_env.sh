@@ -3,7 +3,7 @@
 # installs the wheels in .whl/ that the machine lacks (grain and its dependencies) into /tmp/site, sets the
 # environment every run there needs, keeps a JAX compilation cache in /tmp/CACHE_NAME_xla_cache while the
 # machine stays warm, and defines `wait_all PID...` (waits for every process; the last non-zero status).
-if ! python3 -c "import grain" 2>/dev/null; then
+if ! PYTHONPATH=/tmp/site python3 -c "import grain" 2>/dev/null; then  # installed by an earlier call: skip
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1

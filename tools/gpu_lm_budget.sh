@@ -24,7 +24,8 @@ set -uo pipefail
 mode=${1:?start or wait}; out=${2:?output directory}
 
 pack() {
-  tar czf "$out.tgz" --exclude=checkpoints --exclude=tensorboard -C "$(dirname "$out")" "$(basename "$out")"
+  tar czf "$out.tgz" --exclude=checkpoints --exclude=tensorboard --exclude='*.tgz' -C "$(dirname "$out")" \
+    "$(basename "$out")"
   if [ -n "${OUT:-}" ]; then cp "$out.tgz" "$OUT/"; fi
 }
 
