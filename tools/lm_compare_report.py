@@ -153,6 +153,13 @@ def plot(runs: list[dict], path: str, title: str) -> None:
     ax_train.set_ylim(top=min(8.0, ax_train.get_ylim()[1]))
     ax_val.set_ylim(top=min(8.0, ax_val.get_ylim()[1]))
     ax_val.legend(fontsize=8)
+    save_figure(fig, title, path)
+
+
+def save_figure(fig, title: str, path: str) -> None:
+    """Title, layout, PNG at 120 dpi, and the figure closed (the report tools' common ending)."""
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

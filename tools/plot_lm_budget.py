@@ -18,7 +18,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lm_compare_report import load_dir, summarize, tokens_per_step  # noqa: E402
+from lm_compare_report import load_dir, save_figure, summarize, tokens_per_step  # noqa: E402
 from lm_pick_lr import pick  # noqa: E402
 
 _SEED = re.compile(r"^(?P<config>.+)_s(?P<seed>\d+)$")
@@ -126,10 +126,7 @@ def plot(models: dict[str, list[dict]], choice: dict[str, dict], path: str, titl
     for ax in (ax_val, ax_lr):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, title, path)
 
 
 def main(argv=None) -> int:
