@@ -12,7 +12,12 @@
 #                LONG_EVERY (evaluation every this many steps, 250), SWEEP_LIMIT / LONG_LIMIT (each stage's
 #                per-run time limit in seconds, 900 / 2400: a run past it is stopped and keeps its curve),
 #                SWEEP_STEPS (default: the configs' 500), SET (overrides for every run, space-separated),
-#                EXTEND_ROUNDS (1: rounds of one more LR beyond a winner at its grid's end; 0: none)
+#                EXTEND_ROUNDS (1: rounds of one more LR beyond a winner at its grid's end; 0: none),
+#                EVAL=1: then mixerlab.eval.perplexity (held-out loss at 1, 2 and 3.5× the context) on the final checkpoint
+#                of every long run that finished, all at once (EVAL_DOCS documents, 200; EVAL_LIMIT s each, 600),
+#                into long/RUN/eval/ (the long runs save only that final checkpoint),
+#                SWEEP_FROM=DIR: sweep runs already made (DIR/CONFIG_lrLR/ with metrics.jsonl and config.yaml, e.g.
+#                an earlier budget's sweep/ or its copy under docs/benchmarks/raw/) are copied in, not run again
 # Every call packs OUT_DIR.tgz (metrics, logs, configs, tables, plots; no checkpoints) and copies it to $OUT when
 # that is set, so each call brings back the curves so far. The machine must stay held between calls (the next
 # `wait` within its warm time): a pipeline on a machine given back is lost; the curves already back are not.
@@ -56,10 +61,26 @@ pipeline() {  # the sweep, the pick, the long runs (runs detached: its output go
     config=${spec%%=*}; lrs=${spec#*=}
     for lr in ${lrs//\// }; do sweep+="${sweep:+,}${config}_lr${lr}:${config}:optim.lr=${lr}"; done
   done
-  echo "sweep: $sweep"
-  # shellcheck disable=SC2086  # SET: a list of overrides
-  bash tools/gpu_lm_compare.sh "$out/sweep" "$sweep" "${SWEEP_LIMIT:-900}" checkpoint.every=0 ${SET:-} \
-    ${SWEEP_STEPS:+train.steps=$SWEEP_STEPS} || status=$?
+  if [ -n "${SWEEP_FROM:-}" ]; then  # runs made before: copied in, not run again
+    local todo="" run label
+    for run in ${sweep//,/ }; do
+      label=${run%%:*}
+      if [ -f "$SWEEP_FROM/$label/metrics.jsonl" ] && [ -f "$SWEEP_FROM/$label/config.yaml" ]; then
+        mkdir -p "$out/sweep/$label"; cp "$SWEEP_FROM/$label/metrics.jsonl" "$SWEEP_FROM/$label/config.yaml" \
+          "$out/sweep/$label/"
+        echo "sweep: $label reused from $SWEEP_FROM"
+      else
+        todo+="${todo:+,}$run"
+      fi
+    done
+    sweep=$todo
+  fi
+  echo "sweep: ${sweep:-nothing to run}"
+  if [ -n "$sweep" ]; then
+    # shellcheck disable=SC2086  # SET: a list of overrides
+    bash tools/gpu_lm_compare.sh "$out/sweep" "$sweep" "${SWEEP_LIMIT:-900}" checkpoint.every=0 ${SET:-} \
+      ${SWEEP_STEPS:+train.steps=$SWEEP_STEPS} || status=$?
+  fi
   for (( round = 1; round <= ${EXTEND_ROUNDS:-1}; round++ )); do  # a winner at its grid's end: one LR further out
     local more=""
     while read -r config lr; do more+="${more:+,}${config}_lr${lr}:${config}:optim.lr=${lr}"; done \
@@ -79,7 +100,22 @@ pipeline() {  # the sweep, the pick, the long runs (runs detached: its output go
   echo "long runs: $long"
   if [ -n "$long" ]; then
     bash tools/gpu_lm_compare.sh "$out/long" "$long" "${LONG_LIMIT:-2400}" train.steps="${LONG_STEPS:-5000}" \
-      train.eval_every="${LONG_EVERY:-250}" checkpoint.every=0 ${SET:-} || status=$?
+      train.eval_every="${LONG_EVERY:-250}" checkpoint.every="${LONG_STEPS:-5000}" ${SET:-} || status=$?
+  fi
+  if [ -n "${EVAL:-}" ]; then  # the final checkpoint of every long run that finished: held-out loss by length
+    source tools/gpu_env.sh lm_compare
+    local evals=() runs=()
+    for run in "$out"/long/*/; do  # all at once, as the runs were
+      [ -d "$run" ] || continue
+      [ -n "$(ls -A "$run/checkpoints" 2>/dev/null)" ] || { echo "eval: $run has no checkpoint (cut short)"; continue; }
+      echo "eval: $run"
+      timeout "${EVAL_LIMIT:-600}" python3 -m mixerlab.eval.perplexity --run "$run" --max_docs "${EVAL_DOCS:-200}" \
+        --stream_tokens 0 > "$run/eval.log" 2>&1 &
+      evals+=($!); runs+=("$run")
+    done
+    for i in "${!evals[@]}"; do
+      wait "${evals[$i]}" || { echo "eval of ${runs[$i]} failed: ${runs[$i]}eval.log"; status=1; }
+    done
   fi
   echo "$status" > "$out/done"
 }
