@@ -6,12 +6,15 @@ BUDGET_DIR is what gpu_lm_budget.sh leaves (sweep/CONFIG_lrLR/, long/CONFIG_sSEE
 device session, each with other models) go into one table and figure. N is the size of the training corpus the
 runs read, in tokens, so that the table can say how many epochs each run saw. Writes DIR/budget.md (the sweep:
 every LR's final validation loss and the chosen one; the long runs: each seed's final loss, their mean and
-spread, tokens and epochs) and DIR/budget.png (left: validation loss against training tokens, the mean of the
-seeds as a line, their range as a band; right: the sweep's final loss against the peak LR).
+spread, tokens and epochs; where gpu_lm_budget.sh's EVAL stage ran, the evaluation suite on the final checkpoints:
+held-out loss and bits per byte, loss at 1, 2 and 3.5x the training context) and DIR/budget.png (left: validation
+loss against training tokens, the mean of the seeds as a line, their range as a band; middle, with evaluations:
+held-out loss by position in the document at 3.5x the context; right: the sweep's final loss against the peak LR).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -37,6 +40,45 @@ def long_runs(budget_dirs: list[str]) -> dict[str, list[dict]]:
                 run["seed"] = int(m["seed"])
                 models.setdefault(m["config"], []).append(run)
     return {k: sorted(v, key=lambda r: r["seed"]) for k, v in sorted(models.items())}
+
+
+def evaluations(budget_dirs: list[str]) -> dict[str, list[dict]]:
+    """{config: [perplexity.json of each seed, ...]} of the long runs whose final checkpoint was evaluated."""
+    out: dict[str, list[dict]] = {}
+    for d in budget_dirs:
+        path = os.path.join(d, "long")
+        for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+            m, f = _SEED.match(name), os.path.join(path, name, "eval", "perplexity.json")
+            if m and os.path.isfile(f):
+                with open(f) as fh:
+                    out.setdefault(m["config"], []).append(dict(json.load(fh), seed=int(m["seed"])))
+    return {k: sorted(v, key=lambda e: e["seed"]) for k, v in sorted(out.items())}
+
+
+def _mean_spread(values: list[float]) -> str:
+    mean = statistics.fmean(values)
+    return f"{mean:.4f} ± {(max(values) - min(values)) / 2:.4f}" if len(values) > 1 else f"{mean:.4f}"
+
+
+def eval_table(evals: dict[str, list[dict]]) -> str:
+    """Per model, mean ± half the seeds' range: held-out loss and bits per byte (whole documents in windows of the
+    training context) and the loss of documents read at 1, 2 and 3.5x that context (the extrapolation subset)."""
+    mults = sorted({x["multiplier"] for es in evals.values() for e in es
+                    for x in e.get("length_extrapolation", {}).get("lengths", [])})
+    lines = ["| model | seeds | step | held-out documents | held-out loss | bits per byte | "
+             + " | ".join(f"loss at {m:g}x context" for m in mults) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(mults)]
+    for config, es in evals.items():
+        cells = []
+        for m in mults:
+            v = [x["nll"] for e in es for x in e.get("length_extrapolation", {}).get("lengths", [])
+                 if x["multiplier"] == m]
+            cells.append(_mean_spread(v) if v else "–")
+        lines.append(f"| {config} | {', '.join(str(e['seed']) for e in es)} | "
+                     f"{', '.join(sorted({str(e.get('step')) for e in es}))} | {es[0]['validation']['documents']} | "
+                     f"{_mean_spread([e['validation']['loss'] for e in es])} | "
+                     f"{_mean_spread([e['validation']['bits_per_byte'] for e in es])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def sweeps(budget_dirs: list[str]) -> dict[str, dict]:
@@ -86,7 +128,8 @@ def long_table(models: dict[str, list[dict]], train_tokens: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(models: dict[str, list[dict]], choice: dict[str, dict], path: str, title: str) -> None:
+def plot(models: dict[str, list[dict]], choice: dict[str, dict], path: str, title: str,
+         evals: dict[str, list[dict]] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,9 +137,15 @@ def plot(models: dict[str, list[dict]], choice: dict[str, dict], path: str, titl
     import matplotlib.ticker
     import numpy as np
 
-    fig, (ax_val, ax_lr) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
-    names = sorted(set(models) | set(choice))
+    evals = {k: v for k, v in (evals or {}).items() if all("length_extrapolation" in e for e in v)}
+    if evals:
+        fig, (ax_val, ax_pos, ax_lr) = plt.subplots(1, 3, figsize=(17, 4.5), gridspec_kw={"width_ratios": [3, 2.5, 2]})
+    else:
+        fig, (ax_val, ax_lr) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    names = sorted(set(models) | set(choice) | set(evals))
     colours = {m: f"C{i % 10}" for i, m in enumerate(names)}
+    zoom = ax_val.inset_axes((0.42, 0.38, 0.55, 0.5))
+    x_zoom, y_zoom = 0.0, (float("inf"), -float("inf"))
     for config, runs in models.items():
         steps = sorted(set.intersection(*[{v["step"] for v in r["val"]} for r in runs])) if runs else []
         if not steps:
@@ -104,13 +153,40 @@ def plot(models: dict[str, list[dict]], choice: dict[str, dict], path: str, titl
         tps = tokens_per_step(runs[0]["config"]) / 1e6
         losses = np.array([[{v["step"]: v["loss"] for v in r["val"]}[s] for s in steps] for r in runs])
         x = np.array(steps) * tps
-        ax_val.plot(x, losses.mean(0), color=colours[config], label=f"{config} ({len(runs)} seeds)")
-        if len(runs) > 1:
-            ax_val.fill_between(x, losses.min(0), losses.max(0), color=colours[config], alpha=0.25, lw=0)
+        for ax in (ax_val, zoom):
+            ax.plot(x, losses.mean(0), color=colours[config], label=f"{config} ({len(runs)} seeds)")
+            if len(runs) > 1:
+                ax.fill_between(x, losses.min(0), losses.max(0), color=colours[config], alpha=0.25, lw=0)
+        if len(steps) >= 8:  # the zoom: the last 40 % of the tokens, where the models' ranking is decided
+            x_zoom = max(x_zoom, x[-1])
+            tail = x >= 0.6 * x[-1]
+            y_zoom = (min(y_zoom[0], losses[:, tail].min()), max(y_zoom[1], losses[:, tail].max()))
+    if x_zoom:
+        pad = 0.1 * (y_zoom[1] - y_zoom[0]) + 1e-3
+        zoom.set_xlim(0.6 * x_zoom, x_zoom * 1.01)
+        zoom.set_ylim(y_zoom[0] - pad, y_zoom[1] + pad)
+        zoom.tick_params(labelsize=7)
+        zoom.grid(alpha=0.3)
+    else:
+        zoom.remove()
     ax_val.set_xlabel("training tokens (M)")
     ax_val.set_ylabel("validation loss (mean of seeds, band: their range)")
     if ax_val.get_ylim()[0] < 6.0:  # the first evaluations (loss 7-9) would flatten the part that ranks models
         ax_val.set_ylim(top=min(6.0, ax_val.get_ylim()[1]))
+    if evals:
+        seq_len = 0
+        for config, es in evals.items():
+            ext = [e["length_extrapolation"] for e in es]
+            width, seq_len = ext[0]["bucket_tokens"], ext[0]["seq_len"]
+            x = np.array(ext[0]["bucket_start"]) + width / 2
+            nll = np.array([x_["nll_full_context"] for x_ in ext])
+            ax_pos.plot(x, nll.mean(0), marker=".", color=colours[config],
+                        label=f"{config} ({len(es)} seeds, {ext[0]['documents']} documents)")
+            if len(es) > 1:
+                ax_pos.fill_between(x, nll.min(0), nll.max(0), color=colours[config], alpha=0.25, lw=0)
+        ax_pos.axvline(seq_len, color="grey", ls="--", lw=1)
+        ax_pos.set_xlabel(f"position in the document (tokens; dashed: the training context, {seq_len})")
+        ax_pos.set_ylabel("held-out loss per token (final checkpoint)")
     for config, c in choice.items():
         lrs = [lr for lr, v in c["losses"].items() if v is not None]
         ax_lr.plot(lrs, [c["losses"][lr] for lr in lrs], marker="o", color=colours[config], label=config)
@@ -119,13 +195,13 @@ def plot(models: dict[str, list[dict]], choice: dict[str, dict], path: str, titl
     ax_lr.set_xscale("log")
     ticks = sorted({lr for c in choice.values() for lr in c["losses"]})
     if ticks:  # the swept values as the ticks, plainly written
-        ax_lr.set_xticks(ticks, [f"{lr:g}" for lr in ticks], rotation=30)
+        ax_lr.set_xticks(ticks, [f"{lr:g}" for lr in ticks], rotation=45, fontsize=7)
         ax_lr.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax_lr.set_xlabel("peak learning rate (sweep; ★ chosen)")
     ax_lr.set_ylabel("final validation loss of the sweep run")
-    for ax in (ax_val, ax_lr):
+    for ax in [a for a in (ax_val, ax_lr, ax_pos if evals else None) if a is not None]:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower left" if ax is ax_val else "best")
     save_figure(fig, title, path)
 
 
@@ -143,14 +219,16 @@ def main(argv=None) -> int:
     if args.train_tokens <= 0:
         print(f"error: --train_tokens must be positive, got {args.train_tokens:g}", file=sys.stderr)
         return 2
-    models, choice = long_runs(args.budget_dirs), sweeps(args.budget_dirs)
+    models, choice, evals = long_runs(args.budget_dirs), sweeps(args.budget_dirs), evaluations(args.budget_dirs)
     from lm_pick_lr import table as sweep_table
 
     text = "## LR sweep\n\n" + sweep_table(choice) + "\n## Long runs\n\n" + long_table(models, args.train_tokens)
+    if evals:
+        text += "\n## Evaluation of the final checkpoints (mean ± half the seeds' range)\n\n" + eval_table(evals)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "budget.md"), "w") as f:
         f.write(text)
-    plot(models, choice, os.path.join(args.out, "budget.png"), args.title)
+    plot(models, choice, os.path.join(args.out, "budget.png"), args.title, evals)
     print(text)
     print(f"wrote {os.path.join(args.out, 'budget.md')}, {os.path.join(args.out, 'budget.png')}")
     return 0

@@ -1,4 +1,5 @@
 """tools/plot_lm_budget.py: the sweep and long-run tables (seed means, spreads, epochs) and the band figure."""
+import json
 import os
 import sys
 
@@ -43,3 +44,33 @@ def test_runs_cut_at_different_steps_compare_where_all_arrived(tmp_path):
 def test_refuses_a_directory_that_is_not_a_budget_run(tmp_path, capsys):
     assert plot_lm_budget.main([str(tmp_path), "--train_tokens", "1e6", "--out", str(tmp_path / "o")]) == 2
     assert "neither sweep/ nor long/" in capsys.readouterr().err
+
+
+def _evaluation(run_dir, loss, bpb, nll_by_mult, buckets):
+    (run_dir / "eval").mkdir(parents=True)
+    ext = {"seq_len": 2048, "bucket_tokens": 512, "documents": 3, "bucket_start": [0, 512, 1024],
+           "nll_full_context": buckets,
+           "lengths": [{"multiplier": m, "length": int(2048 * m), "nll": v} for m, v in nll_by_mult.items()]}
+    (run_dir / "eval" / "perplexity.json").write_text(json.dumps(
+        {"step": 500, "validation": {"loss": loss, "bits_per_byte": bpb, "documents": 200},
+         "length_extrapolation": ext}))
+
+
+def test_evaluations_of_the_final_checkpoints_go_into_the_table_and_figure(tmp_path):
+    (tmp_path / "long").mkdir()
+    _run(tmp_path / "long", "transformer_s0", "softmax", [(250, 4.2), (500, 3.9)], 500, 500)
+    _run(tmp_path / "long", "transformer_s1", "softmax", [(250, 4.3), (500, 3.8)], 500, 500)
+    _run(tmp_path / "long", "gdn2_s0", "gdn2", [(250, 3.7), (500, 3.5)], 500, 500)
+    _evaluation(tmp_path / "long" / "transformer_s0", 2.0, 0.8, {1.0: 2.1, 3.5: 3.0}, [2.2, 2.0, 3.0])
+    _evaluation(tmp_path / "long" / "transformer_s1", 2.2, 0.9, {1.0: 2.3, 3.5: 3.4}, [2.4, 2.2, 3.4])
+    evals = plot_lm_budget.evaluations([str(tmp_path)])
+    assert list(evals) == ["transformer"] and [e["seed"] for e in evals["transformer"]] == [0, 1]
+    text = plot_lm_budget.eval_table(evals)
+    # mean ± half the range of the two seeds; the model without an evaluation is not listed
+    assert ("| transformer | 0, 1 | 500 | 200 | 2.1000 ± 0.1000 | 0.8500 ± 0.0500 | 2.2000 ± 0.1000 | "
+            "3.2000 ± 0.2000 |") in text
+    assert "loss at 3.5x context" in text and "gdn2" not in text
+    out = tmp_path / "report"
+    assert plot_lm_budget.main([str(tmp_path), "--train_tokens", "8192000", "--out", str(out)]) == 0
+    assert "## Evaluation of the final checkpoints" in (out / "budget.md").read_text()
+    assert (out / "budget.png").stat().st_size > 1000
