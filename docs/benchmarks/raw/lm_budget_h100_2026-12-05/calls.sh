@@ -11,4 +11,5 @@ bash tools/gpu_lm_budget.sh wait runs/budget 300
 # Here, from the budget.tgz the last call returned (metrics, configs, log tails copied into this directory):
 python tools/plot_lm_budget.py docs/benchmarks/raw/lm_budget_h100_2026-12-05 --train_tokens 79999962 \
   --out docs/benchmarks/raw/lm_budget_h100_2026-12-05 --title "LM comparison, 10x-token runs cut by device time (one H100)"
-mv docs/benchmarks/raw/lm_budget_h100_2026-12-05/budget.png docs/images/lm_budget_h100.png
+# (its figure, budget.png, is left there; docs/images/lm_budget_h100.png now shows the complete runs of
+# ../lm_budget_h100_2026-12-05b/)
