@@ -104,13 +104,14 @@ pipeline() {  # the sweep, the pick, the long runs (runs detached: its output go
   fi
   if [ -n "${EVAL:-}" ]; then  # the final checkpoint of every long run that finished: held-out loss by length
     source tools/gpu_env.sh lm_compare
-    local evals=() runs=()
-    for run in "$out"/long/*/; do  # all at once, as the runs were
+    local evals=() runs=() gpu
+    for run in "$out"/long/*/; do  # all at once, as the runs were (one GPU each where there are several)
       [ -d "$run" ] || continue
       [ -n "$(ls -A "$run/checkpoints" 2>/dev/null)" ] || { echo "eval: $run has no checkpoint (cut short)"; continue; }
-      echo "eval: $run"
-      timeout "${EVAL_LIMIT:-600}" python3 -m mixerlab.eval.perplexity --run "$run" --max_docs "${EVAL_DOCS:-200}" \
-        --stream_tokens 0 > "$run/eval.log" 2>&1 &
+      gpu=$(gpu_for "${#evals[@]}")
+      echo "eval: $run${gpu:+ (GPU $gpu)}"
+      env ${gpu:+CUDA_VISIBLE_DEVICES=$gpu} timeout "${EVAL_LIMIT:-600}" python3 -m mixerlab.eval.perplexity \
+        --run "$run" --max_docs "${EVAL_DOCS:-200}" --stream_tokens 0 > "$run/eval.log" 2>&1 &
       evals+=($!); runs+=("$run")
     done
     for i in "${!evals[@]}"; do

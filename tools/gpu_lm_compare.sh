@@ -18,6 +18,8 @@
 # trainer saves a checkpoint; the same command in the next call on the still-warm machine (runs/ stays there between
 # calls) resumes every run where it stopped (train.resume=true). The report marks a run still under way by its
 # step count. Without it, every call starts its runs afresh and kills them at SECONDS (their curves are kept).
+# On a host with several GPUs (CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists; LM_COMPARE_GPUS=N: the first
+# N of them) the runs are dealt round-robin, one GPU each; the runs on one GPU share it.
 # The data (data/lm_corpus/device: Parquet text + tokenizer) comes from
 #   python tools/build_lm_corpus.py ... --device_subset TOKENS [--device_parts K]   (docs/lm_corpus.md)
 # With K parts (for a budget that would repeat one subset more than ~3 times), on one warm machine: a call with
@@ -43,20 +45,27 @@ if compgen -G "data/lm_corpus/device_parts/*.parquet" >/dev/null; then
 fi
 echo "train data: $(ls data/lm_corpus/device/train | tr '\n' ' ')"
 source tools/gpu_env.sh lm_compare
-# the runs share the GPU: each JAX process gets its share of its memory (remat: auto picks a policy that fits it)
+# Several GPUs: run i on GPU i mod n (gpu_for in gpu_env.sh). The runs of one GPU share it: each JAX process gets
+# its share of that GPU's memory (remat: auto picks a policy that fits it).
 n_runs=$(tr ',' '\n' <<< "$models" | grep -c .)
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(python3 -c "print(round(0.9 / $n_runs, 3))")}
-echo "$n_runs runs, XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION each"
+n_gpus=$(gpu_list | grep -c . || true); (( n_gpus >= 1 )) || n_gpus=1
+per_gpu=$(( (n_runs + n_gpus - 1) / n_gpus ))
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(python3 -c "print(round(0.9 / $per_gpu, 3))")}
+echo "$n_runs runs on $n_gpus GPU(s), up to $per_gpu per GPU, XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION each"
 mkdir -p "$out"
 pids=()
+i=0
 for run in ${models//,/ }; do
   IFS=: read -r -a parts <<< "$run"; label=${parts[0]}; config=${parts[1]:-$label}
   train=(train.py --config "configs/lm_compare/$config.yaml" train.output_dir="$out/$label")
+  gpu=$(gpu_for "$i"); i=$((i + 1))
+  place=(env); if [ -n "$gpu" ]; then place=(env CUDA_VISIBLE_DEVICES="$gpu"); echo "$label: GPU $gpu"; fi
   if [ -n "${LM_COMPARE_RESUME:-}" ]; then  # SIGTERM: the trainer checkpoints; the log grows call by call
-    timeout --foreground -s TERM -k 60 "$seconds" python3 "${train[@]}" train.resume=true "$@" "${parts[@]:2}" \
-        >>"$out/$label.log" 2>&1 &
+    "${place[@]}" timeout --foreground -s TERM -k 60 "$seconds" python3 "${train[@]}" train.resume=true "$@" \
+        "${parts[@]:2}" >>"$out/$label.log" 2>&1 &
   else
-    timeout -s KILL "$seconds" python3 "${train[@]}" train.resume=false "$@" "${parts[@]:2}" >"$out/$label.log" 2>&1 &
+    "${place[@]}" timeout -s KILL "$seconds" python3 "${train[@]}" train.resume=false "$@" "${parts[@]:2}" \
+        >"$out/$label.log" 2>&1 &
   fi
   pids+=($!)
 done
