@@ -65,10 +65,11 @@ def parse_args(argv=None):
                         "With TRITON_INTERPRET=1 (fla's kernels on the CPU) nothing is timed and the first is used")
     p.add_argument("--torch-f32-dots", choices=["default", "tf32x3", "ieee"], default="default",
                    help="the precision of every float32-operand tl.dot in fla's Triton kernels (TRITON_F32_DEFAULT, "
-                        "process-wide). 'default' keeps fla's own: one TF32 pass, ~1e-3 relative, so its float32 "
-                        "logits differ from a float32-accurate model by that much; 'tf32x3' is float32-accurate "
-                        "(what mixerlab's kernels do under the float32 matmul setting this tool uses); 'ieee' is "
-                        "exact but compiles and runs far slower")
+                        "process-wide, and the dots whose precision fla's source pins: the triangular solve's TF32, "
+                        "the safe-gate gradients' bf16x3). 'default' keeps fla's own: one TF32 pass, ~1e-3 "
+                        "relative, so its float32 logits differ from a float32-accurate model by that much; "
+                        "'tf32x3' is float32-accurate (what mixerlab's kernels do under the float32 matmul "
+                        "setting this tool uses); 'ieee' is exact but compiles and runs far slower")
     a = p.parse_args(argv)
     lo, hi = (int(x) for x in a.window.split(","))
     if not 1 <= lo <= hi <= a.steps:
@@ -157,6 +158,41 @@ def DEVICE():  # noqa: N802  the GPU when torch sees one (the measurements), els
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# fla modules whose kernels pin a tl.dot precision in the source (input_precision=NAME), which TRITON_F32_DEFAULT
+# does not reach: GDN-2's and Gated DeltaNet's triangular solve ('tf32' on TF32 GPUs), GDN-2's and KDA's safe-gate
+# gradient dots ('bf16x3' from Triton 3.6). Imported here so that their constants can be reset before any compile.
+_FLA_PINNED = ("fla.ops.gdn2.chunk_intra", "fla.ops.gated_delta_rule.chunk_fwd", "fla.ops.kda.chunk_intra")
+
+
+def pinned_dot_precisions(module_names=_FLA_PINNED) -> list[tuple[object, str]]:
+    """(module, NAME) of every ``*_DOT_PRECISION`` constant in those modules (the ones that are installed)."""
+    import importlib
+
+    found = []
+    for name in module_names:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        found += [(module, attr) for attr in sorted(vars(module)) if attr.endswith("_DOT_PRECISION")]
+    return found
+
+
+def force_fla_dot_precision(precision: str, module_names=_FLA_PINNED, constexpr=None) -> list[str]:
+    """Set every pinned fla dot precision to ``precision`` (Triton reads a kernel's global constexprs when it
+    compiles it, so this must run before the first call). Returns "module.NAME: old -> new" lines for the log."""
+    if constexpr is None:
+        import triton.language as tl
+
+        constexpr = tl.constexpr
+    changed = []
+    for module, attr in pinned_dot_precisions(module_names):
+        old = getattr(module, attr)
+        setattr(module, attr, constexpr(precision))
+        changed.append(f"{module.__name__}.{attr}: {getattr(old, 'value', old)} -> {precision}")
+    return changed
 
 
 def limit_triton_autotune(n: int) -> None:
@@ -349,6 +385,8 @@ def main(argv=None) -> int:
     if any(r.startswith("torch") for r in args.runs):
         if args.torch_f32_dots != "default":  # read by Triton when it compiles a kernel (before any is compiled)
             os.environ["TRITON_F32_DEFAULT"] = args.torch_f32_dots
+            for line in force_fla_dot_precision(args.torch_f32_dots):  # and the dots that name their own
+                print(f"parity: {line}", flush=True)
         limit_triton_autotune(args.torch_autotune)
         if args.torch_core == "naive":
             use_naive_gdn2_core()

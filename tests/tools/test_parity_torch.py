@@ -60,3 +60,24 @@ def test_our_runs_write_curves_and_summary(tmp_path, capsys):
     with pytest.raises(SystemExit, match="differ in mixer, batches or initial weights"):
         parity_torch.main(["--mixer", "softmax", "--steps", "3", "--window", "2,3", "--out", str(merged_dir),
                            "--merge", str(tmp_path / "first.json"), str(tmp_path / "other.json")])
+
+
+def test_the_dot_precisions_fla_pins_in_its_source_are_reset(monkeypatch):
+    """TRITON_F32_DEFAULT does not reach a tl.dot that names its input_precision; the tool resets those constants
+    (here in a stand-in module; fla itself is not installed on the CPU machine)."""
+    import types
+
+    class Const:  # stands in for triton.language.constexpr
+        def __init__(self, value):
+            self.value = value
+
+    module = types.ModuleType("fake_fla_chunk")
+    module.SOLVE_TRIL_DOT_PRECISION = Const("tf32")
+    module.SAFE_GATE_DOT_PRECISION = Const("bf16x3")
+    module.OTHER = Const("tf32")
+    monkeypatch.setitem(sys.modules, "fake_fla_chunk", module)
+    lines = parity_torch.force_fla_dot_precision("tf32x3", ("fake_fla_chunk", "no_such_module.chunk"), Const)
+    assert lines == ["fake_fla_chunk.SAFE_GATE_DOT_PRECISION: bf16x3 -> tf32x3",
+                     "fake_fla_chunk.SOLVE_TRIL_DOT_PRECISION: tf32 -> tf32x3"]
+    assert module.SOLVE_TRIL_DOT_PRECISION.value == module.SAFE_GATE_DOT_PRECISION.value == "tf32x3"
+    assert module.OTHER.value == "tf32"  # only the *_DOT_PRECISION constants
