@@ -227,8 +227,9 @@ def test_one_train_step_through_the_config(tmp_path):
 
 
 @pytest.mark.tpu_compile
-@pytest.mark.parametrize("gen", ["v5e", pytest.param("v6e", marks=pytest.mark.slow),
-                                 pytest.param("v5p", marks=pytest.mark.slow)])
+# make test compiles for v5e; v6e and v5p are extended (the delta rule kernels' own compiles cover every generation)
+@pytest.mark.parametrize("gen", ["v5e", pytest.param("v6e", marks=pytest.mark.extended),
+                                 pytest.param("v5p", marks=pytest.mark.extended)])
 def test_tpu_compile_forward_and_backward(gen):
     """bf16, FLA's head layout at d = 256 (2 heads of d_k = d_v = 128): "auto" takes the Pallas TPU kernels."""
     text = compile_layer_for_tpu(gen, "hgrn2", spec(2, 128, 128, dtype=jnp.bfloat16, d=256))
