@@ -68,6 +68,11 @@ def _free_port() -> int:
 
 def _env(devices: int, trace=None) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    # The session's compile cache (tests/conftest.py), which the module fixture below starts before the per-test
+    # fixture sets it: the restarted processes of the killed run load the programs that run compiled (~8 s of CPU).
+    if "MIXERLAB_TEST_XLA_CACHE" in os.environ:
+        env.update(JAX_COMPILATION_CACHE_DIR=os.environ["MIXERLAB_TEST_XLA_CACHE"],
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.1", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     env.pop("MIXERLAB_BATCH_TRACE", None)
     if trace is not None:
         env["MIXERLAB_BATCH_TRACE"] = str(trace)
