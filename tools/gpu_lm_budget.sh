@@ -16,6 +16,8 @@
 #                EVAL=1: then mixerlab.eval.perplexity (held-out loss at 1, 2 and 3.5× the context) on the final checkpoint
 #                of every long run that finished, all at once (EVAL_DOCS documents, 200; EVAL_LIMIT s each, 600),
 #                into long/RUN/eval/ (the long runs save only that final checkpoint),
+#                SWEEP_ONLY=1: stop after the pick (lr.txt), e.g. to sweep one model beside another pipeline's long
+#                runs and give it its long runs later with SWEEP_FROM=OUT_DIR/sweep,
 #                SWEEP_FROM=DIR: sweep runs already made (DIR/CONFIG_lrLR/ with metrics.jsonl and config.yaml, e.g.
 #                an earlier budget's sweep/ or its copy under docs/benchmarks/raw/) are copied in, not run again
 # Every call packs OUT_DIR.tgz (metrics, logs, configs, tables, plots; no checkpoints) and copies it to $OUT when
@@ -92,6 +94,7 @@ pipeline() {  # the sweep, the pick, the long runs (runs detached: its output go
       ${SWEEP_STEPS:+train.steps=$SWEEP_STEPS} || status=$?
   done
   python3 tools/lm_pick_lr.py "$out/sweep" > "$out/lr.txt" || status=$?
+  if [ -n "${SWEEP_ONLY:-}" ]; then echo "SWEEP_ONLY: no long runs"; echo "$status" > "$out/done"; return; fi
   while read -r config lr; do
     for seed in ${seeds//,/ }; do
       long+="${long:+,}${config}_s${seed}:${config}:optim.lr=${lr}:train.seed=${seed}"
