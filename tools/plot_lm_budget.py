@@ -21,37 +21,40 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lm_compare_report import load_dir, save_figure, summarize, tokens_per_step  # noqa: E402
+from lm_compare_report import load_dir, load_run, save_figure, summarize, tokens_per_step  # noqa: E402
 from lm_pick_lr import pick  # noqa: E402
 
 _SEED = re.compile(r"^(?P<config>.+)_s(?P<seed>\d+)$")
 
 
-def long_runs(budget_dirs: list[str]) -> dict[str, list[dict]]:
-    """{config: [run, ...]} of the long runs (named CONFIG_sSEED), seeds in order."""
-    models: dict[str, list[dict]] = {}
+def _seeded(budget_dirs: list[str]):
+    """(config, seed, run directory) of every long run (named CONFIG_sSEED) under BUDGET_DIR/long/."""
     for d in budget_dirs:
         path = os.path.join(d, "long")
-        if not os.path.isdir(path):
-            continue
-        for run in load_dir(path):
-            m = _SEED.match(run["name"])
-            if m:
-                run["seed"] = int(m["seed"])
-                models.setdefault(m["config"], []).append(run)
+        for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+            m = _SEED.match(name)
+            if m and os.path.isdir(os.path.join(path, name)):
+                yield m["config"], int(m["seed"]), os.path.join(path, name)
+
+
+def long_runs(budget_dirs: list[str]) -> dict[str, list[dict]]:
+    """{config: [run, ...]} of the long runs, seeds in order."""
+    models: dict[str, list[dict]] = {}
+    for config, seed, path in _seeded(budget_dirs):
+        run = load_run(path)
+        if run is not None:
+            models.setdefault(config, []).append(dict(run, seed=seed))
     return {k: sorted(v, key=lambda r: r["seed"]) for k, v in sorted(models.items())}
 
 
 def evaluations(budget_dirs: list[str]) -> dict[str, list[dict]]:
     """{config: [perplexity.json of each seed, ...]} of the long runs whose final checkpoint was evaluated."""
     out: dict[str, list[dict]] = {}
-    for d in budget_dirs:
-        path = os.path.join(d, "long")
-        for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
-            m, f = _SEED.match(name), os.path.join(path, name, "eval", "perplexity.json")
-            if m and os.path.isfile(f):
-                with open(f) as fh:
-                    out.setdefault(m["config"], []).append(dict(json.load(fh), seed=int(m["seed"])))
+    for config, seed, path in _seeded(budget_dirs):
+        f = os.path.join(path, "eval", "perplexity.json")
+        if os.path.isfile(f):
+            with open(f) as fh:
+                out.setdefault(config, []).append(dict(json.load(fh), seed=seed))
     return {k: sorted(v, key=lambda e: e["seed"]) for k, v in sorted(out.items())}
 
 
