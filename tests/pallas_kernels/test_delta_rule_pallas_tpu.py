@@ -44,7 +44,7 @@ def _value_and_grads(fn, args, weights):
         dt = state.dtype
         return jnp.sum(out.astype(dt) * w_out.astype(dt)) + jnp.sum(state * w_state.astype(dt)), (out, state)
 
-    (_, (out, state)), grads = jax.value_and_grad(loss, argnums=tuple(range(len(NAMES))), has_aux=True)(*args)
+    (_, (out, state)), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(NAMES))), has_aux=True))(*args)
     return out, state, grads
 
 
