@@ -20,14 +20,15 @@ def test_loops_match_lapack(dtype, tol, n):
     with jax.enable_x64(dtype == jnp.float64):
         a = _spd(jax.random.PRNGKey(n), (2, 3), n, dtype)
         b = jax.random.normal(jax.random.PRNGKey(7), (2, 3, n, 4), dtype)
-        low = small_linalg._cholesky_loop(a)
+        cholesky_loop, solve_loop = jax.jit(small_linalg._cholesky_loop), jax.jit(small_linalg._solve_lower_loop)
+        low = cholesky_loop(a)
         np.testing.assert_allclose(low, jnp.linalg.cholesky(a), rtol=tol, atol=tol)
         assert np.all(np.triu(np.asarray(low), 1) == 0)
-        np.testing.assert_allclose(small_linalg._solve_lower_loop(low, b), solve_triangular(low, b, lower=True),
+        np.testing.assert_allclose(solve_loop(low, b), solve_triangular(low, b, lower=True),
                                    rtol=tol, atol=tol)
         # the public entry points take the loops on CPU
         np.testing.assert_allclose(jax.jit(small_linalg.cholesky)(a), low, rtol=tol, atol=tol)
-        np.testing.assert_allclose(jax.jit(small_linalg.solve_lower)(low, b), small_linalg._solve_lower_loop(low, b),
+        np.testing.assert_allclose(jax.jit(small_linalg.solve_lower)(low, b), solve_loop(low, b),
                                    rtol=tol, atol=tol)
 
 
@@ -41,9 +42,9 @@ def test_gradients_match_lapack():
             # derivative is the symmetrised one, the loop's reads the lower triangle; they agree on symmetric inputs
             return lambda a_, b_: jnp.sum(w * solve(chol(0.5 * (a_ + jnp.swapaxes(a_, -1, -2))), b_))
 
-        ours = jax.grad(loss(small_linalg.cholesky, small_linalg.solve_lower), argnums=(0, 1))(a, b)
-        lapack = jax.grad(loss(jnp.linalg.cholesky, lambda l_, b_: solve_triangular(l_, b_, lower=True)),
-                          argnums=(0, 1))(a, b)
+        ours = jax.jit(jax.grad(loss(small_linalg.cholesky, small_linalg.solve_lower), argnums=(0, 1)))(a, b)
+        lapack = jax.jit(jax.grad(loss(jnp.linalg.cholesky, lambda l_, b_: solve_triangular(l_, b_, lower=True)),
+                                  argnums=(0, 1)))(a, b)
         for x, y in zip(ours, lapack):
             np.testing.assert_allclose(x, y, rtol=1e-10, atol=1e-12)
 
