@@ -163,8 +163,8 @@ def test_gradients_match_reference_float64(chunk, sub):
             return jnp.sum(o * w) + jnp.sum(jnp.sin(s.key)) + jnp.sum(s.value ** 2)
 
         flat = (*args, kw["log_modulus"], kw["phase"], kw["input_gain"], kw["readout"], *kw["initial_state"])
-        argnums = tuple(range(len(flat)))
-        grads = jax.jit(jax.grad(loss, argnums=tuple(i + 1 for i in argnums)), static_argnums=0)  # eager: slower
+        # every array argument (loss's 0 is the implementation); compiled: eager is about twice as slow
+        grads = jax.jit(jax.grad(loss, argnums=tuple(range(1, len(flat) + 1))), static_argnums=0)
         g_ref, g_xla = grads("reference", *flat), grads("xla", *flat)
         for i, (a, b) in enumerate(zip(g_xla, g_ref)):  # measured: max 1.4e-15 over the 10 inputs
             assert _rel(a, b) <= 1e-10, i
