@@ -67,7 +67,8 @@ def _free_port() -> int:
 
 
 def _env(devices: int, trace=None) -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"  # + the session's
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
     # The session's compile cache (tests/conftest.py), which the module fixture below starts before the per-test
     # fixture sets it: the restarted processes of the killed run load the programs that run compiled (~8 s of CPU).
     if "MIXERLAB_TEST_XLA_CACHE" in os.environ:
@@ -141,7 +142,12 @@ def runs(tmp_path_factory):
     return {"root": root, "outs": outs, "survivor": survivor, "resumed": resumed}
 
 
+# the tests of the `runs` fixture share one worker (it starts 9 processes; on two workers it ran twice, 87 + 89 s)
+ON_THE_RUNS = pytest.mark.xdist_group("multiprocess_runs")
+
+
 @pytest.mark.slow
+@ON_THE_RUNS
 def test_two_processes_consume_the_rows_of_one_process_per_step(runs):
     root = runs["root"]
     assert "4 cpu device(s), mesh {'data': 1, 'fsdp': 4, 'tensor': 1}" in runs["outs"]["2x2"][0][0]
@@ -159,6 +165,7 @@ def test_two_processes_consume_the_rows_of_one_process_per_step(runs):
 
 
 @pytest.mark.slow
+@ON_THE_RUNS
 def test_two_processes_log_the_losses_of_one_process(runs):
     root = runs["root"]
     two, four, one = _losses(root / "2x2"), _losses(root / "1x4"), _losses(root / "1x1")
@@ -170,6 +177,7 @@ def test_two_processes_log_the_losses_of_one_process(runs):
 
 
 @pytest.mark.slow
+@ON_THE_RUNS
 def test_a_killed_process_ends_the_other_with_one_line_and_both_resume(runs):
     s = runs["survivor"]
     assert s["victim_rc"] == -signal.SIGKILL
