@@ -41,8 +41,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -237,14 +239,49 @@ def print_table(header: str, rows: list[str]) -> None:
 
 
 def child_result(cmd: list[str], keep=lambda line: False) -> tuple[dict, list[str]]:
-    """Runs one run's child process: (its JSON, the last line of its stdout; the stdout lines ``keep`` selects). A
-    failed child raises RuntimeError with those lines and the last lines of its stderr."""
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    kept = [line for line in out.stdout.splitlines() if keep(line)]
-    if out.returncode != 0:
-        tail = [line for line in out.stderr.strip().splitlines() if line.strip()][-3:]
-        raise RuntimeError(" / ".join(kept + tail) or f"exit {out.returncode}")
-    return json.loads(out.stdout.strip().splitlines()[-1]), kept
+    """Runs one run's child process: (its JSON, the last line of its stdout; the stdout lines ``keep`` selects).
+    The kept lines and the child's stderr go to this process's stderr as they come, so a run cut short (a time
+    limit, a hang) still shows how far it got. A failed child raises RuntimeError with the kept lines and the last
+    lines of its stderr. If this process is ended (SIGTERM, e.g. by ``timeout``, or Ctrl-C) the child is killed
+    too: a cut benchmark leaves nothing running on the device for the next run to share it with."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    stdout: list[str] = []
+    stderr: list[str] = []
+
+    def echo_stderr():
+        for line in proc.stderr:
+            stderr.append(line.rstrip("\n"))
+            print(f"  {stderr[-1]}", file=sys.stderr, flush=True)
+
+    reader = threading.Thread(target=echo_stderr, daemon=True)
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if on_main else None
+    try:
+        reader.start()
+        for line in proc.stdout:
+            stdout.append(line.rstrip("\n"))
+            if keep(stdout[-1]):
+                print(f"  {stdout[-1]}", file=sys.stderr, flush=True)
+        proc.wait()
+        reader.join()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if on_main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    kept = [line for line in stdout if keep(line)]
+    if proc.returncode != 0:
+        tail = [line for line in stderr if line.strip()][-3:]
+        raise RuntimeError(" / ".join(kept + tail) or f"exit {proc.returncode}")
+    results = [line for line in stdout if line.strip()]
+    if not results:
+        raise RuntimeError(f"{' '.join(cmd[:3])}: the child ended without printing its result")
+    return json.loads(results[-1]), kept
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds child_result's finally, which kills the child
 
 
 def run_all(tool: str, runs: list[str], one, out: str | None) -> dict:

@@ -94,3 +94,49 @@ def test_an_mfu_above_100_percent_is_refused(monkeypatch):
     monkeypatch.setattr(flop_model, "device_chip", lambda device=None: slow)
     with pytest.raises(flop_model.ImpossibleMFU, match=r"configs/tiny\.yaml .*2x64.*is above 100 %.*model FLOPs"):
         bench_train.measure("configs/tiny.yaml", TINY, steps=1, warmup=1, depth=1)
+
+
+def test_a_child_run_is_shown_as_it_goes_and_its_result_returned(capfd):
+    child = ("import sys, json; print('model.remat=auto: chose dots', flush=True); print('compiling', file=sys.stderr);"
+             " print('noise'); print(json.dumps({'step_s': 0.5}))")
+    result, kept = bench_train.child_result([sys.executable, "-c", child],
+                                            keep=lambda line: line.startswith("model.remat=auto"))
+    assert result == {"step_s": 0.5} and kept == ["model.remat=auto: chose dots"]
+    err = capfd.readouterr().err
+    assert "model.remat=auto: chose dots" in err and "compiling" in err and "noise" not in err
+
+
+def test_a_failed_child_names_its_last_lines():
+    child = "import sys; print('model.remat=auto: chose none'); sys.exit('RESOURCE_EXHAUSTED: out of memory')"
+    with pytest.raises(RuntimeError, match="chose none / RESOURCE_EXHAUSTED"):
+        bench_train.child_result([sys.executable, "-c", child], keep=lambda line: line.startswith("model.remat"))
+    with pytest.raises(RuntimeError, match="without printing its result"):
+        bench_train.child_result([sys.executable, "-c", "pass"])
+
+
+def test_ending_the_benchmark_ends_its_child(tmp_path):
+    """`timeout` sends SIGTERM to the benchmark, not to the run it started: the run must not live on."""
+    import signal
+    import subprocess
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    parent = (f"import sys; sys.path.insert(0, {os.path.dirname(bench_train.__file__)!r}); import bench_train; "
+              f"bench_train.child_result([sys.executable, '-c', {child!r}])")
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child_pid = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    for _ in range(100):  # killed and reaped by the parent before it exits
+        try:
+            os.kill(child_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child_pid, signal.SIGKILL)
+        pytest.fail("the child outlived the benchmark")
