@@ -3,7 +3,8 @@
 # `carry: [".whl"]`:  bash tools/h200_baselines.sh OUT_DIR [MODEL ...]
 #   1. the 166M paper configs at 32×4096 on the embedded corpus (tools/bench_train.py), each in its own process and
 #      JSON file, so a call cut short keeps what finished; `model.remat=none` for the models in BASELINES_REMAT_NONE
-#      (the policy `auto` picks for them on an H200; setting it skips auto's extra compile), the others as shipped;
+#      (the policy `auto` picks for them on an H200; setting it skips auto's extra compile; on a card with less than
+#      120 GB, unless BASELINES_REMAT_NONE is given, none of them), the others as shipped;
 #   2. with the time left: the no-erase Triton kernels against the reference on the GPU (tests marked gpu), and
 #      the delta core against the no-erase core at 8·4096·16·128, bf16, medians of warm runs, cuDNN attention beside;
 #   3. OUT_DIR.tgz: everything in one file (the device tool returns only a few files per call).
@@ -14,6 +15,12 @@ out=${1:?output directory}; shift; models=${*:-gdn2 mamba2 gla hgrn2 retnet rwkv
 source tools/gpu_env.sh baselines
 mkdir -p "$out"; t0=$(date +%s); budget=${BASELINES_BUDGET:-575}; run_limit=${BASELINES_RUN_LIMIT:-170}
 remat_none=" ${BASELINES_REMAT_NONE:-gdn2 mamba2 gla hgrn2 retnet} "
+# `none` fits those at 32×4096 on an H200 (GDN-2 peaks at 106.9 GiB); on a smaller card (an H100's 80 GB) every
+# model keeps its config's `auto` unless BASELINES_REMAT_NONE says otherwise
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+if [ -z "${BASELINES_REMAT_NONE+set}" ] && [ "${gpu_mib:-0}" -lt 120000 ]; then
+  remat_none=" "; echo "GPU memory ${gpu_mib:-unknown} MiB: model.remat as configured (auto) for every model" >> "$out/notes.txt"
+fi
 elapsed() { echo $(( $(date +%s) - t0 )); }
 left() { echo $(( budget - $(elapsed) )); }
 data="--set data.train_path=data/embedded/train --set data.val_path=data/embedded/val --set data.tokenizer.kind=hf
