@@ -142,7 +142,7 @@ def runs(tmp_path_factory):
     return {"root": root, "outs": outs, "survivor": survivor, "resumed": resumed}
 
 
-# the tests of the `runs` fixture share one worker (it starts 9 processes; on two workers it ran twice, 87 + 89 s)
+# the tests of the `runs` fixture share one worker (it starts 8 processes; on two workers it ran twice, 87 + 89 s)
 ON_THE_RUNS = pytest.mark.xdist_group("multiprocess_runs")
 
 
