@@ -12,8 +12,8 @@ PLATFORM, PLATFORM_WHY = select_test_platform()
 
 # On CPU the tests are compile-bound: thousands of small programs, each compiled once and run a few times, where
 # LLVM's optimisation passes cost more than they save. Without them (-O0, the expensive passes off) a sample of
-# 136 model and kernel tests took 168 s instead of 285 s here; the float32 arithmetic is IEEE either way (XLA's CPU
-# fast-math is off), so every tolerance stands. Set in XLA_FLAGS, which the workers and the processes the tests
+# 136 model and kernel tests took 168 s instead of 285 s here. XLA's CPU fast-math is off at either level (LLVM may
+# not reorder float arithmetic): no tolerance changed. Set in XLA_FLAGS, which the workers and the processes the tests
 # start inherit (a test that starts one with flags of its own appends them). MIXERLAB_TEST_XLA_OPT=1 keeps XLA's
 # default optimisation.
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
