@@ -129,14 +129,23 @@ def test_ending_the_benchmark_ends_its_child(tmp_path):
     while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
         time.sleep(0.1)
     child_pid = int(pid_file.read_text())
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
-    for _ in range(100):  # killed and reaped by the parent before it exits
-        try:
-            os.kill(child_pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        os.kill(child_pid, signal.SIGKILL)
-        pytest.fail("the child outlived the benchmark")
+    try:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+        alive = True
+        for _ in range(100):  # killed and reaped by the benchmark before it exits
+            try:
+                os.kill(child_pid, 0)
+            except ProcessLookupError:
+                alive = False
+                break
+            time.sleep(0.1)
+    finally:  # nothing left sleeping when the test fails
+        for pid in (proc.pid, child_pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+    assert rc == 128 + signal.SIGTERM
+    assert not alive, "the child outlived the benchmark"
