@@ -247,6 +247,7 @@ def child_result(cmd: list[str], keep=lambda line: False) -> tuple[dict, list[st
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     stdout: list[str] = []
     stderr: list[str] = []
+    kept: list[str] = []
 
     def echo_stderr():
         for line in proc.stderr:
@@ -261,7 +262,8 @@ def child_result(cmd: list[str], keep=lambda line: False) -> tuple[dict, list[st
         for line in proc.stdout:
             stdout.append(line.rstrip("\n"))
             if keep(stdout[-1]):
-                print(f"  {stdout[-1]}", file=sys.stderr, flush=True)
+                kept.append(stdout[-1])
+                print(f"  {kept[-1]}", file=sys.stderr, flush=True)
         proc.wait()
         reader.join()
     finally:
@@ -270,7 +272,6 @@ def child_result(cmd: list[str], keep=lambda line: False) -> tuple[dict, list[st
             proc.wait()
         if on_main:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-    kept = [line for line in stdout if keep(line)]
     if proc.returncode != 0:
         tail = [line for line in stderr if line.strip()][-3:]
         raise RuntimeError(" / ".join(kept + tail) or f"exit {proc.returncode}")

@@ -125,11 +125,12 @@ def test_ending_the_benchmark_ends_its_child(tmp_path):
     parent = (f"import sys; sys.path.insert(0, {os.path.dirname(bench_train.__file__)!r}); import bench_train; "
               f"bench_train.child_result([sys.executable, '-c', {child!r}])")
     proc = subprocess.Popen([sys.executable, "-c", parent])
-    deadline = time.monotonic() + 60
-    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    child_pid = int(pid_file.read_text())
+    child_pid = None
     try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        child_pid = int(pid_file.read_text())
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=30)
         alive = True
@@ -141,7 +142,7 @@ def test_ending_the_benchmark_ends_its_child(tmp_path):
                 break
             time.sleep(0.1)
     finally:  # nothing left sleeping when the test fails
-        for pid in (proc.pid, child_pid):
+        for pid in filter(None, (proc.pid, child_pid)):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
