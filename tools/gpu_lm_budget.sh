@@ -18,6 +18,8 @@
 #                into long/RUN/eval/ (the long runs save only that final checkpoint),
 #                SWEEP_ONLY=1: stop after the pick (lr.txt), e.g. to sweep one model beside another pipeline's long
 #                runs and give it its long runs later with SWEEP_FROM=OUT_DIR/sweep,
+#                LONG_MODELS=CONFIG,...: long runs for these models only (each must be in MODELS); the others are
+#                swept and picked (lr.txt) for a later pipeline's SWEEP_FROM=OUT_DIR/sweep,
 #                SWEEP_FROM=DIR: sweep runs already made (DIR/CONFIG_lrLR/ with metrics.jsonl and config.yaml, e.g.
 #                an earlier budget's sweep/ or its copy under docs/benchmarks/raw/) are copied in, not run again
 # Every call packs OUT_DIR.tgz (metrics, logs, configs, tables, plots; no checkpoints) and copies it to $OUT when
@@ -96,6 +98,9 @@ pipeline() {  # the sweep, the pick, the long runs (runs detached: its output go
   python3 tools/lm_pick_lr.py "$out/sweep" > "$out/lr.txt" || status=$?
   if [ -n "${SWEEP_ONLY:-}" ]; then echo "SWEEP_ONLY: no long runs"; echo "$status" > "$out/done"; return; fi
   while read -r config lr; do
+    if [ -n "${LONG_MODELS:-}" ] && [[ ",$LONG_MODELS," != *",$config,"* ]]; then
+      echo "long runs: $config (LR $lr) left for later (LONG_MODELS=$LONG_MODELS)"; continue
+    fi
     for seed in ${seeds//,/ }; do
       long+="${long:+,}${config}_s${seed}:${config}:optim.lr=${lr}:train.seed=${seed}"
     done
@@ -132,6 +137,10 @@ case $mode in
       [ -f "configs/lm_compare/$config.yaml" ] || { echo "model '$spec': no configs/lm_compare/$config.yaml" >&2; exit 2; }
       n=$(tr '/' '\n' <<< "$lrs" | grep -c .)
       (( n >= 3 )) || { echo "model '$spec': a sweep needs at least 3 LRs (CONFIG=LR/LR/LR)" >&2; exit 2; }
+    done
+    long_models=${LONG_MODELS:-}
+    for config in ${long_models//,/ }; do
+      [[ ",$models" == *",$config="* ]] || { echo "LONG_MODELS: '$config' is not one of MODELS ($models)" >&2; exit 2; }
     done
     [ -e "$out" ] && { echo "$out exists: a pipeline was started there (use 'wait', or another OUT_DIR)" >&2; exit 2; }
     mkdir -p "$out"

@@ -62,5 +62,33 @@ def test_the_pipeline_refuses_bad_models_before_starting(tmp_path):
                            capture_output=True, text=True)
         assert r.returncode == 2 and says in r.stderr, r.stderr
         assert not (tmp_path / "x").exists()
+    # long runs asked for a model that is not swept ("gdn" is a prefix of "gdn2", not one of the models)
+    r = subprocess.run(["bash", script, "start", str(tmp_path / "x"), "gdn2=1e-3/2e-3/3e-3,muir=1e-3/2e-3/3e-3", "1"],
+                       cwd=ROOT, capture_output=True, text=True, env={**os.environ, "LONG_MODELS": "muir,gdn"})
+    assert r.returncode == 2 and "LONG_MODELS: 'gdn' is not one of MODELS" in r.stderr, r.stderr
+    assert not (tmp_path / "x").exists()
     r = subprocess.run(["bash", script, "wait", str(tmp_path / "y")], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and "no pipeline was started there" in r.stderr
+
+
+def test_long_models_gives_long_runs_to_those_models_only(tmp_path):
+    """The pipeline with a stand-in for gpu_lm_compare.sh that logs what it was asked to run."""
+    tools = tmp_path / "repo" / "tools"
+    tools.mkdir(parents=True)
+    for name in ("gpu_lm_budget.sh", "lm_pick_lr.py", "lm_compare_report.py"):
+        (tools / name).write_text(open(os.path.join(ROOT, "tools", name)).read())
+    (tools / "gpu_lm_compare.sh").write_text('echo "$@" >> "$(dirname "$1")/asked.txt"\n')
+    (tmp_path / "old").mkdir()
+    for lr, loss in (("1e-3", 4.0), ("2e-3", 3.9), ("4e-3", 4.1)):
+        _run(tmp_path / "old", f"muir_lr{lr}", "muir", [(500, loss)], 500, 500)
+        _run(tmp_path / "old", f"gdn2_lr{lr}", "gdn2", [(500, loss - 0.1)], 500, 500)
+    out = tmp_path / "repo" / "runs" / "b"
+    out.mkdir(parents=True)
+    env = {**os.environ, "LONG_MODELS": "muir", "SWEEP_FROM": str(tmp_path / "old"), "EXTEND_ROUNDS": "0"}
+    r = subprocess.run(["bash", "tools/gpu_lm_budget.sh", "pipeline", "runs/b", "muir=1e-3/2e-3/4e-3,gdn2=1e-3/2e-3/4e-3"],
+                       cwd=tmp_path / "repo", capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert (out / "lr.txt").read_text().split() == ["gdn2", "0.002", "muir", "0.002"]
+    asked = (out / "asked.txt").read_text().split("\n")[0].split()
+    assert asked[:2] == ["runs/b/long", "muir_s0:muir:optim.lr=0.002:train.seed=0,muir_s1:muir:optim.lr=0.002:train.seed=1"]
+    assert "gdn2 (LR 0.002) left for later" in r.stdout and (out / "done").read_text().strip() == "0"
