@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -77,6 +78,16 @@ def child(config: str, mode: str, batch: int, lengths: list[int], chunk: int, ov
     return rows
 
 
+def run_child(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """One (config, mode) process. SIGTERM on this process (``timeout`` around the benchmark) becomes SystemExit,
+    on which ``subprocess.run`` kills the child: a cut benchmark leaves nothing holding the device."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,7 +123,7 @@ def main(argv=None):
                    "--lengths", ",".join(map(str, lengths)), "--chunk", str(a.chunk)]
             cmd += [x for kv in overrides for x in ("--set", kv)]
             try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+                done = run_child(cmd, a.timeout)
                 lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
                 if done.returncode and not lines:
                     lines = [{"config": os.path.basename(config), "mode": mode, "error": done.stderr[-300:]}]

@@ -85,10 +85,12 @@ def test_long_models_gives_long_runs_to_those_models_only(tmp_path):
     out = tmp_path / "repo" / "runs" / "b"
     out.mkdir(parents=True)
     env = {**os.environ, "LONG_MODELS": "muir", "SWEEP_FROM": str(tmp_path / "old"), "EXTEND_ROUNDS": "0"}
-    r = subprocess.run(["bash", "tools/gpu_lm_budget.sh", "pipeline", "runs/b", "muir=1e-3/2e-3/4e-3,gdn2=1e-3/2e-3/4e-3"],
+    models = "muir=1e-3/2e-3/4e-3,gdn2=1e-3/2e-3/4e-3"
+    r = subprocess.run(["bash", "tools/gpu_lm_budget.sh", "pipeline", "runs/b", models],
                        cwd=tmp_path / "repo", capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert (out / "lr.txt").read_text().split() == ["gdn2", "0.002", "muir", "0.002"]
     asked = (out / "asked.txt").read_text().split("\n")[0].split()
-    assert asked[:2] == ["runs/b/long", "muir_s0:muir:optim.lr=0.002:train.seed=0,muir_s1:muir:optim.lr=0.002:train.seed=1"]
+    muir_only = "muir_s0:muir:optim.lr=0.002:train.seed=0,muir_s1:muir:optim.lr=0.002:train.seed=1"
+    assert asked[:2] == ["runs/b/long", muir_only]
     assert "gdn2 (LR 0.002) left for later" in r.stdout and (out / "done").read_text().strip() == "0"
