@@ -28,13 +28,3 @@ gpu_for() {
   mapfile -t gpus < <(gpu_list)
   if (( ${#gpus[@]} )); then echo "${gpus[$(( $1 % ${#gpus[@]} ))]}"; fi
 }
-mem_fraction() {  # XLA_PYTHON_CLIENT_MEM_FRACTION for each of $1 processes sharing one GPU
-  # 90 % of the GPU's memory shared out, less 1.5 GiB per process for what lives outside JAX's pool (the CUDA
-  # context, cuBLAS/cuDNN workspaces, Triton modules). Without that deduction six runs at 0.15 each of an 80 GB H100
-  # ran out of memory at their first step with most of their own pool free: the pool could not grow, the GPU was
-  # full. Without nvidia-smi: 0.9 / $1.
-  local mib
-  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1 | tr -dc 0-9)
-  python3 -c "n, mib = $1, float('${mib:-0}' or 0)
-print(round(max(0.02, (0.9 * mib - 1536 * n) / (n * mib)) if mib else 0.9 / n, 3))"
-}

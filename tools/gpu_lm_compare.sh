@@ -50,7 +50,7 @@ source tools/gpu_env.sh lm_compare
 n_runs=$(tr ',' '\n' <<< "$models" | grep -c .)
 n_gpus=$(gpu_list | grep -c . || true); (( n_gpus >= 1 )) || n_gpus=1
 per_gpu=$(( (n_runs + n_gpus - 1) / n_gpus ))
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(mem_fraction "$per_gpu")}
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(python3 -c "print(round(0.9 / $per_gpu, 3))")}
 echo "$n_runs runs on $n_gpus GPU(s), up to $per_gpu per GPU, XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION each"
 mkdir -p "$out"
 pids=()

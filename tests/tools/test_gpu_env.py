@@ -37,32 +37,3 @@ def test_cuda_visible_devices_wins_and_lm_compare_gpus_takes_the_first_n(tmp_pat
     assert _deal(tmp_path, 3, ["0", "1", "2", "3"], CUDA_VISIBLE_DEVICES="3, 1") == ["3", "1", "3"]
     assert _deal(tmp_path, 3, ["0", "1", "2", "3"], LM_COMPARE_GPUS="2") == ["0", "1", "0"]
     assert _deal(tmp_path, 2, ["0", "1", "2", "3"], LM_COMPARE_GPUS="1") == ["", ""]
-
-
-def _mem_fraction(tmp_path, per_gpu, total_mib=None):
-    """What mem_fraction says for ``per_gpu`` processes on one GPU of ``total_mib`` MiB (None: no nvidia-smi)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    if total_mib is not None:
-        smi = bin_dir / "nvidia-smi"
-        smi.write_text('#!/bin/sh\ncase "$*" in *memory.total*) echo %d;; *) echo 0;; esac\n' % total_mib)
-        smi.chmod(0o755)
-    script = f'source <(sed -n "/^gpu_list()/,\\$p" {_ENV}); mem_fraction {per_gpu}'
-    out = subprocess.run(["bash", "-c", script], env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"},
-                         capture_output=True, text=True, check=True).stdout
-    return float(out)
-
-
-def test_mem_fraction_leaves_each_process_room_outside_its_pool(tmp_path):
-    h100 = 81559  # MiB, what nvidia-smi reports for an H100 80GB HBM3
-    six = _mem_fraction(tmp_path, 6, h100)
-    assert six == pytest.approx(0.131, abs=1e-3)
-    # pools plus 1.5 GiB per process stay within 90 % of the GPU, where 0.9 / 6 (0.15) did not
-    assert 6 * (six * h100 + 1536) <= 0.9 * h100 + 1
-    assert _mem_fraction(tmp_path, 2, h100) == pytest.approx(0.431, abs=1e-3)
-    assert _mem_fraction(tmp_path, 1, h100) == pytest.approx(0.881, abs=1e-3)
-    assert _mem_fraction(tmp_path, 200, h100) == 0.02  # never zero or negative
-
-
-def test_mem_fraction_without_nvidia_smi_shares_ninety_percent(tmp_path):
-    assert _mem_fraction(tmp_path, 4) == pytest.approx(0.225)
