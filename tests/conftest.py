@@ -1,5 +1,7 @@
 """Test-wide settings: the JAX platform (the machine's: CPU with a quiet libtpu, or its GPU/TPU; JAX_PLATFORMS
-wins), the repo root as the working directory, and one persistent XLA compile cache per test session."""
+wins), the repo root as the working directory, a rerun of a test whose xdist worker crashed, and (opt-in) one
+persistent XLA compile cache per test session."""
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -22,19 +24,30 @@ if PLATFORM == "cpu" and os.environ.get("MIXERLAB_TEST_XLA_OPT") != "1" \
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
 
 import pytest  # noqa: E402
+# A test whose xdist worker crashes is run again alone at the end (tests/xdist_crash_retry.py says why); pytest finds
+# the two hooks here by name. The plugin is a file beside this one, imported from there (tests/ is no package).
+_spec = importlib.util.spec_from_file_location(
+    "xdist_crash_retry", os.path.join(os.path.dirname(os.path.abspath(__file__)), "xdist_crash_retry.py"))
+_crash_retry = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_crash_retry)
+pytest_handlecrashitem, pytest_sessionfinish = _crash_retry.pytest_handlecrashitem, _crash_retry.pytest_sessionfinish
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The session's compile cache: made by the first process that loads this file (the xdist controller, or the
-# only process) and inherited by the workers and the subprocesses the tests start, so a program that several
-# tests compile (the tiny trainer's step, the eval step) is compiled once per session instead of once per test.
-# A fresh folder every session: nothing carries over between runs, so every run still compiles everything once.
+# The session's compile cache, with MIXERLAB_TEST_XLA_CACHE_ON=1 only: made by the first process that loads this
+# file (the xdist controller, or the only process) and inherited by the workers and the subprocesses the tests
+# start, so a program that several tests compile (the tiny trainer's step, the eval step) is compiled once per
+# session instead of once per test; a fresh folder every session. Off by default since a clean-clone run lost an
+# xdist worker to a segmentation fault inside the cache's write (jax 0.10.2 serialising a CPU executable), after
+# which pytest-xdist's loadgroup scheduler waited for ever; for 6 % of the time of the trainer and evaluation
+# tests (135 s with it, 144 s without: tests/training/test_train.py and tests/eval, 2 workers).
+CACHE_ON = os.environ.get("MIXERLAB_TEST_XLA_CACHE_ON") == "1"
 _CACHE_ENV = "MIXERLAB_TEST_XLA_CACHE"
 _OWN_CACHE = None
-if _CACHE_ENV not in os.environ:
+if CACHE_ON and _CACHE_ENV not in os.environ:
     _OWN_CACHE = os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="mixerlab-xla-cache-")
 XLA_CACHE_SETTINGS = {  # the JAX option -> its value; the environment variable is the option's name in capitals
-    "jax_compilation_cache_dir": os.environ[_CACHE_ENV],
+    "jax_compilation_cache_dir": os.environ.get(_CACHE_ENV, ""),
     "jax_persistent_cache_min_compile_time_secs": 0.1,  # not the many tiny eager-mode programs
     "jax_persistent_cache_min_entry_size_bytes": 0,
 }
@@ -114,7 +127,7 @@ def _repo_root_cwd(monkeypatch):
 @pytest.fixture(autouse=True)
 def _shared_xla_cache(request, monkeypatch):
     """The session's compile cache for this test and the processes it starts (see ``_uses_xla_cache``)."""
-    on = _uses_xla_cache(request.node)
+    on = CACHE_ON and _uses_xla_cache(request.node)
     _set_xla_cache(on)
     for key, value in XLA_CACHE_SETTINGS.items():
         if on:
