@@ -5,7 +5,7 @@
 # same corpus, byte for byte in its token counts, as ../lm_budget_h100_2026-12-05b). Muir with gamma = dynamic
 # (configs/lm_compare/muir.yaml) got its sweep, long runs and evaluations; Muir with gamma = none
 # (muir_no_gamma.yaml) its sweep and LR pick only (LONG_MODELS), for a later pipeline's SWEEP_FROM.
-# Device time: 1,529 s held in all (machine start included).
+# Device time: 1,526 s held in all (machine start included).
 # Call 1, carry [".whl", "data/lm_corpus/device"]:
 LONG_MODELS=muir EVAL=1 bash tools/gpu_lm_budget.sh start runs/muir \
   muir=1.5e-3/3e-3/6e-3,muir_no_gamma=1.5e-3/3e-3/6e-3 5
