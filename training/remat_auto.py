@@ -30,21 +30,21 @@ CANDIDATES = ("none", "dots", "kernels", "block")  # fastest first
 HEADROOM = 0.9  # of the limit: the allocator also holds what compiling took (autotuning) and fragments
 
 
-def program_bytes(compiled) -> float:
-    """Per-device bytes of a compiled program: arguments + outputs − donated aliases + temporaries + code."""
-    mem = compiled.memory_analysis()
+def program_bytes(mem) -> float:
+    """Per-device bytes of a compiled program (``mem``: its ``memory_analysis()``): arguments + outputs − donated
+    aliases + temporaries + code."""
     field = lambda name: float(getattr(mem, name, 0) or 0)  # noqa: E731
     return (field("argument_size_in_bytes") + field("output_size_in_bytes") - field("alias_size_in_bytes")
             + field("temp_size_in_bytes") + field("generated_code_size_in_bytes"))
 
 
-def peak_note(policy: str, compiled, counted: float) -> Optional[str]:
-    """A line when XLA's own peak for the compiled program (``peak_memory_in_bytes``, where the runtime reports
-    one) is above :func:`program_bytes`' count, else None. Logged, not yet used to choose: on an H100 at 15 % of
+def peak_note(policy: str, mem, counted: float) -> Optional[str]:
+    """A line when XLA's own peak for the compiled program (``mem.peak_memory_in_bytes``, where the runtime
+    reports one) is above :func:`program_bytes`' count, else None. Logged, not yet used to choose: on an H100 at 15 % of
     the GPU the Muir step of configs/lm_compare counted 10.6 GiB, fitted the 90 % headroom, and ran out of memory
     at its first step, while XLA's rematerialization pass put it at 11.58 GiB; whether this field sees that too is
     what the line is for."""
-    peak = float(getattr(compiled.memory_analysis(), "peak_memory_in_bytes", 0) or 0)
+    peak = float(getattr(mem, "peak_memory_in_bytes", 0) or 0)
     if peak <= counted * 1.01:
         return None
     return (f"model.remat=auto: {policy!r}: XLA's peak for the step is {peak / 2**30:.1f} GiB, above the "
@@ -137,9 +137,9 @@ def resolve(cfg, vocab_size: int, mesh, say=print):
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=policy))
 
     def compile_bytes(policy):
-        compiled = Trainer(with_policy(policy), vocab_size, mesh=mesh).lower_abstract_step().compile()
-        counted = program_bytes(compiled)
-        note = peak_note(policy, compiled, counted)
+        mem = Trainer(with_policy(policy), vocab_size, mesh=mesh).lower_abstract_step().compile().memory_analysis()
+        counted = program_bytes(mem)
+        note = peak_note(policy, mem, counted)
         if note:
             say(note)
         return counted

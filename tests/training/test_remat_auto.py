@@ -122,16 +122,12 @@ def test_auto_starts_again_with_the_next_policy_when_its_choice_runs_out_of_memo
     assert failed == ["dots"]
 
 
-class _Compiled:
-    def __init__(self, peak):
-        self.peak = peak
-
-    def memory_analysis(self):
-        return type("Stats", (), {"peak_memory_in_bytes": self.peak})()
+def _stats(peak):
+    return type("Stats", (), {"peak_memory_in_bytes": peak})()
 
 
 def test_xla_peak_above_the_count_is_said_and_not_otherwise():
-    note = remat_auto.peak_note("none", _Compiled(11.58 * GIB), 10.6 * GIB)
+    note = remat_auto.peak_note("none", _stats(11.58 * GIB), 10.6 * GIB)
     assert note == "model.remat=auto: 'none': XLA's peak for the step is 11.6 GiB, above the 10.6 GiB counted"
-    assert remat_auto.peak_note("none", _Compiled(10.6 * GIB), 10.6 * GIB) is None
-    assert remat_auto.peak_note("none", _Compiled(0), 10.6 * GIB) is None  # the runtime reports no peak
+    assert remat_auto.peak_note("none", _stats(10.6 * GIB), 10.6 * GIB) is None
+    assert remat_auto.peak_note("none", _stats(0), 10.6 * GIB) is None  # the runtime reports no peak
