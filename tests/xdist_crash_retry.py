@@ -5,8 +5,10 @@ else failed. A test that fails, or that crashes again, still fails the session.
 Why: on 2026-12-07 one clean-clone run of `make test` lost a worker to a segmentation fault inside JAX's
 persistent compilation cache, while it serialised a CPU executable (`compilation_cache.put_executable_and_time`
 → `executable.serialize()`, jax 0.10.2), in a trainer test that passes on every other run. pytest-xdist
-reports such a crash as a failure of the test that was running; under `--dist loadgroup` it cannot put the test
-back in the queue, so this plugin reruns it after the others. The crash and the rerun are both printed.
+reports such a crash as a failure of the test that was running, whatever its scheduler does next (`--dist load`
+does not run the test again; `--dist loadgroup` queues the test's group again, and has also been seen to wait
+for ever instead, which this plugin cannot mend), so this plugin runs it once more, alone, after the others. The
+crash and the rerun are both printed.
 
 Loaded by tests/conftest.py (which imports the two hooks); the hooks do nothing in a run without xdist.
 """
