@@ -13,7 +13,8 @@ dt             = softplus(dt_raw + dt_bias)        per head, float32 (float64 un
 S_t            = exp(dt_t A) S_{t-1} + B_t^T (dt_t x_t)        S in R^{N x P} per head
 y_t            = C_t S_t + D x_t
 out            = (RMSNorm_group(y ⊙ SiLU(z)) * omega) W_out     the norm over each group's H·P/G channels
-op inputs:  q = C, k = B, v = dt·x, log_decay = dt·A [B,T,H], erase_key = None (no scale on q).
+op inputs:  q = C, k = B per group [B,T,G,N], v = dt·x, log_decay = dt·A [B,T,H] (no scale on q): the SSD op
+            (pallas_kernels.ssd; the one-token decode step repeats q and k per head for the delta-rule step).
 ```
 Inits [FLA ``Mamba2`` / ``Mamba2PreTrainedModel._init_weights``]: A_log = log U(1, 16), dt_bias = inv_softplus(dt)
 with dt ~ logU(1e-3, 1e-1) clamped >= 1e-4, D = 1 (all per head, ``DynamicsParam``); conv bias 0; omega 1.
@@ -50,7 +51,8 @@ class Mamba2Options:
     init_scheme: "normal"        N(0, spec.init_std) for W_in (FLA's ``initializer_range``) | "xavier_uniform";
                                  W_out is N(0, spec.out_init_std) [ours: the decoder's convention, where FLA
                                  re-inits ``out_proj`` by kaiming-uniform / sqrt(L)].
-    implementation: str = "auto" which implementation of the op.
+    implementation: str = "auto" which implementation of the SSD op (pallas_kernels.ssd: "auto", "xla",
+                                 "reference", "pallas_triton", "pallas_tpu", "delta_rule_triton").
     chunk_size: int = 0          chunk length of the chunkwise op; 0 = the op's default.
     leaf_size: int = 0           leaf size of the op's block inverse; 0 = the op's default.
     """
@@ -117,14 +119,13 @@ class Mamba2(nnx.Module):
         return jax.nn.silu(y).astype(self.dtype)
 
     def _op_inputs(self, xbc, dt_raw):
-        """Post-conv xBC [..., conv_dim] and dt_raw [..., H] -> q = C, k = B (per head), v = dt·x, the log decay
-        dt·A, and x itself (for the D skip); heads on axis -2."""
+        """Post-conv xBC [..., conv_dim] and dt_raw [..., H] -> q = C, k = B (per group [..., G, N]), v = dt·x, the
+        log decay dt·A [..., H], and x itself (for the D skip); heads on axis -2. Group g serves heads
+        g·H/G .. (g+1)·H/G - 1 (Mamba-2's kernels; FLA's decode path)."""
         H, G, N, P = self.num_heads, self.options.n_groups, self.state_dim, self.head_dim
         x, b, c = jnp.split(xbc, [self.inner, self.inner + G * N], axis=-1)
         x = x.reshape(*x.shape[:-1], H, P)
-        # group g serves heads g·H/G .. (g+1)·H/G - 1 (Mamba-2's kernels; FLA's decode path)
-        b = jnp.repeat(b.reshape(*b.shape[:-1], G, N), H // G, axis=-2)
-        c = jnp.repeat(c.reshape(*c.shape[:-1], G, N), H // G, axis=-2)
+        b, c = b.reshape(*b.shape[:-1], G, N), c.reshape(*c.shape[:-1], G, N)
         dt = jax.nn.softplus(dt_raw.astype(self.acc) + self.dt_bias[...])
         lam = -jnp.exp(self.A_log[...].astype(self.acc)) * dt
         v = (x.astype(self.acc) * dt[..., None]).astype(self.dtype)
@@ -143,8 +144,8 @@ class Mamba2(nnx.Module):
     def _mix(self, z, xbc, dt_raw, segment_ids, initial_state):
         q, k, v, lam, x = self._op_inputs(xbc, dt_raw)
         o = self.options
-        out, state = pallas_kernels.delta_rule(
-            q, k, v, erase_key=None, log_decay=lam, initial_state=initial_state, segment_ids=segment_ids,
+        out, state = pallas_kernels.ssd(
+            q, k, v, log_decay=lam, initial_state=initial_state, segment_ids=segment_ids,
             chunk_size=o.chunk_size or None, leaf_size=o.leaf_size or None, implementation=o.implementation)
         return self._output(out, x, z), state
 
@@ -183,6 +184,8 @@ class Mamba2(nnx.Module):
         z, xbc_raw, dt_raw = self._project(x_B1D[:, 0])
         xbc, conv_cache = self.conv.step(xbc_raw, cache["conv"])
         q, k, v, lam, x = self._op_inputs(self._conv_act(xbc), dt_raw)
+        r = self.num_heads // self.options.n_groups  # the one-token step takes q and k per head
+        q, k = jnp.repeat(q, r, axis=-2), jnp.repeat(k, r, axis=-2)
         o, state = pallas_kernels.delta_rule_step(q, k, v, log_decay=lam, state=cache["state"])
         y = self._output(o, x, z)
         return y[:, None], {"state": state.astype(self.acc), "conv": conv_cache}

@@ -12,7 +12,9 @@ from mixerlab.pallas_kernels.delta_rule import delta_rule, delta_rule_step, norm
 from mixerlab.pallas_kernels.dplr_delta_rule import dplr_delta_rule, dplr_delta_rule_step  # noqa: E402
 from mixerlab.pallas_kernels.interdomain import interdomain, interdomain_step, s4d, s4d_step  # noqa: E402
 from mixerlab.pallas_kernels.short_conv import causal_conv  # noqa: E402
+from mixerlab.pallas_kernels.ssd import ssd  # noqa: E402
 from mixerlab.pallas_kernels.vla.api import vla, vla_step  # noqa: E402
 
 __all__ = ["attention", "causal_conv", "delta_rule", "delta_rule_step", "dplr_delta_rule", "dplr_delta_rule_step",
-           "normalized_linear_attention", "interdomain", "interdomain_step", "s4d", "s4d_step", "vla", "vla_step"]
+           "normalized_linear_attention", "interdomain", "interdomain_step", "s4d", "s4d_step", "ssd", "vla",
+           "vla_step"]

@@ -240,7 +240,8 @@ def mesh_axes(split_size: int):
 def per_shard(run, heads: int, in_kinds: tuple, out_kinds):
     """Pallas kernels cannot be partitioned by XLA: under a device mesh in context (the trainer traces its step
     under ``jax.sharding.use_abstract_mesh``) run them per shard with ``shard_map`` — batch over (data, fsdp),
-    heads over tensor when they divide. Argument kinds: "tokens" [B, T, H, ...], "state" [B, H, ...],
+    heads over tensor when they divide. Argument kinds: "tokens" [B, T, H, ...], "token_heads" [B, T, H] (one
+    number per token and head, e.g. a per-head decay), "state" [B, H, ...],
     "rows" [B, T], "heads" [H, ...] (per-head parameters); ``out_kinds`` is one kind or a tuple of kinds.
     Without a mesh, ``run`` itself."""
     axes = mesh_axes(heads)
@@ -250,6 +251,7 @@ def per_shard(run, heads: int, in_kinds: tuple, out_kinds):
 
     mesh, batch, head = axes
     specs = {"tokens": P(batch, None, head, None), "state": P(batch, head, None, None), "rows": P(batch, None),
+             "token_heads": P(batch, None, head),
              "heads": P(head)}
     out_specs = specs[out_kinds] if isinstance(out_kinds, str) else tuple(specs[k] for k in out_kinds)
 

@@ -50,6 +50,12 @@ class OpTable:
     def names(self) -> list[str]:
         return [AUTO, *self._impls]
 
+    def get(self, name: str) -> Implementation:
+        """The registered implementation ``name`` (for an op that runs another op's implementation directly)."""
+        if name not in self._impls:
+            raise self._refuse(name, "unknown implementation name")
+        return self._impls[name]
+
     def _refuse(self, name: str, reason: str) -> ValueError:
         return ValueError(
             f"{self.op}: implementation={name!r} cannot serve this call: {reason}. "

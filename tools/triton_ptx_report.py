@@ -12,6 +12,7 @@ for relative comparisons (did a change add spills?), then time on the GPU.
     python tools/triton_ptx_report.py --op short_conv [--overrides '{"bwd_block_t": 32}']   # at 32x4096x1024 bf16
     python tools/triton_ptx_report.py --op vla [--overrides '{"warps_forward": 2}']          # at 8x4096x12x64
     python tools/triton_ptx_report.py --op interdomain [--overrides '{"block_m_backward": 32}']  # the 125M shape
+    python tools/triton_ptx_report.py --op ssd [--chunk 64 --overrides '{"warps_backward": 8}']   # Mamba-2 166M
 """
 from __future__ import annotations
 
@@ -145,6 +146,28 @@ def vla_modules(overrides, shape=(8, 4096, 12, 64)):
     return _capture_triton_modules(trace), {"forward": cfg.warps_forward, "backward": cfg.warps_backward}
 
 
+def ssd_modules(chunk, overrides, shape=(32, 4096, 1, 32, 128, 64)):
+    """The SSD kernels (forward + backward, bf16, Mamba-2's 166M shape by default) and their warps."""
+    import jax
+    import jax.numpy as jnp
+
+    from mixerlab.pallas_kernels.ssd import pallas_triton
+
+    b, t, g, h, n, p = shape
+    s = jax.ShapeDtypeStruct
+    specs = (s((b, t, g, n), jnp.bfloat16), s((b, t, g, n), jnp.bfloat16), s((b, t, h, p), jnp.bfloat16),
+             s((b, t, h), jnp.float32), s((b, h, n, p), jnp.float32), s((b, t), jnp.int32))
+
+    def loss(*a):
+        out, final = pallas_triton.run(*a, chunk_size=chunk, **overrides)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(final)
+
+    trace = lambda: jax.jit(jax.grad(loss, argnums=tuple(range(5)))).trace(*specs).lower(  # noqa: E731
+        lowering_platforms=("cuda",))
+    cfg = pallas_triton.make_config(chunk, jnp.bfloat16, h // g, **overrides)
+    return _capture_triton_modules(trace), {"forward": cfg.warps_forward, "backward": cfg.warps_backward}
+
+
 def ptxas_report(ttir, num_warps, num_stages=3):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -168,7 +191,7 @@ def ptxas_report(ttir, num_warps, num_stages=3):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--op", default="delta_rule", choices=("delta_rule", "short_conv", "interdomain", "vla"))
+    ap.add_argument("--op", default="delta_rule", choices=("delta_rule", "short_conv", "interdomain", "vla", "ssd"))
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--leaf", type=int, default=16)
     ap.add_argument("--overrides", default="{}", help="JSON dict of pallas_triton.Config fields")
@@ -186,6 +209,8 @@ def main():
         modules, warps = vla_modules(json.loads(a.overrides))
     elif a.op == "interdomain":
         modules, warps = interdomain_modules(a.chunk, json.loads(a.overrides))
+    elif a.op == "ssd":
+        modules, warps = ssd_modules(a.chunk, json.loads(a.overrides))
     else:
         modules, warps, stages = triton_modules(a.chunk, a.leaf, json.loads(a.overrides), dtype=a.dtype)
     wanted = set(filter(None, a.kernels.split(",")))
@@ -193,7 +218,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for name, ttir in modules.items():
         short = (name.removeprefix("delta_rule_").removeprefix("short_conv_").removeprefix("vla_penalty_")
-                 .removeprefix("interdomain_"))
+                 .removeprefix("interdomain_").removeprefix("ssd_"))
         if wanted and short not in wanted:
             continue
         w = warps.get(short, 4)

@@ -1,0 +1,178 @@
+"""The SSD op (pallas_kernels/ssd): grouped scalar-decay linear attention, Mamba-2's SSD layer.
+
+* the GPU kernels (``pallas_triton``, run by the Pallas interpreter on the CPU) against the float64 token-by-token
+  oracle: outputs, final states and the gradients of q, k, v, λ and the initial state, on odd lengths, packed
+  documents (a reused id), one and two groups, several N and P, float32 and bfloat16;
+* the delta-rule path ("xla": q, k repeated per head) against the oracle in float64;
+* the kernels lowered for CUDA on the CPU (the pallas_calls Triton receives), the refusals and the argument errors.
+Tolerances (relative to the largest entry of the oracle's array): float32 2e-5, bfloat16 2e-2, float64 1e-10.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mixerlab.pallas_kernels import common, ssd
+from mixerlab.pallas_kernels.ssd import api, pallas_triton, reference
+
+# (batch, length, groups, heads, N, P, chunk)
+SHAPES = [(2, 37, 2, 4, 16, 32, 16), (2, 50, 1, 2, 32, 16, 32)]
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+def inputs(b, t, g, h, n, p, seed=0):
+    r = np.random.default_rng(seed)
+    q, k = (r.normal(size=(b, t, g, n)) * 0.5 for _ in range(2))
+    v = r.normal(size=(b, t, h, p))
+    log_decay = -np.exp(r.normal(size=(b, t, h)) - 1.0)
+    state = r.normal(size=(b, h, n, p)) * 0.3
+    seg = np.stack([np.array([1] * 9 + [2] * 13 + [1] * (t - 22)), np.full(t, 3)])[:b].astype(np.int32)
+    return (q, k, v, log_decay, state), seg
+
+
+def rel_err(got, want):
+    want = np.asarray(want, np.float64)
+    return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
+
+
+def loss_and_grads(run, args, weights):
+    def loss(*a):
+        out, final = run(*a)
+        return jnp.sum(out.astype(jnp.float64 if out.dtype == jnp.float64 else jnp.float32) * weights[0]) + jnp.sum(
+            final * weights[1])
+
+    out = run(*args)
+    return out, jax.grad(loss, argnums=tuple(range(5)))(*args)
+
+
+def oracle(args, seg, weights):
+    with jax.enable_x64(True):
+        a = [jnp.asarray(x, jnp.float64) for x in args]
+        document = common.document_index(jnp.asarray(seg), *seg.shape)
+        run = lambda *x: reference.ssd_reference(*x, document)  # noqa: E731
+        (out, final), grads = loss_and_grads(run, a, [jnp.asarray(w, jnp.float64) for w in weights])
+        return [np.asarray(x) for x in (out, final, *grads)]
+
+
+def check_kernels_against_the_oracle(args, seg, dtype, tol, **run_options):
+    """The kernels' outputs, final state and five gradients within ``tol`` of the float64 oracle."""
+    b, t, h, p = args[2].shape
+    n = args[0].shape[-1]
+    r = np.random.default_rng(1)
+    weights = (r.normal(size=(b, t, h, p)), r.normal(size=(b, h, n, p)))
+    want = oracle(args, seg, weights)
+    document = common.document_index(jnp.asarray(seg), b, t)
+    cast = [jnp.asarray(x, dtype) for x in args[:3]] + [jnp.asarray(x, jnp.float32) for x in args[3:]]
+
+    def run(*a):
+        return pallas_triton.run(*a, document, **run_options)
+
+    (out, final), grads = jax.jit(lambda *a: loss_and_grads(run, a, [jnp.asarray(w, jnp.float32) for w in weights]))(
+        *cast)
+    assert out.dtype == dtype and final.dtype == jnp.float32
+    for name, got, exp in zip(("out", "final", "dq", "dk", "dv", "dλ", "dS0"), (out, final, *grads), want):
+        assert rel_err(got, exp) < tol, name
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["G2H4N16P32", "G1H2N32P16"])
+def test_triton_kernels_match_the_f64_oracle(shape, dtype):
+    b, t, g, h, n, p, chunk = shape
+    args, seg = inputs(b, t, g, h, n, p)
+    check_kernels_against_the_oracle(args, seg, dtype, TOL[dtype], chunk_size=chunk, interpret=True)
+
+
+def test_the_delta_rule_path_matches_the_oracle_in_f64():
+    b, t, g, h, n, p, chunk = SHAPES[0]
+    args, seg = inputs(b, t, g, h, n, p, seed=2)
+    r = np.random.default_rng(3)
+    weights = (r.normal(size=(b, t, h, p)), r.normal(size=(b, h, n, p)))
+    want = oracle(args, seg, weights)
+    with jax.enable_x64(True):
+        a = [jnp.asarray(x, jnp.float64) for x in args]
+
+        def run(q, k, v, lam, s0):
+            return ssd(q, k, v, log_decay=lam, initial_state=s0, segment_ids=jnp.asarray(seg), chunk_size=chunk,
+                       leaf_size=8, implementation="xla")
+
+        (out, final), grads = loss_and_grads(run, a, [jnp.asarray(w, jnp.float64) for w in weights])
+        for name, got, exp in zip(("out", "final", "dq", "dk", "dv", "dλ", "dS0"), (out, final, *grads), want):
+            assert rel_err(got, exp) < 1e-10, name
+
+
+def test_without_state_or_segments_the_op_starts_from_zero_and_runs_one_document():
+    b, t, g, h, n, p, chunk = SHAPES[1]
+    (q, k, v, lam, _), _ = inputs(b, t, g, h, n, p, seed=4)
+    with jax.enable_x64(True):
+        a = [jnp.asarray(x, jnp.float64) for x in (q, k, v, lam)]
+        out, final = ssd(*a[:3], log_decay=a[3], chunk_size=chunk, implementation="xla")
+        want_out, want_final = reference.ssd_reference(*a, jnp.zeros((b, h, n, p)), jnp.zeros((b, t), jnp.int32))
+        assert rel_err(out, want_out) < 1e-10 and rel_err(final, want_final) < 1e-10
+
+
+def test_kernels_lower_for_cuda_without_repeating_q_and_k():
+    """The forward and the backward are one Pallas call each; q and k enter at their group shape (no [B, T, H, N]
+    copy is made: the BlockSpec indexes them by group)."""
+    b, t, g, h, n, p = 2, 256, 1, 8, 64, 32
+    s = jax.ShapeDtypeStruct
+    specs = (s((b, t, g, n), jnp.bfloat16), s((b, t, g, n), jnp.bfloat16), s((b, t, h, p), jnp.bfloat16),
+             s((b, t, h), jnp.float32), s((b, h, n, p), jnp.float32), s((b, t), jnp.int32))
+
+    def loss(q, k, v, lam, state, document):
+        out, final = pallas_triton.run(q, k, v, lam, state, document, chunk_size=64)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(final)
+
+    text = jax.jit(jax.grad(loss, argnums=tuple(range(5)))).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count('"ssd_forward"') >= 1 and text.count('"ssd_backward"') >= 1
+    assert "delta_rule" not in text
+    assert f"tensor<{b}x{t}x{h}x{n}xbf16>" in text  # the per-head dq, dk partials, summed over the group by XLA
+    assert f"tensor<{b}x{t}x{h}x{n}xbf16>" not in text.split("ssd_backward")[0]  # the forward never sees them
+
+
+def call(**overrides):
+    base = dict(batch=2, length=64, heads=32, groups=1, state_dim=128, head_dim=64, dtype=jnp.dtype(jnp.bfloat16),
+                has_initial_state=False, has_segments=True, chunk_size=64, leaf_size=16, backend="gpu")
+    return api.SsdCall(**{**base, **overrides})
+
+
+def test_the_kernels_refuse_what_they_cannot_run():
+    if pallas_triton.supports(call()) is not None:
+        pytest.skip("this JAX has no Pallas-Triton backend")
+    assert "GPU only" in pallas_triton.supports(call(backend="cpu"))
+    assert "chunk_size=256" in pallas_triton.supports(call(chunk_size=256))
+    assert "head_dim=48" in pallas_triton.supports(call(head_dim=48))
+    assert "registers" in pallas_triton.supports(call(state_dim=256, head_dim=128))
+    assert "float64" in pallas_triton.supports(call(dtype=jnp.dtype(jnp.float64)))
+    assert api.TABLE.choose("auto", call(backend="cpu")).name == "xla"
+
+
+def test_arguments_are_checked_with_messages_that_name_them():
+    (q, k, v, lam, state), _ = inputs(2, 24, 2, 4, 16, 16)
+    q, k, v, lam = (jnp.asarray(x, jnp.float32) for x in (q, k, v, lam))
+    with pytest.raises(ValueError, match="ssd: argument 'v'.*multiple of the G=2 groups"):
+        ssd(q, k, v[:, :, :3], log_decay=lam[:, :, :3])
+    with pytest.raises(ValueError, match="ssd: argument 'log_decay'"):
+        ssd(q, k, v, log_decay=lam[..., None])
+    with pytest.raises(ValueError, match="ssd: argument 'k'.*dtype float32"):
+        ssd(q, k.astype(jnp.bfloat16), v, log_decay=lam)
+    with pytest.raises(ValueError, match="ssd: argument 'initial_state'"):
+        ssd(q, k, v, log_decay=lam, initial_state=jnp.zeros((2, 4, 16, 8)))
+    with pytest.raises(ValueError, match="ssd: argument 'log_decay' is outside its domain"):
+        ssd(q, k, v, log_decay=-lam)
+    with pytest.raises(ValueError, match="implementation='nope'"):
+        ssd(q, k, v, log_decay=lam, implementation="nope")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)], ids=["f32", "bf16"])
+def test_gpu_compiled_kernels_match_the_f64_oracle(dtype, tol):
+    """The compiled kernels at Mamba-2's widths (N 128, P 64), two groups of two heads, T = 150 packed, chunk 64.
+    float32 under JAX's default matmul precision is TF32 on the GPU, hence 1e-4."""
+    b, t, g, h, n, p = 2, 150, 2, 4, 128, 64
+    args, _ = inputs(b, t, g, h, n, p, seed=5)
+    args = (args[0] / 4, args[1] / 4, *args[2:])  # |q·k| ~ 1 at N = 128
+    seg = np.stack([np.repeat([1, 2, 1], [40, 70, 40]), np.full(t, 3)]).astype(np.int32)
+    check_kernels_against_the_oracle(args, seg, dtype, tol, chunk_size=64)
