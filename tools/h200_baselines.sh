@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The recurrent baselines on the GPU machine (docs/benchmarks/baselines_h200.md), one call, from the repo root with
-# `carry: [".whl"]`:  bash tools/h200_baselines.sh OUT_DIR [MODEL ...]
+# `carry: [".whl"]`:  bash tools/h200_baselines.sh OUT_DIR [MODEL[+KEY=VALUE...] ...]
 #   1. the 166M paper configs at 32×4096 on the embedded corpus (tools/bench_train.py), each in its own process and
 #      JSON file, so a call cut short keeps what finished; `model.remat=none` for the models in BASELINES_REMAT_NONE
 #      (the policy `auto` picks for them on an H200; setting it skips auto's extra compile; on a card with less than
@@ -25,13 +25,16 @@ elapsed() { echo $(( $(date +%s) - t0 )); }
 left() { echo $(( budget - $(elapsed) )); }
 data="--set data.train_path=data/embedded/train --set data.val_path=data/embedded/val --set data.tokenizer.kind=hf
       --set data.tokenizer.path=data/embedded/tokenizer.json"
-for m in $models; do
-  l=$(left); [ "$l" -lt 60 ] && { echo "$m: not run (time, at $(elapsed) s)" >> "$out/skipped.txt"; continue; }
+for spec in $models; do  # MODEL or MODEL+KEY=VALUE+...: the config's overrides for that row (e.g.
+  # mamba2+mixers.mamba2.implementation=pallas_triton), its files named after the whole spec
+  m=${spec%%+*}; extra=${spec#"$m"}; extra=${extra//+/,}; label=$(tr -c 'A-Za-z0-9_\n-' '_' <<< "$spec")
+  l=$(left); [ "$l" -lt 60 ] && { echo "$spec: not run (time, at $(elapsed) s)" >> "$out/skipped.txt"; continue; }
   remat=""; [[ $remat_none == *" $m "* ]] && remat=",model.remat=none"
-  echo "start $m at $(elapsed) s" > "$out/train_$m.log"
-  timeout $(( l < run_limit ? l : run_limit )) python3 tools/bench_train.py --steps 10 --warmup 2 --out "$out/train_$m.json" \
-    $data "${m}_166m=configs/paper/${m}_166m.yaml,train.batch_size=32$remat" >> "$out/train_$m.log" 2>&1
-  echo "rc $? at $(elapsed) s" >> "$out/train_$m.log"
+  echo "start $spec at $(elapsed) s" > "$out/train_$label.log"
+  timeout $(( l < run_limit ? l : run_limit )) python3 tools/bench_train.py --steps 10 --warmup 2 \
+    --out "$out/train_$label.json" $data "${label}_166m=configs/paper/${m}_166m.yaml,train.batch_size=32$remat$extra" \
+    >> "$out/train_$label.log" 2>&1
+  echo "rc $? at $(elapsed) s" >> "$out/train_$label.log"
 done
 if [ "$(left)" -gt 60 ]; then
   timeout 60 python3 -m pytest tests/pallas_kernels/test_delta_rule_no_erase.py -m gpu -q -n 0 -p no:cacheprovider \
