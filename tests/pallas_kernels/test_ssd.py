@@ -84,6 +84,16 @@ def test_triton_kernels_match_the_f64_oracle(shape, dtype):
     check_kernels_against_the_oracle(args, seg, dtype, TOL[dtype], chunk_size=chunk, interpret=True)
 
 
+def test_documents_starting_on_chunk_starts_with_weak_decay():
+    """Boundaries exactly at chunk starts (the carried-in document and γ at a chunk's first token) and λ ≈ −0.01
+    per token, so a chunk's end decay (≈ e^−0.16) carries the state and its gradient across chunks."""
+    b, t, g, h, n, p, chunk = 2, 64, 1, 2, 16, 16, 16
+    args, _ = inputs(b, t, g, h, n, p, seed=7)
+    args = (*args[:3], np.full((b, t, h), -0.01) * np.random.default_rng(8).uniform(0.5, 1.5, (b, t, h)), args[4])
+    seg = np.stack([np.repeat([1, 2, 3], [16, 16, 32]), np.repeat([5, 6], [32, 32])]).astype(np.int32)
+    check_kernels_against_the_oracle(args, seg, jnp.float32, TOL[jnp.float32], chunk_size=chunk, interpret=True)
+
+
 def test_the_delta_rule_path_matches_the_oracle_in_f64():
     b, t, g, h, n, p, chunk = SHAPES[0]
     args, seg = inputs(b, t, g, h, n, p, seed=2)
