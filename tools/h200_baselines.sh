@@ -25,12 +25,12 @@ elapsed() { echo $(( $(date +%s) - t0 )); }
 left() { echo $(( budget - $(elapsed) )); }
 data="--set data.train_path=data/embedded/train --set data.val_path=data/embedded/val --set data.tokenizer.kind=hf
       --set data.tokenizer.path=data/embedded/tokenizer.json"
-for spec in $models; do  # MODEL or MODEL+KEY=VALUE+...: the config's overrides for that row (e.g.
-  # mamba2+mixers.mamba2.implementation=pallas_triton), its files named after the whole spec
-  m=${spec%%+*}; extra=${spec#"$m"}; extra=${extra//+/,}; label=$(tr -c 'A-Za-z0-9_\n-' '_' <<< "$spec")
-  l=$(left); [ "$l" -lt 60 ] && { echo "$spec: not run (time, at $(elapsed) s)" >> "$out/skipped.txt"; continue; }
+for row in $models; do  # MODEL or MODEL+KEY=VALUE+...: the config's overrides for that row (e.g.
+  # mamba2+mixers.mamba2.implementation=pallas_triton), its files named after the whole row
+  m=${row%%+*}; extra=${row#"$m"}; extra=${extra//+/,}; label=$(tr -c 'A-Za-z0-9_\n-' '_' <<< "$row")
+  l=$(left); [ "$l" -lt 60 ] && { echo "$row: not run (time, at $(elapsed) s)" >> "$out/skipped.txt"; continue; }
   remat=""; [[ $remat_none == *" $m "* ]] && remat=",model.remat=none"
-  echo "start $spec at $(elapsed) s" > "$out/train_$label.log"
+  echo "start $row at $(elapsed) s" > "$out/train_$label.log"
   timeout $(( l < run_limit ? l : run_limit )) python3 tools/bench_train.py --steps 10 --warmup 2 \
     --out "$out/train_$label.json" $data "${label}_166m=configs/paper/${m}_166m.yaml,train.batch_size=32$remat$extra" \
     >> "$out/train_$label.log" 2>&1

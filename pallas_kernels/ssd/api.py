@@ -86,9 +86,10 @@ def _run_reference(q, k, v, log_decay, state, document_BT, **unused_tiling):
     return reference.ssd_reference(q.astype(dtype), k.astype(dtype), v.astype(dtype), log_decay, state, document_BT)
 
 
-def _through_delta_rule(name):
-    """The delta-rule op's implementation ``name`` as an implementation of this op: q and k repeated per head,
-    λ broadcast over the key channels (its gradient sums them back), no erase."""
+def _through_delta_rule(name, registered_as=None):
+    """The delta-rule op's implementation ``name`` as an implementation of this op (called ``registered_as``,
+    default ``name``): q and k repeated per head, λ broadcast over the key channels (its gradient sums them
+    back), no erase."""
     delta = delta_api.TABLE.get(name)
 
     def run(q, k, v, log_decay, state, document_BT, *, chunk_size, leaf_size):
@@ -99,16 +100,12 @@ def _through_delta_rule(name):
     def supports(call: SsdCall) -> Optional[str]:
         return delta.supports(call.as_delta_rule_call())
 
-    return dispatch.Implementation(name, run, supports, fast=delta.fast)
+    return dispatch.Implementation(registered_as or name, run, supports, fast=delta.fast)
 
 
 def _run_triton(q, k, v, log_decay, state, document_BT, *, chunk_size, leaf_size):
     del leaf_size  # one decay per head: no block inverse, no leaves
     return pallas_triton.run(q, k, v, log_decay, state, document_BT, chunk_size=chunk_size)
-
-
-def _triton_supports(call: SsdCall) -> Optional[str]:
-    return pallas_triton.supports(call)
 
 
 TABLE = dispatch.OpTable(OP, fallback="xla")
@@ -118,9 +115,9 @@ TABLE.register(_through_delta_rule("xla"))
 # the TPU the delta-rule TPU kernel. The SSD kernels are chosen by name only (implementation="pallas_triton") until
 # they have been compiled and timed on a GPU: they pass the interpreter's tests against the float64 oracle and
 # lower and compile for sm_90a on the CPU (tools/triton_ptx_report.py --op ssd), nothing more yet.
-TABLE.register(dispatch.Implementation("pallas_triton", _run_triton, _triton_supports, fast=False))
+TABLE.register(dispatch.Implementation("pallas_triton", _run_triton, pallas_triton.supports, fast=False))
 TABLE.register(_through_delta_rule("pallas_tpu"))
-TABLE.register(dataclasses.replace(_through_delta_rule("pallas_triton"), name="delta_rule_triton"))
+TABLE.register(_through_delta_rule("pallas_triton", registered_as="delta_rule_triton"))
 
 
 def ssd(q, k, v, *, log_decay, initial_state=None, segment_ids=None, chunk_size: Optional[int] = None,
@@ -150,7 +147,7 @@ def ssd(q, k, v, *, log_decay, initial_state=None, segment_ids=None, chunk_size:
     state = jnp.zeros((b, h, n, p), dtype) if initial_state is None else initial_state.astype(dtype)
     document = common.document_index(segment_ids, b, t)
     run = impl.run
-    if impl.name.startswith("pallas_") or impl.name == "delta_rule_triton":
+    if impl.name not in ("reference", "xla"):  # a Pallas kernel: XLA cannot partition it
         # split heads over the mesh's tensor axis only where it divides the groups (then it divides H too and
         # every shard keeps whole groups)
         run = common.per_shard(run, q.shape[2], ("tokens", "tokens", "tokens", "token_heads", "state", "rows"),
