@@ -3,6 +3,7 @@
 * the GPU kernels (``pallas_triton``, run by the Pallas interpreter on the CPU) against the float64 token-by-token
   oracle: outputs, final states and the gradients of q, k, v, λ and the initial state, on odd lengths, packed
   documents (a reused id), one and two groups, several N and P, float32 and bfloat16;
+* the kernels against fla's naive scalar-decay recurrence, document by document (where torch and fla are);
 * the delta-rule path ("xla": q, k repeated per head) against the oracle in float64;
 * the kernels lowered for CUDA on the CPU (the pallas_calls Triton receives), the refusals and the argument errors.
 Tolerances (relative to the largest entry of the oracle's array): float32 2e-5, bfloat16 2e-2, float64 1e-10.
@@ -93,6 +94,30 @@ def test_documents_starting_on_chunk_starts_with_weak_decay():
     args = (*args[:3], np.full((b, t, h), -0.01) * np.random.default_rng(8).uniform(0.5, 1.5, (b, t, h)), args[4])
     seg = np.stack([np.repeat([1, 2, 3], [16, 16, 32]), np.repeat([5, 6], [32, 32])]).astype(np.int32)
     check_kernels_against_the_oracle(args, seg, jnp.float32, TOL[jnp.float32], chunk_size=chunk, interpret=True)
+
+
+def test_kernels_match_flas_naive_recurrence_document_by_document():
+    """fla's ``naive_recurrent_simple_gla`` (scalar decay per head, scale 1; q, k given per head as group h // (H/G))
+    run on each document of a packed row alone — the first from the initial state, the others from zero — against
+    the kernels on the packed rows (two groups of two heads, a reused id, T = 37). fla computes in float32."""
+    torch = pytest.importorskip("torch")
+    naive = pytest.importorskip("fla.ops.simple_gla.naive").naive_recurrent_simple_gla
+    b, t, g, h, n, p, chunk = SHAPES[0]
+    (q, k, v, lam, state), seg = inputs(b, t, g, h, n, p, seed=5)
+    document = common.document_index(jnp.asarray(seg), b, t)
+    f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v, lam, state)]
+    out, final = jax.jit(lambda *a: pallas_triton.run(*a, document, chunk_size=chunk, interpret=True))(*f32)
+    doc = np.asarray(document)
+    t_ = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.float32))  # noqa: E731
+    for row in range(b):
+        starts = [0, *np.flatnonzero(np.diff(doc[row])) + 1, t]
+        for i, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
+            o_ref, s_ref = naive(t_(np.repeat(q[row:row + 1, lo:hi], h // g, axis=2)),
+                                 t_(np.repeat(k[row:row + 1, lo:hi], h // g, axis=2)), t_(v[row:row + 1, lo:hi]),
+                                 t_(lam[row:row + 1, lo:hi]), scale=1.0,
+                                 initial_state=t_(state[row:row + 1]) if i == 0 else None, output_final_state=True)
+            assert rel_err(out[row, lo:hi], o_ref[0].numpy()) < 2e-5, (row, lo, hi)
+        assert rel_err(final[row], s_ref[0].numpy()) < 2e-5, row
 
 
 def test_the_delta_rule_path_matches_the_oracle_in_f64():
