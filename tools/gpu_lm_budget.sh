@@ -6,6 +6,9 @@
 #
 #   bash tools/gpu_lm_budget.sh start OUT_DIR MODELS [WAIT]   start the pipeline, then wait WAIT s (default 560)
 #   bash tools/gpu_lm_budget.sh wait OUT_DIR [WAIT]           wait WAIT s more (returns early when it is done)
+#   bash tools/gpu_lm_budget.sh sweep-only OUT_DIR            a running pipeline stops after the sweep runs going
+#                                                             now and its pick (no further LR round, no long runs):
+#                                                             for when the device time left cannot hold them
 #   MODELS: CONFIG=LR/LR/...,CONFIG=... (configs/lm_compare/CONFIG.yaml; ≥ 3 LRs each), e.g.
 #           transformer=3e-4/6e-4/1e-3/1.5e-3,gdn2=7.5e-4/1.5e-3/3e-3
 #   environment: SEEDS (default 0,1), LONG_STEPS (5000: 10× the sweep's 500 steps of 32,768 tokens),
@@ -30,7 +33,7 @@
 # Device call (carry [".whl", "data/lm_corpus/device"]; more data parts as tools/gpu_lm_compare.sh says):
 #   bash tools/gpu_lm_budget.sh start runs/budget transformer=...,gdn2=... 560
 set -uo pipefail
-mode=${1:?start or wait}; out=${2:?output directory}
+mode=${1:?start, wait or sweep-only}; out=${2:?output directory}
 
 pack() {
   tar czf "$out.tgz" --exclude=checkpoints --exclude=tensorboard --exclude='*.tgz' -C "$(dirname "$out")" \
@@ -87,6 +90,7 @@ pipeline() {  # the sweep, the pick, the long runs (runs detached: its output go
   fi
   for (( round = 1; round <= ${EXTEND_ROUNDS:-1}; round++ )); do  # a winner at its grid's end: one LR further out
     local more=""
+    [ -f "$out/sweep_only" ] && { echo "sweep-only: no further LR round"; break; }
     while read -r config lr; do more+="${more:+,}${config}_lr${lr}:${config}:optim.lr=${lr}"; done \
       < <(python3 tools/lm_pick_lr.py "$out/sweep" --extend)
     [ -n "$more" ] || break
@@ -96,7 +100,9 @@ pipeline() {  # the sweep, the pick, the long runs (runs detached: its output go
       ${SWEEP_STEPS:+train.steps=$SWEEP_STEPS} || status=$?
   done
   python3 tools/lm_pick_lr.py "$out/sweep" > "$out/lr.txt" || status=$?
-  if [ -n "${SWEEP_ONLY:-}" ]; then echo "SWEEP_ONLY: no long runs"; echo "$status" > "$out/done"; return; fi
+  if [ -n "${SWEEP_ONLY:-}" ] || [ -f "$out/sweep_only" ]; then
+    echo "SWEEP_ONLY${SWEEP_ONLY:-: asked by 'sweep-only'}: no long runs"; echo "$status" > "$out/done"; return
+  fi
   while read -r config lr; do
     if [ -n "${LONG_MODELS:-}" ] && [[ ",$LONG_MODELS," != *",$config,"* ]]; then
       echo "long runs: $config (LR $lr) left for later (LONG_MODELS=$LONG_MODELS)"; continue
@@ -148,8 +154,12 @@ case $mode in
     echo "pipeline started (pid $!): $out/pipeline.log"
     wait_for_pipeline "$wait_s" ;;
   pipeline) pipeline "${3:?}" ;;  # what `start` runs detached
+  sweep-only)
+    [ -f "$out/pipeline.log" ] || { echo "$out/pipeline.log missing: no pipeline was started there" >&2; exit 2; }
+    if [ -f "$out/done" ]; then echo "the pipeline in $out has already ended (status $(cat "$out/done"))"; exit 0; fi
+    touch "$out/sweep_only"; echo "the pipeline in $out stops after its sweep and LR pick (no long runs)" ;;
   wait)
     [ -f "$out/pipeline.log" ] || { echo "$out/pipeline.log missing: no pipeline was started there" >&2; exit 2; }
     wait_for_pipeline "${3:-560}" ;;
-  *) echo "unknown mode '$mode': start or wait" >&2; exit 2 ;;
+  *) echo "unknown mode '$mode': start, wait or sweep-only" >&2; exit 2 ;;
 esac
