@@ -12,7 +12,9 @@ EVAL=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.14 bash tools/gpu_lm_budget.sh start run
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.18 SWEEP_FROM=docs/benchmarks/raw/lm_budget_h100_2026-12-07/sweep \
   LONG_MODELS=muir_no_gamma EVAL=1 bash tools/gpu_lm_budget.sh start runs/mng muir_no_gamma=1.5e-3/3e-3/6e-3 10
 bash tools/gpu_lm_budget.sh wait runs/ia 420
-# Call 3: the IA pipeline stopped before its long runs (its four sweep runs went on to step 500), then
+# Call 3: the IA pipeline's own process was ended (pkill) before its long runs, which the device time left could
+# not hold; its four sweep runs went on to step 500 (`bash tools/gpu_lm_budget.sh sweep-only runs/ia` does this
+# since). Then
 bash tools/gpu_lm_budget.sh wait runs/mng 550
 bash tools/gpu_lm_budget.sh wait runs/ia 1
 # Call 4 (the long runs ended; the evaluations had started when the device time ran out):
