@@ -101,7 +101,8 @@ pipeline() {  # the sweep, the pick, the long runs (runs detached: its output go
   done
   python3 tools/lm_pick_lr.py "$out/sweep" > "$out/lr.txt" || status=$?
   if [ -n "${SWEEP_ONLY:-}" ] || [ -f "$out/sweep_only" ]; then
-    echo "SWEEP_ONLY${SWEEP_ONLY:-: asked by 'sweep-only'}: no long runs"; echo "$status" > "$out/done"; return
+    if [ -n "${SWEEP_ONLY:-}" ]; then echo "SWEEP_ONLY: no long runs"; else echo "sweep-only: no long runs"; fi
+    echo "$status" > "$out/done"; return
   fi
   while read -r config lr; do
     if [ -n "${LONG_MODELS:-}" ] && [[ ",$LONG_MODELS," != *",$config,"* ]]; then

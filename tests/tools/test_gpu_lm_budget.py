@@ -28,7 +28,7 @@ def test_sweep_only_stops_a_pipeline_after_its_pick(tmp_path):
     assert asked.returncode == 0 and (out / "sweep_only").exists(), asked.stderr
     done = _budget("pipeline", str(out), "gdn2=7.5e-4/1.5e-3/3e-3", SWEEP_FROM=str(sweep))
     assert done.returncode == 0, done.stderr
-    assert "sweep-only: no further LR round" in done.stdout and "no long runs" in done.stdout
+    assert "sweep-only: no further LR round" in done.stdout and "sweep-only: no long runs" in done.stdout
     assert "round 2" not in done.stdout and not (out / "long").exists()
     assert (out / "lr.txt").read_text().split() == ["gdn2", "0.003"]
     assert (out / "done").read_text().strip() == "0"
