@@ -47,9 +47,12 @@ class RWKV7Options:
     norm_eps: float = 1e-5        GroupNorm eps per unit of head dim (eps = d_k · norm_eps) [FLA].
     value_residual: bool = False  RWKV-7's v_first mixing [RWKV-7 paper; FLA v_lora]; True raises: the decoder has
                                   no channel to pass layer 0's values to later layers [ours].
-    implementation: str = "auto"  implementation of the dplr_delta_rule op ("auto" = "xla": no Pallas kernel).
-    chunk_size: int = 0           chunk length of the op; 0 = its default (64) [FLA chunk 64].
-    leaf_size: int = 0            block size inside a chunk; 0 = the op's default (16).
+    implementation: str = "auto"  implementation of the dplr_delta_rule op; "auto" = "delta_pairs" (each token as two
+                                  delta-rule tokens on that op's Pallas kernels: exact, and safe here because
+                                  λ > −0.61), or "xla" (the op's pure-JAX chunked form), "reference" [ours].
+    chunk_size: int = 0           chunk length of the op; 0 = its default (xla: 64 tokens [FLA chunk 64];
+                                  delta_pairs: the delta-rule op's default, in delta-rule tokens).
+    leaf_size: int = 0            block size inside a chunk; 0 = the op's default.
     """
 
     decay_low_rank_dim: int = 0
@@ -198,7 +201,8 @@ class RWKV7(nnx.Module):
         o, state = pallas_kernels.dplr_delta_rule(
             inputs["r"], inputs["k"], inputs["v"], alpha=inputs["alpha"], beta=inputs["beta"],
             log_decay=inputs["log_decay"], initial_state=initial_state, segment_ids=segment_ids,
-            chunk_size=opts.chunk_size or None, leaf_size=opts.leaf_size or None, implementation=opts.implementation)
+            chunk_size=opts.chunk_size or None, leaf_size=opts.leaf_size or None,
+            implementation="delta_pairs" if opts.implementation == "auto" else opts.implementation)
         return self._output(o, inputs, g), state
 
     # ---- mixer protocol --------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Recurrence (row vectors, state key-major [Dk, Dv]):
     S_t = (Diag(e^{λ_t}) + β_tᵀ α_t) S_{t−1} + k_tᵀ v_t,     o_t = q_t S_t
 α reads the old state (r_t = α_t S_{t−1}) and β is the direction the read is written back along; unlike
 ``delta_rule`` (erase tied to the write key k) α, β and k are three independent vectors. RWKV-7 uses
-α = −κ̂, β = κ̂ ⊙ a. No Pallas kernel exists for this op: every call runs the pure-JAX chunked form ("xla").
+α = −κ̂, β = κ̂ ⊙ a. Implementations: "xla" (the op's own chunked form in pure JAX, any λ ≤ 0) and
+"delta_pairs" (two delta-rule tokens per token, on the delta-rule op's Pallas kernels; needs λ > −80).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from mixerlab.pallas_kernels import common, dispatch
-from mixerlab.pallas_kernels.dplr_delta_rule import decode, reference, xla
+from mixerlab.pallas_kernels.dplr_delta_rule import decode, delta_pairs, reference, xla
 
 OP, STEP = "dplr_delta_rule", "dplr_delta_rule_step"
 DEFAULT_CHUNK_SIZE = 64
@@ -108,6 +109,9 @@ def _run_xla(q, k, v, alpha, beta, log_decay, state, document_BT, *, chunk_size,
 TABLE = dispatch.OpTable(OP, fallback="xla")
 TABLE.register(dispatch.Implementation("reference", _run_reference))
 TABLE.register(dispatch.Implementation("xla", _run_xla))
+# Not tried by "auto": it rescales α by e^{−λ}, finite only for λ > −80, which "auto" cannot check at trace time.
+# Callers whose λ is bounded by construction (RWKV-7: λ > −0.61) ask for it by name.
+TABLE.register(dispatch.Implementation("delta_pairs", delta_pairs.run))
 
 
 def dplr_delta_rule(q, k, v, *, alpha, beta, log_decay=None, initial_state=None, segment_ids=None,
@@ -124,9 +128,12 @@ def dplr_delta_rule(q, k, v, *, alpha, beta, log_decay=None, initial_state=None,
       segment_ids: [B, T] int; the state resets to zero at every t with seg[t] != seg[t−1] (an id reused after
         another document is a new document). The initial state belongs to each row's first document; the
         final state is that of each row's last document.
-      chunk_size (default 64), leaf_size (default 16): chunkwise tiling; ignored by "reference".
-      implementation: "auto" | "reference" | "xla". There is no Pallas kernel for this op (out of scope so far):
-        "auto" always runs "xla", the chunked form in pure JAX, differentiated by JAX autodiff.
+      chunk_size (default 64), leaf_size (default 16): chunkwise tiling; ignored by "reference". For
+        "delta_pairs" they tile the 2T delta-rule tokens (default: the delta-rule op's defaults per backend).
+      implementation: "auto" | "reference" | "xla" | "delta_pairs". "auto" runs "xla", the chunked form in
+        pure JAX, differentiated by JAX autodiff. "delta_pairs" runs each token as two delta-rule tokens on that
+        op's kernels (Pallas on TPU and GPU, custom VJPs); it rescales α by e^{−λ}, so it needs λ > −80
+        (float32 / bfloat16 range), which RWKV-7's λ ∈ (−0.61, 0) meets — see delta_pairs.py.
 
     Returns:
       (o [B, T, H, Dv] in v's dtype, final_state [B, H, Dk, Dv] float32, or float64 for float64 inputs).
@@ -138,8 +145,10 @@ def dplr_delta_rule(q, k, v, *, alpha, beta, log_decay=None, initial_state=None,
     b, t, h, dk = q.shape
     lam = _channelwise(log_decay, (b, t, h, dk), dtype)
     state = (jnp.zeros((b, h, dk, v.shape[-1]), dtype) if initial_state is None else initial_state.astype(dtype))
-    out, final = impl.run(q, k, v, alpha, beta, lam, state, common.document_index(segment_ids, b, t),
-                          chunk_size=call.chunk_size, leaf_size=call.leaf_size)
+    tiling = dict(chunk_size=call.chunk_size, leaf_size=call.leaf_size)
+    if impl.name == "delta_pairs":  # the delta-rule op tiles (and defaults) its own 2T tokens
+        tiling = dict(chunk_size=chunk_size, leaf_size=leaf_size)
+    out, final = impl.run(q, k, v, alpha, beta, lam, state, common.document_index(segment_ids, b, t), **tiling)
     return common.poison(violation, out.astype(v.dtype), final)
 
 

@@ -125,8 +125,10 @@ def test_low_precision_against_float64_oracle(dtype, tol):
     assert rel_err(y.astype(jnp.float32), want) < tol
 
 
-def test_op_path_gradients_reference_vs_xla():
-    """Every parameter's gradient and the input's, the chunked op vs the token scan, float64."""
+@pytest.mark.parametrize("implementation", ["xla", "auto"])
+def test_op_path_gradients_against_the_token_scan(implementation):
+    """Every parameter's gradient and the input's, the chunked op ("xla"; "auto" = the delta-rule op on token
+    pairs) vs the token scan, float64."""
     with jax.enable_x64(True):
         x = x_input(2, 21, seed=1, dtype=jnp.float64)
         seg = jnp.asarray(SEG[:, :21])
@@ -136,7 +138,7 @@ def test_op_path_gradients_reference_vs_xla():
             loss = lambda m, x: jnp.sum(jnp.sin(m(x, segment_ids=seg)))  # noqa: E731
             return nnx.jit(nnx.grad(loss, argnums=(0, 1)))(layer, x)
 
-        (want_p, want_x), (got_p, got_x) = grads("reference"), grads("xla")
+        (want_p, want_x), (got_p, got_x) = grads("reference"), grads(implementation)
         assert rel_err(got_x, want_x) < 1e-9
         for (path, g), (_, w) in zip(nnx.to_flat_state(got_p), nnx.to_flat_state(want_p)):
             assert rel_err(g[...], w[...]) < 1e-9, path
@@ -266,23 +268,23 @@ def test_tiny_model_through_config_one_finite_train_step():
 
 
 @pytest.mark.tpu_compile
-# make test compiles for v5p (the cheapest: 14 s against 23-24 s); v5e and v6e are extended (no Pallas kernel here,
-# the op's xla path; test_dplr_delta_rule compiles the op alone)
+# make test compiles for v5p (the cheapest); v5e and v6e are extended (test_dplr_delta_pairs compiles the op alone)
 @pytest.mark.parametrize("gen", [pytest.param("v5e", marks=pytest.mark.extended),
                                  pytest.param("v6e", marks=pytest.mark.extended), "v5p"])
 def test_layer_forward_backward_compiles_for_tpu(gen):
-    """The layer's forward + backward (bf16 activations) for a TPU topology; "auto" picks the op's xla path
-    (no Pallas kernel for the DPLR op)."""
+    """The layer's forward + backward (bf16 activations) for a TPU topology, traced under its mesh as the trainer
+    traces: "auto" runs the DPLR op as delta-rule token pairs on the delta-rule Pallas TPU kernel (Mosaic calls in
+    the program), at the op's default chunking."""
     import os
     import sys
 
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pallas_kernels")
     if here not in sys.path:  # the topology helper of the kernel tests (its folder's conftest does the same)
         sys.path.insert(0, here)
-    from tpu_topologies import replicated
+    from tpu_topologies import one_device_mesh, replicated
 
     rep = replicated(gen)
-    layer = build(dk=64, dv=64, heads=2, dtype=jnp.bfloat16, chunk_size=64, leaf_size=16)
+    layer = build(dk=64, dv=64, heads=2, dtype=jnp.bfloat16, chunk_size=0, leaf_size=0)
     graphdef, state = nnx.split(layer)
 
     def loss(state, x, seg):
@@ -291,5 +293,7 @@ def test_layer_forward_backward_compiles_for_tpu(gen):
     specs = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), state),
              jax.ShapeDtypeStruct((1, 256, D), jnp.bfloat16, sharding=rep),
              jax.ShapeDtypeStruct((1, 256), jnp.int32, sharding=rep))
-    compiled = jax.jit(jax.grad(loss)).lower(*specs).compile()
-    assert compiled is not None
+    with jax.sharding.use_abstract_mesh(one_device_mesh(gen).abstract_mesh):
+        lowered = jax.jit(jax.grad(loss)).trace(*specs).lower()
+    assert lowered.as_text().count("tpu_custom_call") >= 2
+    assert lowered.compile() is not None
