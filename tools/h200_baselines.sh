@@ -5,7 +5,8 @@
 #      JSON file, so a call cut short keeps what finished; `model.remat=none` for the models in BASELINES_REMAT_NONE
 #      (the policy `auto` picks for them on an H200; setting it skips auto's extra compile; on a card with less than
 #      120 GB, unless BASELINES_REMAT_NONE is given, none of them), the others as shipped;
-#   2. with the time left: the no-erase Triton kernels against the reference on the GPU (tests marked gpu), and
+#   2. with the time left: the kernels under the baselines against the float64 reference on the GPU (tests marked
+#      gpu: the no-erase delta-rule kernels, the SSD kernels, RWKV-7's token pairs), and
 #      the delta core against the no-erase core at 8·4096·16·128, bf16, medians of warm runs, cuDNN attention beside;
 #   3. OUT_DIR.tgz: everything in one file (the device tool returns only a few files per call).
 # BASELINES_BUDGET (s, default 575) bounds the whole script, BASELINES_RUN_LIMIT (s, default 170) each training run
@@ -36,9 +37,10 @@ for row in $models; do  # MODEL or MODEL+KEY=VALUE+...: the config's overrides f
     >> "$out/train_$label.log" 2>&1
   echo "rc $? at $(elapsed) s" >> "$out/train_$label.log"
 done
-if [ "$(left)" -gt 60 ]; then
-  timeout 60 python3 -m pytest tests/pallas_kernels/test_delta_rule_no_erase.py -m gpu -q -n 0 -p no:cacheprovider \
-    > "$out/pytest_no_erase_gpu.log" 2>&1; echo "rc $? at $(elapsed) s" >> "$out/pytest_no_erase_gpu.log"
+if [ "$(left)" -gt 90 ]; then  # the kernels under the baselines: no-erase, SSD (Mamba-2), token pairs (RWKV-7)
+  timeout 90 python3 -m pytest tests/pallas_kernels/test_delta_rule_no_erase.py tests/pallas_kernels/test_ssd.py \
+    tests/pallas_kernels/test_dplr_delta_pairs.py -m gpu -q -n 0 -p no:cacheprovider \
+    > "$out/pytest_gpu.log" 2>&1; echo "rc $? at $(elapsed) s" >> "$out/pytest_gpu.log"
 fi
 l=$(left)
 if [ "$l" -gt 120 ]; then
