@@ -37,6 +37,20 @@ def f32_matmul_precision(interpret: bool) -> str:
     return "highest" if interpret or str(setting) in _FLOAT32_SETTINGS else "tf32"
 
 
+def dot_precision(name: str, interpret: bool):
+    """A kernel config's float32-matmul precision name -> what ``dot_general`` takes. "tf32": one TF32 tensor-core
+    pass; "highest": float32-accurate, as three TF32 passes on the GPU (Triton's tf32x3; a true IEEE float32
+    ``tl.dot`` is an FMA loop that compiles for minutes); "ieee": that FMA loop (debugging only). The interpreter
+    (CPU) computes plain float32 whatever the name."""
+    if interpret or name == "ieee":
+        return jax.lax.Precision.HIGHEST
+    if name == "tf32":
+        return jax.lax.Precision.DEFAULT
+    if name == "highest":
+        return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    raise ValueError(f"float32 matmul precision {name!r}; expected 'tf32', 'highest' or 'ieee'")
+
+
 def compiler_params(interpret: bool, num_warps: int, num_stages: Optional[int] = 1):
     """Triton compiler parameters; None in interpret mode (or without the backend)."""
     if interpret or pltriton is None:

@@ -69,7 +69,7 @@ from mixerlab.pallas_kernels import common
 # The kernels live in four modules of one job each; every name stays importable from here (tools and tests
 # read ``pallas_triton.X``): configuration, in-kernel helpers, kernel bodies, pallas_call launches.
 from mixerlab.pallas_kernels.delta_rule.pallas_triton_config import (  # noqa: F401
-    Config, F32, MAX_HEAD_DIM, SUPPORTED_CHUNKS, SUPPORTED_LEAVES, _MIN_DIM, _precision, default_block_v,
+    Config, F32, MAX_HEAD_DIM, SUPPORTED_CHUNKS, SUPPORTED_LEAVES, _MIN_DIM, default_block_v,
     make_config, supports)
 from mixerlab.pallas_kernels.delta_rule.pallas_triton_tiles import (  # noqa: F401
     _ChunkMasks, _bounded_cut, _chunk_masks, _chunk_matrices, _cut_sums, _decay, _decay_sums, _dot, _edge_decays,

@@ -7,10 +7,9 @@ import dataclasses
 import math
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 
-from mixerlab.pallas_kernels.triton_common import f32_matmul_precision, pow2, unavailable
+from mixerlab.pallas_kernels.triton_common import dot_precision, f32_matmul_precision, pow2, unavailable
 
 
 F32 = jnp.float32
@@ -97,15 +96,7 @@ class Config:
         """"tf32": one TF32 tensor-core pass; "highest": float32-accurate, as three TF32 passes on the GPU
         (Triton's tf32x3; a true IEEE f32 tl.dot is an FMA loop that compiles for minutes) and plain f32 in
         interpret mode; "ieee": Triton's FMA-based IEEE f32 dot (slow to compile and run; debugging only)."""
-        return _precision(self.inverse_precision, self.interpret)
-
-
-def _precision(name, interpret):
-    if name == "tf32":
-        return jax.lax.Precision.DEFAULT
-    if name == "highest" and not interpret:
-        return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    return jax.lax.Precision.HIGHEST
+        return dot_precision(self.inverse_precision, self.interpret)
 
 
 def default_block_v(batch_heads: int, value_dim: int) -> int:

@@ -8,7 +8,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from mixerlab.pallas_kernels.triton_common import f32_matmul_precision, pow2, unavailable
+from mixerlab.pallas_kernels.triton_common import dot_precision, f32_matmul_precision, pow2, unavailable
 
 F32 = jnp.float32
 SUPPORTED_CHUNKS = (16, 32, 64, 128)
@@ -47,11 +47,7 @@ class Config:
     def f32_precision(self):
         """"tf32": one TF32 tensor-core pass; "highest": float32-accurate (three TF32 passes on the GPU,
         plain f32 in interpret mode)."""
-        if self.interpret:
-            return jax.lax.Precision.HIGHEST
-        if self.precision == "highest":
-            return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-        return jax.lax.Precision.DEFAULT
+        return dot_precision(self.precision, self.interpret)
 
     @property
     def resolved_range_sums(self):

@@ -41,7 +41,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from mixerlab.pallas_kernels import common
-from mixerlab.pallas_kernels.triton_common import compiler_params, f32_matmul_precision, iota, pow2, unavailable
+from mixerlab.pallas_kernels.triton_common import (compiler_params, dot_precision, f32_matmul_precision, iota, pow2,
+                                                   unavailable)
 
 F32 = jnp.float32
 SUPPORTED_CHUNKS = (16, 32, 64, 128)
@@ -96,16 +97,12 @@ def supports(call) -> Optional[str]:
 # tiles
 
 
-# the config's names -> what dot_general takes ("tf32" is not one of JAX's precision strings)
-_PRECISION = {"tf32": jax.lax.Precision.DEFAULT, "highest": jax.lax.Precision.HIGHEST}
-
-
 def _dot(a, b, cfg, *, trans_a=False, trans_b=False):
     """a @ b (optionally transposed) with float32 accumulation; operands in the operand dtype."""
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
     if cfg.operand_dtype == jnp.dtype(F32):
-        return jax.lax.dot_general(a.astype(F32), b.astype(F32), dims, precision=_PRECISION[cfg.precision],
-                                   preferred_element_type=F32)
+        precision = dot_precision(cfg.precision, cfg.interpret)
+        return jax.lax.dot_general(a.astype(F32), b.astype(F32), dims, precision=precision, preferred_element_type=F32)
     return jax.lax.dot_general(a.astype(cfg.operand_dtype), b.astype(cfg.operand_dtype), dims,
                                preferred_element_type=F32)
 

@@ -27,8 +27,8 @@ def grads_of(inputs, implementation, seg, **tiling):
 
     def loss(*arrays):
         o, s = run(dict(zip(NAMES, arrays)), implementation, segment_ids=seg, **tiling)
-        value = jnp.sum(o.astype(probe_o.dtype) * probe_o.astype(o.dtype)) + jnp.sum(s * probe_s.astype(s.dtype))
-        return value, (o, s)
+        acc = s.dtype  # float32, or float64 for float64 inputs
+        return jnp.sum(o.astype(acc) * probe_o.astype(acc)) + jnp.sum(s * probe_s.astype(acc)), (o, s)
 
     (_, (o, s)), grads = jax.jit(jax.value_and_grad(loss, tuple(range(len(NAMES))), has_aux=True))(
         *(inputs[n] for n in NAMES))
@@ -84,7 +84,12 @@ def test_on_the_delta_rule_gpu_kernels_by_the_interpreter(monkeypatch):
                         dispatch.Implementation("pallas_triton", run_interpreted, lambda call: None, fast=True))
     chosen = []
     choose = delta_rule_api.TABLE.choose
-    monkeypatch.setattr(delta_rule_api.TABLE, "choose", lambda *a: chosen.append(choose(*a).name) or choose(*a))
+    def choose_and_record(*args):
+        impl = choose(*args)
+        chosen.append(impl.name)
+        return impl
+
+    monkeypatch.setattr(delta_rule_api.TABLE, "choose", choose_and_record)
     t = 32
     inputs = rwkv7_inputs(8, 1, t, 2, 16, 16, dtype=np.float32)
     seg = jnp.asarray(SEGMENTS[:1, :t])

@@ -148,19 +148,25 @@ def test_without_state_or_segments_the_op_starts_from_zero_and_runs_one_document
         assert rel_err(out, want_out) < 1e-10 and rel_err(final, want_final) < 1e-10
 
 
-def test_kernels_lower_for_cuda_without_repeating_q_and_k():
-    """The forward and the backward are one Pallas call each; q and k enter at their group shape (no [B, T, H, N]
-    copy is made: the BlockSpec indexes them by group)."""
-    b, t, g, h, n, p = 2, 256, 1, 8, 64, 32
+def lowered_gradient_for_cuda(b, t, g, h, n, p, dtype):
+    """The StableHLO text of the kernels' forward + backward (the gradient of q, k, v, λ, S₀), lowered for CUDA
+    on this CPU: operands q, k [B, T, G, N] and v [B, T, H, P] in ``dtype``, λ and the state float32."""
     s = jax.ShapeDtypeStruct
-    specs = (s((b, t, g, n), jnp.bfloat16), s((b, t, g, n), jnp.bfloat16), s((b, t, h, p), jnp.bfloat16),
+    specs = (s((b, t, g, n), dtype), s((b, t, g, n), dtype), s((b, t, h, p), dtype),
              s((b, t, h), jnp.float32), s((b, h, n, p), jnp.float32), s((b, t), jnp.int32))
 
     def loss(q, k, v, lam, state, document):
         out, final = pallas_triton.run(q, k, v, lam, state, document, chunk_size=64)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(final)
 
-    text = jax.jit(jax.grad(loss, argnums=tuple(range(5)))).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    return jax.jit(jax.grad(loss, argnums=tuple(range(5)))).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_kernels_lower_for_cuda_without_repeating_q_and_k():
+    """The forward and the backward are one Pallas call each; q and k enter at their group shape (no [B, T, H, N]
+    copy is made: the BlockSpec indexes them by group)."""
+    b, t, g, h, n, p = 2, 256, 1, 8, 64, 32
+    text = lowered_gradient_for_cuda(b, t, g, h, n, p, jnp.bfloat16)
     assert text.count('"ssd_forward"') >= 1 and text.count('"ssd_backward"') >= 1
     assert f"tensor<{b}x{t}x{h}x{n}xbf16>" in text  # the per-head dq, dk partials, summed over the group by XLA
     assert f"tensor<{b}x{t}x{h}x{n}xbf16>" not in text.split("ssd_backward")[0]  # the forward never sees them
@@ -170,18 +176,8 @@ def test_kernels_lower_for_cuda_without_repeating_q_and_k():
 def test_float32_kernels_lower_for_cuda_under_either_matmul_precision(setting):
     """float32 operands take the config's matmul precision ("tf32" under JAX's default, "highest" under
     jax.default_matmul_precision("highest")); both must reach dot_general as values it takes."""
-    b, t, g, h, n, p = 1, 128, 1, 2, 32, 32
-    s = jax.ShapeDtypeStruct
-    specs = (s((b, t, g, n), jnp.float32), s((b, t, g, n), jnp.float32), s((b, t, h, p), jnp.float32),
-             s((b, t, h), jnp.float32), s((b, h, n, p), jnp.float32), s((b, t), jnp.int32))
-
-    def loss(q, k, v, lam, state, document):
-        out, final = pallas_triton.run(q, k, v, lam, state, document, chunk_size=64)
-        return jnp.sum(out) + jnp.sum(final)
-
     with jax.default_matmul_precision(setting):
-        lowered = jax.jit(jax.grad(loss, argnums=tuple(range(5)))).trace(*specs).lower(lowering_platforms=("cuda",))
-    assert '"ssd_backward"' in lowered.as_text()
+        assert '"ssd_backward"' in lowered_gradient_for_cuda(1, 128, 1, 2, 32, 32, jnp.float32)
 
 
 def call(**overrides):
