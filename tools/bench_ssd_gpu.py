@@ -4,7 +4,11 @@ SSD kernels against the delta-rule kernels on the same call (q, k repeated per h
 at Mamba-2's 166M shape (32 heads of P = 64, N = 128, one group) and a GDN-2 delta-rule call of the same tokens
 beside it (8 heads of 128 with erase) as the anchor.
 
-    python tools/bench_ssd_gpu.py [--batch 32 --seq 4096] [--reps 10] [--out ssd.json]
+    python tools/bench_ssd_gpu.py [--batch 32 --seq 4096] [--reps 10] [--out ssd.json] \
+        [--variants "chunk=128;heads_fastest=1;chunk=64,warps_backward=4"]
+
+``--variants``: SSD kernel configurations timed beside the default (each ``chunk=C`` plus any
+``pallas_triton.Config`` fields, comma-separated; variants separated by ';'), same inputs, same call.
 
 Prints one JSON line per row and a table at the end.
 """
@@ -67,6 +71,41 @@ def time_ssd(row, b, t, impl, reps):
     row["fwd_bwd_ms"] = timed(step, (q, k, v, lam), reps)[0]
 
 
+def parse_variant(text):
+    """'chunk=128,heads_fastest=1' -> (128, {'heads_fastest': True}); chunk 0 = the op's default."""
+    from mixerlab.pallas_kernels.ssd import pallas_triton
+    kinds = {f.name: f.type for f in pallas_triton.dataclasses.fields(pallas_triton.Config)}
+    chunk, overrides = 0, {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key == "chunk":
+            chunk = int(value)
+        elif key in ("warps_forward", "warps_backward", "stages"):
+            overrides[key] = int(value)
+        elif key == "heads_fastest":
+            overrides[key] = value.strip().lower() in ("1", "true", "yes")
+        else:
+            raise SystemExit(f"bench_ssd_gpu: --variants: unknown key {key!r} in {text!r}; valid: chunk, "
+                             f"warps_forward, warps_backward, stages, heads_fastest (Config has {sorted(kinds)})")
+    return chunk, overrides
+
+
+def time_ssd_variant(row, b, t, chunk, overrides, reps):
+    """The SSD kernels called directly with a Config override (the op's ``ssd`` takes only the chunk)."""
+    from mixerlab.pallas_kernels.ssd import pallas_triton
+    q, k, v, lam, seg = ssd_inputs(b, t, 1, 32, 128, 64, jnp.bfloat16)
+    chunk = chunk or 64
+    state = jnp.zeros((b, 32, 128, 64), jnp.float32)
+
+    def fwd(q, k, v, lam):
+        return pallas_triton.run(q, k, v, lam, state, seg, chunk_size=chunk, **overrides)[0]
+
+    row["forward_ms"] = timed(jax.jit(fwd), (q, k, v, lam), reps)[0]
+    step = jax.jit(jax.grad(lambda *a: weighted_sum(fwd(*a)), argnums=(0, 1, 2, 3)))
+    row["fwd_bwd_ms"] = timed(step, (q, k, v, lam), reps)[0]
+
+
 def time_gdn2_anchor(row, b, t, reps):
     from mixerlab.pallas_kernels import delta_rule
     r = np.random.default_rng(3)
@@ -89,17 +128,32 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--variants", default="", help="SSD kernel configurations timed beside the default, "
+                    "';'-separated, each 'chunk=C,FIELD=VALUE,...' (fields: warps_forward, warps_backward, stages, "
+                    "heads_fastest)")
+    ap.add_argument("--skip", default="", help="comma-separated: correctness, delta_rule_triton, anchor")
     args = ap.parse_args(argv)
+    variants = [(text, *parse_variant(text)) for text in args.variants.split(";") if text.strip()]
+    skip = set(filter(None, args.skip.split(",")))
     print(json.dumps({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}), flush=True)
     rows = []
-    record(rows, {"row": "correctness (compiled vs float64 oracle, max rel. err.)"}, correctness)
+    if "correctness" not in skip:
+        record(rows, {"row": "correctness (compiled vs float64 oracle, max rel. err.)"}, correctness)
+    shape = f"{args.batch}x{args.seq}, 32 heads, N 128, P 64, G 1"
     for impl in ("pallas_triton", "delta_rule_triton"):
-        record(rows, {"row": f"ssd {impl}", "shape": f"{args.batch}x{args.seq}, 32 heads, N 128, P 64, G 1"},
-               lambda row, impl=impl: time_ssd(row, args.batch, args.seq, impl, args.reps))
-    record(rows, {"row": "delta_rule (GDN-2 call)", "shape": f"{args.batch}x{args.seq}, 8 heads of 128, erase"},
-           lambda row: time_gdn2_anchor(row, args.batch, args.seq, args.reps))
+        if impl not in skip:
+            record(rows, {"row": f"ssd {impl}", "shape": shape},
+                   lambda row, impl=impl: time_ssd(row, args.batch, args.seq, impl, args.reps))
+    for text, chunk, overrides in variants:
+        record(rows, {"row": f"ssd pallas_triton {text}", "shape": shape},
+               lambda row, c=chunk, o=overrides: time_ssd_variant(row, args.batch, args.seq, c, o, args.reps))
+    if "anchor" not in skip:
+        record(rows, {"row": "delta_rule (GDN-2 call)", "shape": f"{args.batch}x{args.seq}, 8 heads of 128, erase"},
+               lambda row: time_gdn2_anchor(row, args.batch, args.seq, args.reps))
     print("\n| row | shape | forward ms | fwd+bwd ms |\n|---|---|---|---|")
-    for row in rows[1:]:
+    for row in rows:
+        if "forward_ms" not in row and "error" not in row:
+            continue
         print(f"| {row['row']} | {row.get('shape', '')} | {row.get('forward_ms', row.get('error', ''))} | "
               f"{row.get('fwd_bwd_ms', '')} |")
     if args.out:

@@ -60,6 +60,8 @@ class Config:
     warps_forward: int = 8  # ptxas, sm_90a, Mamba-2 166M bf16 (tools/triton_ptx_report.py --op ssd): 4 warps
     warps_backward: int = 8  # spill 288 B (forward) and 2.4 KB (backward) per thread, 8 warps 0 and ~1.2 KB
     stages: int = 1
+    heads_fastest: bool = False  # launch order: grid (H, B), the heads of one row (and group) side by side, so that
+    # programs in flight read the same q and k rows (L2 reuse), instead of (B, H), rows of one head side by side
     interpret: bool = False
 
 
@@ -194,15 +196,24 @@ def _specs(cfg, t, n_chunks, key_dim, value_dim):
     """BlockSpecs on the (B, H) grid: q/k rows of the head's group, v/o rows of the head, λ [B, H, T] rows,
     documents [B, T] and carried-in documents [B, N], per-head states and per-chunk starts."""
     hpg = cfg.heads_per_group
+
+    def spec(shape, index):  # index(b, h) on either launch order (_grid)
+        return pl.BlockSpec(shape, (lambda h, b: index(b, h)) if cfg.heads_fastest else index)
+
     return dict(
-        keys=pl.BlockSpec((None, t, None, key_dim), lambda b, h: (b, 0, h // hpg, 0)),
-        keys_per_head=pl.BlockSpec((None, t, None, key_dim), lambda b, h: (b, 0, h, 0)),
-        values=pl.BlockSpec((None, t, None, value_dim), lambda b, h: (b, 0, h, 0)),
-        decay=pl.BlockSpec((None, None, t), lambda b, h: (b, h, 0)),
-        documents=pl.BlockSpec((None, t), lambda b, h: (b, 0)),
-        carried=pl.BlockSpec((None, n_chunks), lambda b, h: (b, 0)),
-        state=pl.BlockSpec((None, None, key_dim, value_dim), lambda b, h: (b, h, 0, 0)),
-        starts=pl.BlockSpec((None, None, n_chunks, key_dim, value_dim), lambda b, h: (b, h, 0, 0, 0)))
+        keys=spec((None, t, None, key_dim), lambda b, h: (b, 0, h // hpg, 0)),
+        keys_per_head=spec((None, t, None, key_dim), lambda b, h: (b, 0, h, 0)),
+        values=spec((None, t, None, value_dim), lambda b, h: (b, 0, h, 0)),
+        decay=spec((None, None, t), lambda b, h: (b, h, 0)),
+        documents=spec((None, t), lambda b, h: (b, 0)),
+        carried=spec((None, n_chunks), lambda b, h: (b, 0)),
+        state=spec((None, None, key_dim, value_dim), lambda b, h: (b, h, 0, 0)),
+        starts=spec((None, None, n_chunks, key_dim, value_dim), lambda b, h: (b, h, 0, 0, 0)))
+
+
+def _grid(cfg, b, h):
+    """The launch grid; its first axis varies fastest in launch order."""
+    return (h, b) if cfg.heads_fastest else (b, h)
 
 
 def _cost(cfg, b, h, t, n, p, itemsize, backward):
@@ -231,7 +242,7 @@ def _forward(cfg, q, k, v, log_decay, state, document, carried, save_starts):
         out_shape.append(jax.ShapeDtypeStruct((b, h, n_chunks, key_dim, value_dim), cfg.operand_dtype))
         out_specs.append(s["starts"])
     return pl.pallas_call(
-        _forward_kernel(cfg, n_chunks, save_starts), grid=(b, h), out_shape=tuple(out_shape),
+        _forward_kernel(cfg, n_chunks, save_starts), grid=_grid(cfg, b, h), out_shape=tuple(out_shape),
         in_specs=[s["keys"], s["keys"], s["values"], s["decay"], s["documents"], s["carried"], s["state"]],
         out_specs=tuple(out_specs), interpret=cfg.interpret,
         compiler_params=compiler_params(cfg.interpret, cfg.warps_forward, cfg.stages),
@@ -246,7 +257,7 @@ def _backward_call(cfg, q, k, v, log_decay, document, carried, starts, d_out, d_
     s = _specs(cfg, t, n_chunks, key_dim, value_dim)
     per_head_keys = jax.ShapeDtypeStruct((b, t, h, key_dim), cfg.operand_dtype)
     return pl.pallas_call(
-        _backward_kernel(cfg, n_chunks), grid=(b, h),
+        _backward_kernel(cfg, n_chunks), grid=_grid(cfg, b, h),
         out_shape=(per_head_keys, per_head_keys, jax.ShapeDtypeStruct(v.shape, v.dtype),
                    jax.ShapeDtypeStruct(log_decay.shape, F32), jax.ShapeDtypeStruct((b, h, key_dim, value_dim), F32)),
         in_specs=[s["keys"], s["keys"], s["values"], s["decay"], s["documents"], s["carried"], s["starts"],
