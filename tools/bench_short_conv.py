@@ -4,6 +4,8 @@ median of ``--reps`` warm runs.
 
     python tools/bench_short_conv.py --shape 32x4096x1024 [--reps 20] [--check] [--config block_t=64 ...]
     python tools/bench_short_conv.py --shape 32x4096x1024 --sweep     # pallas_triton only, a few block configs
+    python tools/bench_short_conv.py --shape 32x4096x1024 --sweep two_pass   # the one-pass backward against the
+                                                                             # two-pass one at a few blocks
 
 ``--check`` first compares pallas_triton with the xla custom VJP at the same shape and prints the max abs
 difference of y, dx and dW (and the largest |value| of each, for scale). ``--config`` passes Pallas-Triton
@@ -37,6 +39,12 @@ SWEEP = [  # each on top of the defaults (and of --config)
     dict(bwd_block_c=128), dict(bwd_block_t=16), dict(bwd_block_t=16, bwd_block_c=128, bwd_warps=8),
     dict(bwd_warps=2), dict(bwd_steps=8), dict(bwd_steps=128),
 ]
+TWO_PASS_SWEEP = [  # the two-pass backward (Config.bwd_two_pass): pass 2 keeps 2K blocks live, so larger blocks fit
+    {}, dict(bwd_two_pass=True), dict(bwd_two_pass=True, bwd_block_c=128),
+    dict(bwd_two_pass=True, bwd_block_t=16, bwd_block_c=128, bwd_warps=8),
+    dict(bwd_two_pass=True, bwd_block_t=32, bwd_block_c=128, bwd_warps=8, bwd_steps=8),
+    dict(bwd_two_pass=True, bwd_block_t=16, bwd_block_c=64, bwd_steps=16),
+]
 
 
 def _median_ms(fn, args, reps):
@@ -55,7 +63,7 @@ def _config(pairs):
         name, _, value = pair.partition("=")
         if not value:
             raise SystemExit(f"--config {pair!r}: expected name=value (e.g. block_t=64)")
-        out[name] = int(value)
+        out[name] = value.lower() in ("1", "true") if name == "bwd_two_pass" else int(value)
     return out
 
 
@@ -66,7 +74,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--check", action="store_true", help="compare pallas_triton with xla before timing")
     p.add_argument("--config", nargs="*", default=[], help="pallas_triton Config fields, name=value")
-    p.add_argument("--sweep", action="store_true", help="time pallas_triton with each config of SWEEP")
+    p.add_argument("--sweep", nargs="?", const="one_pass", choices=("one_pass", "two_pass"),
+                   help="time pallas_triton with each config of SWEEP (one_pass, the default) or TWO_PASS_SWEEP")
     p.add_argument("--interpret", action="store_true",
                    help="off the GPU: run pallas_triton in interpret mode (a smoke test of this tool, not a timing)")
     a = p.parse_args(argv)
@@ -94,7 +103,8 @@ def main(argv=None):
     rows = [("autodiff", autodiff), ("xla custom VJP", custom)]
     with_triton = on_gpu or a.interpret
     if with_triton and a.sweep:
-        rows = [(f"pallas_triton {extra or 'defaults'}", functools.partial(triton, **extra)) for extra in SWEEP]
+        sweep = SWEEP if a.sweep == "one_pass" else TWO_PASS_SWEEP
+        rows = [(f"pallas_triton {extra or 'defaults'}", functools.partial(triton, **extra)) for extra in sweep]
     elif with_triton:
         rows.append(("pallas_triton" + ("" if on_gpu else " (interpret)"), triton))
     else:

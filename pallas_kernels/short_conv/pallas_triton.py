@@ -16,6 +16,13 @@ It recomputes a at t..t+K−1 from the 2K−1 shifted x blocks t−(K−1)..t+K�
 stored), and sums the dW terms of its S blocks in float32 registers; the [B · T/(BT·S), K, C] float32
 partial sums are added up by XLA afterwards (deterministic, no atomics).
 
+Two-pass backward (``Config.bwd_two_pass``): the one-pass kernel recomputes a at K positions per token (K²
+multiply-adds and K sigmoids per element) and keeps 3K − 1 blocks live, which holds its blocks small. The
+two passes form each d_t once: pass 1 (grid and blocks of the forward) writes d = dy · act'(a) in float32
+(with no activation d is dy itself and pass 1 is skipped); pass 2 (the backward's grid) reads d at t..t+K−1
+and x at t−(K−1)..t — 2K blocks — for dx and the dW partial sums. Same arithmetic in float32, one more
+[B, T, C] float32 round trip through HBM.
+
 Shifted loads are gathers with row indices clamped into the array plus a mask (the interpreter clamps a
 negative ``pl.ds`` start, which would shift the block); stores use ``pl.ds`` with a mask, so T and C need not
 be multiples of the blocks. Block shapes are powers of two (Triton).
@@ -51,6 +58,7 @@ class Config:
     bwd_steps: int = 32  # backward: steps per program (fewer dW partial rows: B · T / (BT · S) of them)
     warps: int = 4
     bwd_warps: int = 4
+    bwd_two_pass: bool = False  # the backward as two kernels (module docstring); timings on the GPU decide
     interpret: bool = False
 
 
@@ -68,6 +76,8 @@ def make_config(length: int, channels: int, *, interpret: bool = False, **overri
                  bwd_block_c=min(base.bwd_block_c, c2), bwd_steps=min(base.bwd_steps, t2 // bwd_block_t),
                  interpret=interpret)
     cfg = dataclasses.replace(cfg, **overrides)
+    if not isinstance(cfg.bwd_two_pass, bool):
+        raise ValueError(f"short_conv pallas_triton: bwd_two_pass={cfg.bwd_two_pass!r}; expected True or False")
     for name in ("block_t", "block_c", "bwd_block_t", "bwd_block_c", "bwd_steps", "warps", "bwd_warps"):
         if not pow2(getattr(cfg, name)):
             raise ValueError(f"short_conv pallas_triton: {name}={getattr(cfg, name)!r}; expected a power of two "
@@ -125,25 +135,88 @@ def _silu_and_grad(acc):
 # kernels
 
 
-def _forward_kernel(x_ref, w_ref, *refs, activation, has_segments, block_t, block_c):
-    seg_ref, y_ref = refs if has_segments else (None, *refs)
-    length, channels = x_ref.shape[1], x_ref.shape[2]
-    k = w_ref.shape[0]
-    b, t0, c0 = pl.program_id(0), pl.program_id(1) * block_t, pl.program_id(2) * block_c
-    rows, cols = t0 + iota(block_t), c0 + iota(block_c)
-    col_ok = cols < channels
-    taps = _load_taps(w_ref, cols, col_ok, k)
-    seg_here = _load_segments(seg_ref, b, rows) if has_segments else None
-    acc = jnp.zeros((block_t, block_c), F32)
+def _pre_activation(x_ref, seg_ref, taps, b, rows, cols, col_ok, seg_here):
+    """a[rows, cols] = Σ_i W[K−1−i] x_{t−i} [seg_{t−i} = seg_t] in float32 ([BT, BC]); ``seg_ref`` None: no
+    segments."""
+    length, k = x_ref.shape[1], len(taps)
+    acc = jnp.zeros((rows.shape[0], cols.shape[0]), F32)
     for i in range(k):  # tap i: i tokens back
         src = rows - i
         ok = (src >= 0) & (src < length)
-        if has_segments:
+        if seg_ref is not None:
             ok = ok & (_load_segments(seg_ref, b, src) == seg_here)
         acc = acc + _load_block(x_ref, b, src, cols, ok[:, None] & col_ok[None, :]) * taps[k - 1 - i][None, :]
+    return acc
+
+
+def _forward_kernel(x_ref, w_ref, *refs, activation, has_segments, block_t, block_c):
+    seg_ref, y_ref = refs if has_segments else (None, *refs)
+    length, channels = x_ref.shape[1], x_ref.shape[2]
+    b, t0, c0 = pl.program_id(0), pl.program_id(1) * block_t, pl.program_id(2) * block_c
+    rows, cols = t0 + iota(block_t), c0 + iota(block_c)
+    col_ok = cols < channels
+    taps = _load_taps(w_ref, cols, col_ok, w_ref.shape[0])
+    seg_here = _load_segments(seg_ref, b, rows) if has_segments else None
+    acc = _pre_activation(x_ref, seg_ref, taps, b, rows, cols, col_ok, seg_here)
     y = _silu_and_grad(acc)[0] if activation else acc
     store_ok = (rows < length)[:, None] & col_ok[None, :]
     pltriton.store(y_ref.at[b, pl.ds(t0, block_t), pl.ds(c0, block_c)], y.astype(y_ref.dtype), mask=store_ok)
+
+
+def _activation_grad_kernel(x_ref, w_ref, dy_ref, *refs, has_segments, block_t, block_c):
+    """Two-pass backward, pass 1: d = dy · SiLU'(a) in float32 on the forward's grid."""
+    seg_ref, d_ref = refs if has_segments else (None, *refs)
+    length, channels = x_ref.shape[1], x_ref.shape[2]
+    b, t0, c0 = pl.program_id(0), pl.program_id(1) * block_t, pl.program_id(2) * block_c
+    rows, cols = t0 + iota(block_t), c0 + iota(block_c)
+    col_ok = cols < channels
+    taps = _load_taps(w_ref, cols, col_ok, w_ref.shape[0])
+    seg_here = _load_segments(seg_ref, b, rows) if has_segments else None
+    acc = _pre_activation(x_ref, seg_ref, taps, b, rows, cols, col_ok, seg_here)
+    store_ok = (rows < length)[:, None] & col_ok[None, :]
+    dy = _load_block(dy_ref, b, rows, cols, store_ok)
+    pltriton.store(d_ref.at[b, pl.ds(t0, block_t), pl.ds(c0, block_c)], dy * _silu_and_grad(acc)[1],
+                   mask=store_ok)
+
+
+def _conv_grad_kernel(x_ref, w_ref, d_ref, *refs, has_segments, block_t, block_c, steps, groups):
+    """Two-pass backward, pass 2: dx and the dW partial sums from d (pass 1's, or dy with no activation)."""
+    seg_ref, dx_ref, dw_ref = refs if has_segments else (None, *refs)
+    length, channels = x_ref.shape[1], x_ref.shape[2]
+    k = w_ref.shape[0]
+    b, g, c0 = pl.program_id(0), pl.program_id(1), pl.program_id(2) * block_c
+    cols = c0 + iota(block_c)
+    col_ok = cols < channels
+    taps = _load_taps(w_ref, cols, col_ok, k)
+
+    def step(s, d_w):
+        t0 = (g * steps + s) * block_t
+        rows = t0 + iota(block_t)
+        src = {d: rows + d for d in range(-(k - 1), k)}
+        inside = {d: (src[d] >= 0) & (src[d] < length) for d in src}
+        seg = {d: _load_segments(seg_ref, b, src[d]) for d in src} if has_segments else None
+        same = (lambda d: seg[d] == seg[0]) if has_segments else (lambda d: True)
+        d_x = jnp.zeros((block_t, block_c), F32)
+        d_here = None
+        for i in range(k):  # dx_t = Σ_i W[K−1−i] d_{t+i} [seg_t = seg_{t+i}]; d is zero past T
+            d_i = _load_block(d_ref, b, src[i], cols, (inside[i] & same(i))[:, None] & col_ok[None, :])
+            d_here = d_i if i == 0 else d_here
+            d_x = d_x + d_i * taps[k - 1 - i][None, :]
+        store_ok = (rows < length)[:, None] & col_ok[None, :]
+        pltriton.store(dx_ref.at[b, pl.ds(t0, block_t), pl.ds(c0, block_c)], d_x.astype(dx_ref.dtype),
+                       mask=store_ok)
+        new_d_w = []
+        for i in range(k):  # dW[K−1−i] += x_{t−i} [seg_{t−i} = seg_t] d_t
+            x_i = _load_block(x_ref, b, src[-i], cols, (inside[-i] & same(-i))[:, None] & col_ok[None, :])
+            new_d_w.append(d_w[i] + x_i * d_here)
+        return tuple(new_d_w)
+
+    zeros = tuple(jnp.zeros((block_t, block_c), F32) for _ in range(k))
+    d_w = jax.lax.fori_loop(0, steps, step, zeros)
+    row = b * groups + g
+    for i in range(k):
+        pltriton.store(dw_ref.at[row, _index(k - 1 - i), pl.ds(c0, block_c)], jnp.sum(d_w[i], axis=0),
+                       mask=col_ok)
 
 
 def _backward_kernel(x_ref, w_ref, dy_ref, *refs, activation, has_segments, block_t, block_c, steps, groups):
@@ -224,6 +297,8 @@ def _forward(cfg, x, w, seg, activation, out_dtype):
 
 
 def _backward(cfg, x, w, seg, dy, activation):
+    if cfg.bwd_two_pass:
+        return _backward_two_pass(cfg, x, w, seg, dy, activation)
     b, t, c = x.shape
     k = w.shape[0]
     per_program = cfg.bwd_block_t * cfg.bwd_steps
@@ -244,6 +319,40 @@ def _backward(cfg, x, w, seg, dy, activation):
     d_x, d_w_partial = pl.pallas_call(kernel, grid=grid, out_shape=out_shape,
                                       compiler_params=_compiler_params(cfg, cfg.bwd_warps), interpret=cfg.interpret,
                                       cost_estimate=cost, name="short_conv_bwd")(*args)
+    return d_x, jnp.sum(d_w_partial, axis=0)
+
+
+def _backward_two_pass(cfg, x, w, seg, dy, activation):
+    b, t, c = x.shape
+    k = w.shape[0]
+    has_segments = seg is not None
+    n = b * t * c
+    tail = (seg,) if has_segments else ()
+    d = dy
+    if activation:  # pass 1: d = dy · SiLU'(a), float32, on the forward's grid
+        grid = (b, pl.cdiv(t, cfg.block_t), pl.cdiv(c, cfg.block_c))
+        kernel = functools.partial(_activation_grad_kernel, has_segments=has_segments, block_t=cfg.block_t,
+                                   block_c=cfg.block_c)
+        cost = pl.CostEstimate(
+            flops=int(2 * k * n + 6 * n), transcendentals=int(n),
+            bytes_accessed=int(n * (x.dtype.itemsize + dy.dtype.itemsize + 4) + w.size * 4 * grid[0] * grid[1]
+                               + (k * b * t * 4 * grid[2] if has_segments else 0)))
+        d = pl.pallas_call(kernel, grid=grid, out_shape=jax.ShapeDtypeStruct((b, t, c), F32),
+                           compiler_params=_compiler_params(cfg, cfg.warps), interpret=cfg.interpret,
+                           cost_estimate=cost, name="short_conv_bwd_act")(x, w, dy, *tail)
+    per_program = cfg.bwd_block_t * cfg.bwd_steps
+    grid = (b, pl.cdiv(t, per_program), pl.cdiv(c, cfg.bwd_block_c))
+    kernel = functools.partial(_conv_grad_kernel, has_segments=has_segments, block_t=cfg.bwd_block_t,
+                               block_c=cfg.bwd_block_c, steps=cfg.bwd_steps, groups=grid[1])
+    partial_rows = b * grid[1]
+    cost = pl.CostEstimate(
+        flops=int(4 * k * n), transcendentals=0,
+        bytes_accessed=int(n * (2 * x.dtype.itemsize + d.dtype.itemsize) + partial_rows * k * c * 4
+                           + w.size * 4 * grid[0] * grid[1] + ((2 * k - 1) * b * t * 4 * grid[2] if has_segments else 0)))
+    out_shape = (jax.ShapeDtypeStruct((b, t, c), x.dtype), jax.ShapeDtypeStruct((partial_rows, k, c), F32))
+    d_x, d_w_partial = pl.pallas_call(kernel, grid=grid, out_shape=out_shape,
+                                      compiler_params=_compiler_params(cfg, cfg.bwd_warps), interpret=cfg.interpret,
+                                      cost_estimate=cost, name="short_conv_bwd_conv")(x, w, d, *tail)
     return d_x, jnp.sum(d_w_partial, axis=0)
 
 
@@ -273,7 +382,7 @@ def run(x_BTC, w_KC, segment_ids_BT, activation: bool, out_dtype, *, interpret: 
     """x [B, T, C] (float32 / bfloat16 / float16), W [K, C] (read as float32), segment ids [B, T] int or None.
     Returns y [B, T, C] in ``out_dtype``; differentiable in x and W (custom VJP: dx in x's dtype, dW in W's).
     ``overrides``: :class:`Config` fields (block_t, block_c, bwd_block_t, bwd_block_c, bwd_steps, warps,
-    bwd_warps)."""
+    bwd_warps, bwd_two_pass)."""
     cfg = make_config(x_BTC.shape[1], x_BTC.shape[2], interpret=interpret, **overrides)
     seg = None if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
     return _causal_conv(cfg, x_BTC, w_KC, seg, bool(activation), jnp.dtype(out_dtype))

@@ -24,6 +24,7 @@ import pytest
 from delta_rule_cases import x64
 from mixerlab.pallas_kernels.short_conv import api, pallas_triton, reference
 
+TWO_PASS = dict(bwd_two_pass=True)
 SMALL_BLOCKS = dict(block_t=16, block_c=32, bwd_block_t=8, bwd_block_c=32, bwd_steps=4)  # many programs, edges
 
 
@@ -82,6 +83,10 @@ def _check(got, want, tol, dw_tol=None):
     (2, 300, 200, 3, False, True, SMALL_BLOCKS),  # 19 × 7 forward blocks, 10 × 7 backward programs
     (2, 300, 200, 2, True, False, SMALL_BLOCKS),  # no segments
     (1, 3, 5, 4, True, True, {}),                 # T < K: taps that reach before the row's start
+    (2, 37, 96, 4, True, True, TWO_PASS),         # the two-pass backward: d, then dx and dW
+    (2, 300, 200, 3, False, True, SMALL_BLOCKS | TWO_PASS),  # no activation: d is dy, pass 1 skipped
+    (2, 300, 200, 2, True, False, SMALL_BLOCKS | TWO_PASS),
+    (1, 3, 5, 4, True, True, TWO_PASS),
 ])
 def test_float32_matches_float64_reference(b, t, c, k, activation, segments, config):
     x, w, cotangent, seg = _inputs(b * t + k, b, t, c, k, segments)
@@ -89,12 +94,13 @@ def test_float32_matches_float64_reference(b, t, c, k, activation, segments, con
     _check(got, _reference(x, w, seg, cotangent, activation), F32_TOL)
 
 
-def test_bfloat16_inputs_match_float64_reference():
+@pytest.mark.parametrize("config", [SMALL_BLOCKS, SMALL_BLOCKS | TWO_PASS], ids=["one_pass", "two_pass"])
+def test_bfloat16_inputs_match_float64_reference(config):
     """bf16 x and output, f32 W and accumulation; the reference sees the same bf16-rounded x."""
     x, w, cotangent, seg = _inputs(5, 2, 130, 96, 4, True)
     x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
     cotangent = np.asarray(jnp.asarray(cotangent, jnp.bfloat16).astype(jnp.float32))
-    got = _kernel(x, w, seg, cotangent, True, jnp.bfloat16, **SMALL_BLOCKS)
+    got = _kernel(x, w, seg, cotangent, True, jnp.bfloat16, **config)
     _check(got, _reference(x, w, seg, cotangent, True), BF16_TOL, DW_TOL)
 
 
@@ -143,18 +149,21 @@ def test_bad_arguments_name_the_argument(args, match):
                         call["activation"], call["out_dtype"])
 
 
-@pytest.mark.parametrize("segments", [True, False])
-def test_forward_and_backward_lower_to_two_triton_calls_for_cuda_on_cpu(segments):
+@pytest.mark.parametrize("segments, two_pass, activation, calls", [
+    (True, False, True, 2), (False, False, True, 2), (True, True, True, 3), (True, True, False, 2)])
+def test_forward_and_backward_lower_to_triton_calls_for_cuda_on_cpu(segments, two_pass, activation, calls):
     """The Pallas-to-Triton lowering accepts the kernels (power-of-two blocks, gathers, masks, the backward's
-    loop) at an odd shape: one forward and one backward custom call."""
+    loop) at an odd shape: one forward and one backward custom call, or with the two-pass backward a pass for d
+    (only with the activation) and one for dx and dW."""
     s = jax.ShapeDtypeStruct
     specs = [s((2, 300, 200), jnp.bfloat16), s((4, 200), jnp.float32)] + ([s((2, 300), jnp.int32)] if segments else [])
 
     def loss(x, w, *seg):
-        return jnp.sum(pallas_triton.run(x, w, seg[0] if seg else None, True, jnp.bfloat16).astype(jnp.float32))
+        y = pallas_triton.run(x, w, seg[0] if seg else None, activation, jnp.bfloat16, bwd_two_pass=two_pass)
+        return jnp.sum(y.astype(jnp.float32))
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert text.count("__gpu$xla.gpu.triton") == calls
 
 
 _PER_SHARD = textwrap.dedent("""
