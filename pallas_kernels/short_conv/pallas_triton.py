@@ -345,10 +345,11 @@ def _backward_two_pass(cfg, x, w, seg, dy, activation):
     kernel = functools.partial(_conv_grad_kernel, has_segments=has_segments, block_t=cfg.bwd_block_t,
                                block_c=cfg.bwd_block_c, steps=cfg.bwd_steps, groups=grid[1])
     partial_rows = b * grid[1]
+    seg_bytes = (2 * k - 1) * b * t * 4 * grid[2] if has_segments else 0
     cost = pl.CostEstimate(
         flops=int(4 * k * n), transcendentals=0,
         bytes_accessed=int(n * (2 * x.dtype.itemsize + d.dtype.itemsize) + partial_rows * k * c * 4
-                           + w.size * 4 * grid[0] * grid[1] + ((2 * k - 1) * b * t * 4 * grid[2] if has_segments else 0)))
+                           + w.size * 4 * grid[0] * grid[1] + seg_bytes))
     out_shape = (jax.ShapeDtypeStruct((b, t, c), x.dtype), jax.ShapeDtypeStruct((partial_rows, k, c), F32))
     d_x, d_w_partial = pl.pallas_call(kernel, grid=grid, out_shape=out_shape,
                                       compiler_params=_compiler_params(cfg, cfg.bwd_warps), interpret=cfg.interpret,
