@@ -73,8 +73,10 @@ def time_ssd(row, b, t, impl, reps):
 
 def parse_variant(text):
     """'chunk=128,heads_fastest=1' -> (128, {'heads_fastest': True}); chunk 0 = the op's default."""
+    import dataclasses
+
     from mixerlab.pallas_kernels.ssd import pallas_triton
-    kinds = {f.name: f.type for f in pallas_triton.dataclasses.fields(pallas_triton.Config)}
+    kinds = {f.name: f.type for f in dataclasses.fields(pallas_triton.Config)}
     chunk, overrides = 0, {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")

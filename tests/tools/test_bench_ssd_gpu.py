@@ -1,0 +1,21 @@
+"""tools/bench_ssd_gpu.py's --variants parsing on the CPU (the timings need the GPU machine): each variant becomes
+the chunk and the SSD kernels' Config fields with their types, and an unknown key is refused by name."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tools.bench_ssd_gpu import parse_variant  # noqa: E402
+
+
+def test_variants_give_the_chunk_and_typed_config_fields():
+    assert parse_variant("chunk=128,heads_fastest=1,stages=2") == (128, {"heads_fastest": True, "stages": 2})
+    assert parse_variant("warps_backward=4") == (0, {"warps_backward": 4})
+    assert parse_variant("heads_fastest=false") == (0, {"heads_fastest": False})
+
+
+def test_an_unknown_key_is_refused_naming_it_and_the_valid_ones():
+    with pytest.raises(SystemExit, match="unknown key 'block_c'.*valid: chunk, warps_forward"):
+        parse_variant("chunk=64,block_c=32")
