@@ -179,15 +179,29 @@ def _activation_grad_kernel(x_ref, w_ref, dy_ref, *refs, has_segments, block_t, 
                    mask=store_ok)
 
 
+def _backward_program(x_ref, w_ref, block_c):
+    """A backward program's place (b, token group g, first channel c0), its channels, their mask and W's taps."""
+    b, g, c0 = pl.program_id(0), pl.program_id(1), pl.program_id(2) * block_c
+    cols = c0 + iota(block_c)
+    col_ok = cols < x_ref.shape[2]
+    return b, g, c0, cols, col_ok, _load_taps(w_ref, cols, col_ok, w_ref.shape[0])
+
+
+def _steps_then_store_dw(step, dw_ref, row, steps, block_t, c0, col_ok, k):
+    """Run ``step(s, dW accumulators)`` over the program's steps with K [BT, BC] float32 accumulators, then reduce
+    each over tokens once (not one cross-warp reduction per step) into row ``row`` of the dW partials."""
+    zeros = tuple(jnp.zeros((block_t, col_ok.shape[0]), F32) for _ in range(k))
+    d_w = jax.lax.fori_loop(0, steps, step, zeros)
+    for i in range(k):
+        pltriton.store(dw_ref.at[row, _index(k - 1 - i), pl.ds(c0, col_ok.shape[0])], jnp.sum(d_w[i], axis=0),
+                       mask=col_ok)
+
+
 def _conv_grad_kernel(x_ref, w_ref, d_ref, *refs, has_segments, block_t, block_c, steps, groups):
     """Two-pass backward, pass 2: dx and the dW partial sums from d (pass 1's, or dy with no activation)."""
     seg_ref, dx_ref, dw_ref = refs if has_segments else (None, *refs)
-    length, channels = x_ref.shape[1], x_ref.shape[2]
-    k = w_ref.shape[0]
-    b, g, c0 = pl.program_id(0), pl.program_id(1), pl.program_id(2) * block_c
-    cols = c0 + iota(block_c)
-    col_ok = cols < channels
-    taps = _load_taps(w_ref, cols, col_ok, k)
+    length, k = x_ref.shape[1], w_ref.shape[0]
+    b, g, c0, cols, col_ok, taps = _backward_program(x_ref, w_ref, block_c)
 
     def step(s, d_w):
         t0 = (g * steps + s) * block_t
@@ -211,22 +225,13 @@ def _conv_grad_kernel(x_ref, w_ref, d_ref, *refs, has_segments, block_t, block_c
             new_d_w.append(d_w[i] + x_i * d_here)
         return tuple(new_d_w)
 
-    zeros = tuple(jnp.zeros((block_t, block_c), F32) for _ in range(k))
-    d_w = jax.lax.fori_loop(0, steps, step, zeros)
-    row = b * groups + g
-    for i in range(k):
-        pltriton.store(dw_ref.at[row, _index(k - 1 - i), pl.ds(c0, block_c)], jnp.sum(d_w[i], axis=0),
-                       mask=col_ok)
+    _steps_then_store_dw(step, dw_ref, b * groups + g, steps, block_t, c0, col_ok, k)
 
 
 def _backward_kernel(x_ref, w_ref, dy_ref, *refs, activation, has_segments, block_t, block_c, steps, groups):
     seg_ref, dx_ref, dw_ref = refs if has_segments else (None, *refs)
-    length, channels = x_ref.shape[1], x_ref.shape[2]
-    k = w_ref.shape[0]
-    b, g, c0 = pl.program_id(0), pl.program_id(1), pl.program_id(2) * block_c
-    cols = c0 + iota(block_c)
-    col_ok = cols < channels
-    taps = _load_taps(w_ref, cols, col_ok, k)
+    length, k = x_ref.shape[1], w_ref.shape[0]
+    b, g, c0, cols, col_ok, taps = _backward_program(x_ref, w_ref, block_c)
 
     def step(s, d_w):
         t0 = (g * steps + s) * block_t
@@ -260,13 +265,7 @@ def _backward_kernel(x_ref, w_ref, dy_ref, *refs, activation, has_segments, bloc
             new_d_w.append(d_w[i] + term * d_acc[0])
         return tuple(new_d_w)
 
-    # [BT, BC] accumulators, one reduction over tokens at the end (not one cross-warp reduction per step)
-    zeros = tuple(jnp.zeros((block_t, block_c), F32) for _ in range(k))
-    d_w = jax.lax.fori_loop(0, steps, step, zeros)
-    row = b * groups + g
-    for i in range(k):
-        pltriton.store(dw_ref.at[row, _index(k - 1 - i), pl.ds(c0, block_c)], jnp.sum(d_w[i], axis=0),
-                       mask=col_ok)
+    _steps_then_store_dw(step, dw_ref, b * groups + g, steps, block_t, c0, col_ok, k)
 
 
 # ---------------------------------------------------------------------------------------------------------
