@@ -4,8 +4,6 @@ median of ``--reps`` warm runs.
 
     python tools/bench_short_conv.py --shape 32x4096x1024 [--reps 20] [--check] [--config block_t=64 ...]
     python tools/bench_short_conv.py --shape 32x4096x1024 --sweep     # pallas_triton only, a few block configs
-    python tools/bench_short_conv.py --shape 32x4096x1024 --sweep two_pass   # the one-pass backward against the
-                                                                             # two-pass one at a few blocks
 
 ``--check`` first compares pallas_triton with the xla custom VJP at the same shape and prints the max abs
 difference of y, dx and dW (and the largest |value| of each, for scale). ``--config`` passes Pallas-Triton
@@ -34,16 +32,10 @@ from benchlib import timed  # noqa: E402  (tools/benchlib.py)
 from mixerlab.pallas_kernels.short_conv import pallas_triton, reference, xla  # noqa: E402
 
 BF16 = jnp.dtype(jnp.bfloat16)
-SWEEP = [  # each on top of the defaults (and of --config)
+SWEEP = [  # each on top of the defaults (and of --config); forward blocks first, then the backward's pass 2
     {}, dict(block_t=16), dict(block_t=64), dict(block_c=256, warps=8), dict(block_t=64, warps=8),
-    dict(bwd_block_c=128), dict(bwd_block_t=16), dict(bwd_block_t=16, bwd_block_c=128, bwd_warps=8),
-    dict(bwd_warps=2), dict(bwd_steps=8), dict(bwd_steps=128),
-]
-TWO_PASS_SWEEP = [  # the two-pass backward (Config.bwd_two_pass): pass 2 keeps 2K blocks live, so larger blocks fit
-    {}, dict(bwd_two_pass=True), dict(bwd_two_pass=True, bwd_block_c=128),
-    dict(bwd_two_pass=True, bwd_block_t=16, bwd_block_c=128, bwd_warps=8),
-    dict(bwd_two_pass=True, bwd_block_t=32, bwd_block_c=128, bwd_warps=8, bwd_steps=8),
-    dict(bwd_two_pass=True, bwd_block_t=16, bwd_block_c=64, bwd_steps=16),
+    dict(bwd_block_t=8, bwd_block_c=64, bwd_warps=4), dict(bwd_block_c=64, bwd_steps=16),
+    dict(bwd_block_t=32, bwd_steps=8), dict(bwd_warps=4), dict(bwd_steps=8), dict(bwd_steps=128),
 ]
 
 
@@ -63,7 +55,7 @@ def _config(pairs):
         name, _, value = pair.partition("=")
         if not value:
             raise SystemExit(f"--config {pair!r}: expected name=value (e.g. block_t=64)")
-        out[name] = value.lower() in ("1", "true") if name == "bwd_two_pass" else int(value)
+        out[name] = int(value)
     return out
 
 
@@ -74,8 +66,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--check", action="store_true", help="compare pallas_triton with xla before timing")
     p.add_argument("--config", nargs="*", default=[], help="pallas_triton Config fields, name=value")
-    p.add_argument("--sweep", nargs="?", const="one_pass", choices=("one_pass", "two_pass"),
-                   help="time pallas_triton with each config of SWEEP (one_pass, the default) or TWO_PASS_SWEEP")
+    p.add_argument("--sweep", action="store_true", help="time pallas_triton with each config of SWEEP")
     p.add_argument("--interpret", action="store_true",
                    help="off the GPU: run pallas_triton in interpret mode (a smoke test of this tool, not a timing)")
     a = p.parse_args(argv)
@@ -103,8 +94,7 @@ def main(argv=None):
     rows = [("autodiff", autodiff), ("xla custom VJP", custom)]
     with_triton = on_gpu or a.interpret
     if with_triton and a.sweep:
-        sweep = SWEEP if a.sweep == "one_pass" else TWO_PASS_SWEEP
-        rows = [(f"pallas_triton {extra or 'defaults'}", functools.partial(triton, **extra)) for extra in sweep]
+        rows = [(f"pallas_triton {extra or 'defaults'}", functools.partial(triton, **extra)) for extra in SWEEP]
     elif with_triton:
         rows.append(("pallas_triton" + ("" if on_gpu else " (interpret)"), triton))
     else:

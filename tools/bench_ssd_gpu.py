@@ -5,7 +5,7 @@ at Mamba-2's 166M shape (32 heads of P = 64, N = 128, one group) and a GDN-2 del
 beside it (8 heads of 128 with erase) as the anchor.
 
     python tools/bench_ssd_gpu.py [--batch 32 --seq 4096] [--reps 10] [--out ssd.json] \
-        [--variants "chunk=128;heads_fastest=1;chunk=64,warps_backward=4"]
+        [--variants "chunk=64;chunk=128;chunk=64,warps_backward=4"]
 
 ``--variants``: SSD kernel configurations timed beside the default (each ``chunk=C`` plus any
 ``pallas_triton.Config`` fields, comma-separated; variants separated by ';'), same inputs, same call.
@@ -72,7 +72,7 @@ def time_ssd(row, b, t, impl, reps):
 
 
 def parse_variant(text):
-    """'chunk=128,heads_fastest=1' -> (128, {'heads_fastest': True}); chunk 0 = the op's default."""
+    """'chunk=128,stages=2' -> (128, {'stages': 2}); chunk 0 = the op's default."""
     import dataclasses
 
     from mixerlab.pallas_kernels.ssd import pallas_triton
@@ -85,11 +85,9 @@ def parse_variant(text):
             chunk = int(value)
         elif key in ("warps_forward", "warps_backward", "stages"):
             overrides[key] = int(value)
-        elif key == "heads_fastest":
-            overrides[key] = value.strip().lower() in ("1", "true", "yes")
         else:
             raise SystemExit(f"bench_ssd_gpu: --variants: unknown key {key!r} in {text!r}; valid: chunk, "
-                             f"warps_forward, warps_backward, stages, heads_fastest (Config has {sorted(kinds)})")
+                             f"warps_forward, warps_backward, stages (Config has {sorted(kinds)})")
     return chunk, overrides
 
 
@@ -131,8 +129,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None)
     ap.add_argument("--variants", default="", help="SSD kernel configurations timed beside the default, "
-                    "';'-separated, each 'chunk=C,FIELD=VALUE,...' (fields: warps_forward, warps_backward, stages, "
-                    "heads_fastest)")
+                    "';'-separated, each 'chunk=C,FIELD=VALUE,...' (fields: warps_forward, warps_backward, stages)")
     ap.add_argument("--skip", default="", help="comma-separated: correctness, delta_rule_triton, anchor")
     args = ap.parse_args(argv)
     variants = [(text, *parse_variant(text)) for text in args.variants.split(";") if text.strip()]
@@ -156,8 +153,9 @@ def main(argv=None):
     for row in rows:
         if "forward_ms" not in row and "error" not in row:
             continue
-        print(f"| {row['row']} | {row.get('shape', '')} | {row.get('forward_ms', row.get('error', ''))} | "
-              f"{row.get('fwd_bwd_ms', '')} |")
+        ms = lambda key: f"{row[key]:.3f}" if isinstance(row.get(key), float) else row.get(key, "")  # noqa: E731
+        forward = ms("forward_ms") or row.get("error", "")
+        print(f"| {row['row']} | {row.get('shape', '')} | {forward} | {ms('fwd_bwd_ms')} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

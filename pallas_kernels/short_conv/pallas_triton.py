@@ -1,4 +1,4 @@
-"""The short convolution on GPU through Pallas' Triton backend: one forward kernel, one backward kernel.
+"""The short convolution on GPU through Pallas' Triton backend: one forward kernel, two backward kernels.
 
     y_t = act(a_t),   a_t = Σ_{i<K} W[K−1−i] · x_{t−i} · [seg_{t−i} = seg_t]
 
@@ -8,20 +8,18 @@ Forward, grid (B, T/BT, C/BC): a program owns y[b, t0:t0+BT, c0:c0+BC]. For each
 shifted i tokens back (masked before the row's start and where seg_{t−i} ≠ seg_t), accumulates in float32,
 applies SiLU and stores in the output dtype. The K shifted loads overlap, so HBM sees x about once.
 
-Backward, grid (B, T/(BT·S), C/BC): a program walks S blocks of BT tokens. With d_t = dy_t · act'(a_t):
+Backward, with d_t = dy_t · act'(a_t):
 
     dx_t = Σ_i W[K−1−i] · d_{t+i} · [seg_t = seg_{t+i}],     dW[K−1−i] = Σ_t x_{t−i} · [seg_{t−i} = seg_t] · d_t
 
-It recomputes a at t..t+K−1 from the 2K−1 shifted x blocks t−(K−1)..t+K−1 (nothing from the forward is
-stored), and sums the dW terms of its S blocks in float32 registers; the [B · T/(BT·S), K, C] float32
-partial sums are added up by XLA afterwards (deterministic, no atomics).
-
-Two-pass backward (``Config.bwd_two_pass``): the one-pass kernel recomputes a at K positions per token (K²
-multiply-adds and K sigmoids per element) and keeps 3K − 1 blocks live, which holds its blocks small. The
-two passes form each d_t once: pass 1 (grid and blocks of the forward) writes d = dy · act'(a) in float32
-(with no activation d is dy itself and pass 1 is skipped); pass 2 (the backward's grid) reads d at t..t+K−1
-and x at t−(K−1)..t — 2K blocks — for dx and the dW partial sums. Same arithmetic in float32, one more
-[B, T, C] float32 round trip through HBM.
+Pass 1 (the forward's grid and blocks) recomputes a from x (nothing from the forward is stored) and writes d
+in float32; with no activation d is dy itself and pass 1 is skipped. Pass 2, grid (B, T/(BT·S), C/BC): a
+program walks S blocks of BT tokens, reads d at t..t+K−1 and x at t−(K−1)..t (2K blocks live) for dx, and sums
+the dW terms of its S blocks in float32 registers; the [B · T/(BT·S), K, C] float32 partial sums are added up
+by XLA afterwards (deterministic, no atomics). A single backward kernel that recomputes a at the K positions
+each dx_t needs (K² multiply-adds and K sigmoids per element, 3K − 1 blocks live) was 7 % slower on an H100 at
+32 × 4096 × 1024 even against its best blocks: the extra float32 round trip of d costs less than the
+recomputation and the register pressure.
 
 Shifted loads are gathers with row indices clamped into the array plus a mask (the interpreter clamps a
 negative ``pl.ds`` start, which would shift the block); stores use ``pl.ds`` with a mask, so T and C need not
@@ -41,24 +39,23 @@ from mixerlab.pallas_kernels.triton_common import pltriton, compiler_params, iot
 
 F32 = jnp.float32
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-MAX_KERNEL_SIZE = 8  # the backward keeps 2K − 1 shifted x blocks live
+MAX_KERNEL_SIZE = 8  # the backward's pass 2 keeps 2K blocks live
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Blocks and warps. Defaults from ptxas on sm_90a at 32×4096×1024 bf16, K 4, with segments
+    """Blocks and warps. ptxas on sm_90a at 32×4096×1024 bf16, K 4, with segments
     (``tools/triton_ptx_report.py --op short_conv``): forward 32 × 128 uses 127 registers per thread (64 × 128:
-    255, two CTAs per SM); backward 8 × 64 uses 90 (8 × 128: 168; 16 × 128: 255 and 8 bytes spilled).
-    Timings on the GPU decide; ``tools/bench_short_conv.py --sweep`` compares a few."""
+    255, two CTAs per SM); backward pass 2 at 16 × 128 176 (8 × 64: 64; 32 × 128: 255 and spills), pass 1 126.
+    The backward blocks were the fastest of six on an H100 (``tools/bench_short_conv.py --sweep`` times a few)."""
 
     block_t: int = 32  # forward: tokens per program
     block_c: int = 128  # forward: channels per program
-    bwd_block_t: int = 8  # backward: tokens per step (2K − 1 shifted x blocks of BT × BC are live)
-    bwd_block_c: int = 64  # backward: channels per program
-    bwd_steps: int = 32  # backward: steps per program (fewer dW partial rows: B · T / (BT · S) of them)
+    bwd_block_t: int = 16  # backward pass 2: tokens per step (2K blocks of BT × BC live)
+    bwd_block_c: int = 128  # backward pass 2: channels per program
+    bwd_steps: int = 32  # backward pass 2: steps per program (fewer dW partial rows: B · T / (BT · S) of them)
     warps: int = 4
-    bwd_warps: int = 4
-    bwd_two_pass: bool = False  # the backward as two kernels (module docstring); timings on the GPU decide
+    bwd_warps: int = 8
     interpret: bool = False
 
 
@@ -76,8 +73,6 @@ def make_config(length: int, channels: int, *, interpret: bool = False, **overri
                  bwd_block_c=min(base.bwd_block_c, c2), bwd_steps=min(base.bwd_steps, t2 // bwd_block_t),
                  interpret=interpret)
     cfg = dataclasses.replace(cfg, **overrides)
-    if not isinstance(cfg.bwd_two_pass, bool):
-        raise ValueError(f"short_conv pallas_triton: bwd_two_pass={cfg.bwd_two_pass!r}; expected True or False")
     for name in ("block_t", "block_c", "bwd_block_t", "bwd_block_c", "bwd_steps", "warps", "bwd_warps"):
         if not pow2(getattr(cfg, name)):
             raise ValueError(f"short_conv pallas_triton: {name}={getattr(cfg, name)!r}; expected a power of two "
@@ -93,7 +88,7 @@ def supports(backend: str, dtype, kernel_size: int) -> Optional[str]:
     if jnp.dtype(dtype) not in DTYPES:
         return f"x dtype {jnp.dtype(dtype).name} not supported (float32, bfloat16, float16)"
     if kernel_size > MAX_KERNEL_SIZE:
-        return f"kernel_size={kernel_size} > {MAX_KERNEL_SIZE} (the backward keeps 2K − 1 blocks in registers)"
+        return f"kernel_size={kernel_size} > {MAX_KERNEL_SIZE} (the backward keeps 2K blocks in registers)"
     return None
 
 
@@ -164,7 +159,7 @@ def _forward_kernel(x_ref, w_ref, *refs, activation, has_segments, block_t, bloc
 
 
 def _activation_grad_kernel(x_ref, w_ref, dy_ref, *refs, has_segments, block_t, block_c):
-    """Two-pass backward, pass 1: d = dy · SiLU'(a) in float32 on the forward's grid."""
+    """Backward pass 1: d = dy · SiLU'(a) in float32 on the forward's grid."""
     seg_ref, d_ref = refs if has_segments else (None, *refs)
     length, channels = x_ref.shape[1], x_ref.shape[2]
     b, t0, c0 = pl.program_id(0), pl.program_id(1) * block_t, pl.program_id(2) * block_c
@@ -179,14 +174,6 @@ def _activation_grad_kernel(x_ref, w_ref, dy_ref, *refs, has_segments, block_t, 
                    mask=store_ok)
 
 
-def _backward_program(x_ref, w_ref, block_c):
-    """A backward program's place (b, token group g, first channel c0), its channels, their mask and W's taps."""
-    b, g, c0 = pl.program_id(0), pl.program_id(1), pl.program_id(2) * block_c
-    cols = c0 + iota(block_c)
-    col_ok = cols < x_ref.shape[2]
-    return b, g, c0, cols, col_ok, _load_taps(w_ref, cols, col_ok, w_ref.shape[0])
-
-
 def _steps_then_store_dw(step, dw_ref, row, steps, block_t, c0, col_ok, k):
     """Run ``step(s, dW accumulators)`` over the program's steps with K [BT, BC] float32 accumulators, then reduce
     each over tokens once (not one cross-warp reduction per step) into row ``row`` of the dW partials."""
@@ -198,10 +185,13 @@ def _steps_then_store_dw(step, dw_ref, row, steps, block_t, c0, col_ok, k):
 
 
 def _conv_grad_kernel(x_ref, w_ref, d_ref, *refs, has_segments, block_t, block_c, steps, groups):
-    """Two-pass backward, pass 2: dx and the dW partial sums from d (pass 1's, or dy with no activation)."""
+    """Backward pass 2: dx and the dW partial sums from d (pass 1's, or dy with no activation)."""
     seg_ref, dx_ref, dw_ref = refs if has_segments else (None, *refs)
     length, k = x_ref.shape[1], w_ref.shape[0]
-    b, g, c0, cols, col_ok, taps = _backward_program(x_ref, w_ref, block_c)
+    b, g, c0 = pl.program_id(0), pl.program_id(1), pl.program_id(2) * block_c
+    cols = c0 + iota(block_c)
+    col_ok = cols < x_ref.shape[2]
+    taps = _load_taps(w_ref, cols, col_ok, k)
 
     def step(s, d_w):
         t0 = (g * steps + s) * block_t
@@ -223,46 +213,6 @@ def _conv_grad_kernel(x_ref, w_ref, d_ref, *refs, has_segments, block_t, block_c
         for i in range(k):  # dW[K−1−i] += x_{t−i} [seg_{t−i} = seg_t] d_t
             x_i = _load_block(x_ref, b, src[-i], cols, (inside[-i] & same(-i))[:, None] & col_ok[None, :])
             new_d_w.append(d_w[i] + x_i * d_here)
-        return tuple(new_d_w)
-
-    _steps_then_store_dw(step, dw_ref, b * groups + g, steps, block_t, c0, col_ok, k)
-
-
-def _backward_kernel(x_ref, w_ref, dy_ref, *refs, activation, has_segments, block_t, block_c, steps, groups):
-    seg_ref, dx_ref, dw_ref = refs if has_segments else (None, *refs)
-    length, k = x_ref.shape[1], w_ref.shape[0]
-    b, g, c0, cols, col_ok, taps = _backward_program(x_ref, w_ref, block_c)
-
-    def step(s, d_w):
-        t0 = (g * steps + s) * block_t
-        rows = t0 + iota(block_t)
-        offsets = range(-(k - 1), k)  # x at t + d for every d the recomputed a_{t+i} and the dW terms need
-        src = {d: rows + d for d in offsets}
-        inside = {d: (src[d] >= 0) & (src[d] < length) for d in offsets}
-        seg = {d: _load_segments(seg_ref, b, src[d]) for d in offsets} if has_segments else None
-        same = (lambda d, e: seg[d] == seg[e]) if has_segments else (lambda d, e: True)
-        x = {d: _load_block(x_ref, b, src[d], cols, inside[d][:, None] & col_ok[None, :]) for d in offsets}
-        d_acc = []
-        for i in range(k):  # d_{t+i} = dy_{t+i} · act'(a_{t+i}); zero past T (dy is zero there)
-            dy = _load_block(dy_ref, b, src[i], cols, inside[i][:, None] & col_ok[None, :])
-            if activation:
-                a = jnp.zeros((block_t, block_c), F32)
-                for j in range(k):  # a_{t+i} = Σ_j W[K−1−j] x_{t+i−j} [seg_{t+i−j} = seg_{t+i}]
-                    term = x[i - j] if not has_segments else jnp.where(same(i - j, i)[:, None], x[i - j], 0.0)
-                    a = a + term * taps[k - 1 - j][None, :]
-                dy = dy * _silu_and_grad(a)[1]
-            d_acc.append(dy)
-        d_x = jnp.zeros((block_t, block_c), F32)
-        for i in range(k):
-            term = d_acc[i] if not has_segments else jnp.where(same(i, 0)[:, None], d_acc[i], 0.0)
-            d_x = d_x + term * taps[k - 1 - i][None, :]
-        store_ok = (rows < length)[:, None] & col_ok[None, :]
-        pltriton.store(dx_ref.at[b, pl.ds(t0, block_t), pl.ds(c0, block_c)], d_x.astype(dx_ref.dtype),
-                       mask=store_ok)
-        new_d_w = []
-        for i in range(k):  # dW[K−1−i] += x_{t−i} [seg_{t−i} = seg_t] d_t, summed over t after the loop
-            term = x[-i] if not has_segments else jnp.where(same(-i, 0)[:, None], x[-i], 0.0)
-            new_d_w.append(d_w[i] + term * d_acc[0])
         return tuple(new_d_w)
 
     _steps_then_store_dw(step, dw_ref, b * groups + g, steps, block_t, c0, col_ok, k)
@@ -296,32 +246,6 @@ def _forward(cfg, x, w, seg, activation, out_dtype):
 
 
 def _backward(cfg, x, w, seg, dy, activation):
-    if cfg.bwd_two_pass:
-        return _backward_two_pass(cfg, x, w, seg, dy, activation)
-    b, t, c = x.shape
-    k = w.shape[0]
-    per_program = cfg.bwd_block_t * cfg.bwd_steps
-    grid = (b, pl.cdiv(t, per_program), pl.cdiv(c, cfg.bwd_block_c))
-    has_segments = seg is not None
-    kernel = functools.partial(_backward_kernel, activation=activation, has_segments=has_segments,
-                               block_t=cfg.bwd_block_t, block_c=cfg.bwd_block_c, steps=cfg.bwd_steps, groups=grid[1])
-    n = b * t * c
-    partial_rows = b * grid[1]
-    recompute = (2 * k * k + 3 * k + 6 * k) * n if activation else 0  # a_{t+i}, sigmoid, SiLU' per i
-    seg_bytes = (2 * k - 1) * b * t * 4 * grid[2] if has_segments else 0
-    cost = pl.CostEstimate(
-        flops=int(recompute + 2 * k * n + 2 * k * n), transcendentals=int(k * n if activation else 0),
-        bytes_accessed=int(n * (2 * x.dtype.itemsize + dy.dtype.itemsize) + partial_rows * k * c * 4 + seg_bytes
-                           + w.size * 4 * grid[0] * grid[1]))
-    out_shape = (jax.ShapeDtypeStruct((b, t, c), x.dtype), jax.ShapeDtypeStruct((partial_rows, k, c), F32))
-    args = (x, w, dy, seg) if has_segments else (x, w, dy)
-    d_x, d_w_partial = pl.pallas_call(kernel, grid=grid, out_shape=out_shape,
-                                      compiler_params=_compiler_params(cfg, cfg.bwd_warps), interpret=cfg.interpret,
-                                      cost_estimate=cost, name="short_conv_bwd")(*args)
-    return d_x, jnp.sum(d_w_partial, axis=0)
-
-
-def _backward_two_pass(cfg, x, w, seg, dy, activation):
     b, t, c = x.shape
     k = w.shape[0]
     has_segments = seg is not None
@@ -382,7 +306,7 @@ def run(x_BTC, w_KC, segment_ids_BT, activation: bool, out_dtype, *, interpret: 
     """x [B, T, C] (float32 / bfloat16 / float16), W [K, C] (read as float32), segment ids [B, T] int or None.
     Returns y [B, T, C] in ``out_dtype``; differentiable in x and W (custom VJP: dx in x's dtype, dW in W's).
     ``overrides``: :class:`Config` fields (block_t, block_c, bwd_block_t, bwd_block_c, bwd_steps, warps,
-    bwd_warps, bwd_two_pass)."""
+    bwd_warps)."""
     cfg = make_config(x_BTC.shape[1], x_BTC.shape[2], interpret=interpret, **overrides)
     seg = None if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
     return _causal_conv(cfg, x_BTC, w_KC, seg, bool(activation), jnp.dtype(out_dtype))

@@ -24,7 +24,6 @@ import pytest
 from delta_rule_cases import x64
 from mixerlab.pallas_kernels.short_conv import api, pallas_triton, reference
 
-TWO_PASS = dict(bwd_two_pass=True)
 SMALL_BLOCKS = dict(block_t=16, block_c=32, bwd_block_t=8, bwd_block_c=32, bwd_steps=4)  # many programs, edges
 
 
@@ -80,13 +79,10 @@ def _check(got, want, tol, dw_tol=None):
 
 @pytest.mark.parametrize("b, t, c, k, activation, segments, config", [
     (2, 37, 96, 4, True, True, {}),               # default blocks: edge blocks in T and C, one backward group
-    (2, 300, 200, 3, False, True, SMALL_BLOCKS),  # 19 × 7 forward blocks, 10 × 7 backward programs
+    (2, 300, 200, 3, False, True, SMALL_BLOCKS),  # 19 × 7 forward blocks, 10 × 7 backward programs; no
+    # activation: d is dy, the backward's pass 1 skipped
     (2, 300, 200, 2, True, False, SMALL_BLOCKS),  # no segments
     (1, 3, 5, 4, True, True, {}),                 # T < K: taps that reach before the row's start
-    (2, 37, 96, 4, True, True, TWO_PASS),         # the two-pass backward: d, then dx and dW
-    (2, 300, 200, 3, False, True, SMALL_BLOCKS | TWO_PASS),  # no activation: d is dy, pass 1 skipped
-    (2, 300, 200, 2, True, False, SMALL_BLOCKS | TWO_PASS),
-    (1, 3, 5, 4, True, True, TWO_PASS),
 ])
 def test_float32_matches_float64_reference(b, t, c, k, activation, segments, config):
     x, w, cotangent, seg = _inputs(b * t + k, b, t, c, k, segments)
@@ -94,13 +90,12 @@ def test_float32_matches_float64_reference(b, t, c, k, activation, segments, con
     _check(got, _reference(x, w, seg, cotangent, activation), F32_TOL)
 
 
-@pytest.mark.parametrize("config", [SMALL_BLOCKS, SMALL_BLOCKS | TWO_PASS], ids=["one_pass", "two_pass"])
-def test_bfloat16_inputs_match_float64_reference(config):
+def test_bfloat16_inputs_match_float64_reference():
     """bf16 x and output, f32 W and accumulation; the reference sees the same bf16-rounded x."""
     x, w, cotangent, seg = _inputs(5, 2, 130, 96, 4, True)
     x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
     cotangent = np.asarray(jnp.asarray(cotangent, jnp.bfloat16).astype(jnp.float32))
-    got = _kernel(x, w, seg, cotangent, True, jnp.bfloat16, **config)
+    got = _kernel(x, w, seg, cotangent, True, jnp.bfloat16, **SMALL_BLOCKS)
     _check(got, _reference(x, w, seg, cotangent, True), BF16_TOL, DW_TOL)
 
 
@@ -149,17 +144,16 @@ def test_bad_arguments_name_the_argument(args, match):
                         call["activation"], call["out_dtype"])
 
 
-@pytest.mark.parametrize("segments, two_pass, activation, calls", [
-    (True, False, True, 2), (False, False, True, 2), (True, True, True, 3), (True, True, False, 2)])
-def test_forward_and_backward_lower_to_triton_calls_for_cuda_on_cpu(segments, two_pass, activation, calls):
+@pytest.mark.parametrize("segments, activation, calls", [(True, True, 3), (False, True, 3), (True, False, 2)])
+def test_forward_and_backward_lower_to_triton_calls_for_cuda_on_cpu(segments, activation, calls):
     """The Pallas-to-Triton lowering accepts the kernels (power-of-two blocks, gathers, masks, the backward's
-    loop) at an odd shape: one forward and one backward custom call, or with the two-pass backward a pass for d
-    (only with the activation) and one for dx and dW."""
+    loop) at an odd shape: the forward, the backward's pass for d (only with the activation) and its pass for dx
+    and dW."""
     s = jax.ShapeDtypeStruct
     specs = [s((2, 300, 200), jnp.bfloat16), s((4, 200), jnp.float32)] + ([s((2, 300), jnp.int32)] if segments else [])
 
     def loss(x, w, *seg):
-        y = pallas_triton.run(x, w, seg[0] if seg else None, activation, jnp.bfloat16, bwd_two_pass=two_pass)
+        y = pallas_triton.run(x, w, seg[0] if seg else None, activation, jnp.bfloat16)
         return jnp.sum(y.astype(jnp.float32))
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
@@ -206,9 +200,9 @@ def test_config_rejects_blocks_that_are_not_powers_of_two():
     with pytest.raises(ValueError, match="unknown config field"):
         pallas_triton.make_config(100, 96, chunk=64)
     cfg = pallas_triton.make_config(4096, 1024)
-    assert (cfg.block_t, cfg.block_c, cfg.bwd_block_t, cfg.bwd_block_c, cfg.bwd_steps) == (32, 128, 8, 64, 32)
+    assert (cfg.block_t, cfg.block_c, cfg.bwd_block_t, cfg.bwd_block_c, cfg.bwd_steps) == (32, 128, 16, 128, 32)
     cfg = pallas_triton.make_config(37, 96)  # shrunk to T's and C's next power of two
-    assert (cfg.block_t, cfg.block_c, cfg.bwd_block_t, cfg.bwd_block_c, cfg.bwd_steps) == (32, 128, 8, 64, 8)
+    assert (cfg.block_t, cfg.block_c, cfg.bwd_block_t, cfg.bwd_block_c, cfg.bwd_steps) == (32, 128, 16, 128, 4)
     cfg = pallas_triton.make_config(5, 3)
     assert (cfg.block_t, cfg.block_c, cfg.bwd_block_t, cfg.bwd_block_c, cfg.bwd_steps) == (8, 4, 8, 4, 1)
 

@@ -86,13 +86,12 @@ def test_triton_kernels_match_the_f64_oracle(shape, dtype):
     check_kernels_against_the_oracle(args, seg, dtype, TOL[dtype], chunk_size=chunk, interpret=True)
 
 
-def test_heads_fastest_launch_order_gives_the_same_results():
+def test_heads_then_batch_grid_with_unequal_b_and_h():
     """The (H, B) grid (a row's heads side by side in launch order, for L2 reuse of the shared q and k) maps every
-    block to the same rows: B = 3 and H = 4 differ, so a swapped index map would read another row or head."""
+    block to its row and head: B = 3 and H = 4 differ, so a swapped index map would read another row or head."""
     args, seg = inputs(3, 40, 2, 4, 16, 32, seed=11)
     seg = np.concatenate([seg, np.repeat([[4, 5]], [20, 20])[None]]).astype(np.int32)  # inputs gives two rows
-    check_kernels_against_the_oracle(args, seg, jnp.float32, TOL[jnp.float32], chunk_size=16, interpret=True,
-                                     heads_fastest=True)
+    check_kernels_against_the_oracle(args, seg, jnp.float32, TOL[jnp.float32], chunk_size=16, interpret=True)
 
 
 def test_documents_starting_on_chunk_starts_with_weak_decay():

@@ -11,9 +11,10 @@ from tools.bench_ssd_gpu import parse_variant  # noqa: E402
 
 
 def test_variants_give_the_chunk_and_typed_config_fields():
-    assert parse_variant("chunk=128,heads_fastest=1,stages=2") == (128, {"heads_fastest": True, "stages": 2})
+    assert parse_variant("chunk=128,stages=2") == (128, {"stages": 2})
     assert parse_variant("warps_backward=4") == (0, {"warps_backward": 4})
-    assert parse_variant("heads_fastest=false") == (0, {"heads_fastest": False})
+    assert parse_variant("chunk=64,warps_forward=4,warps_backward=2") == (64, {"warps_forward": 4,
+                                                                              "warps_backward": 2})
 
 
 def test_an_unknown_key_is_refused_naming_it_and_the_valid_ones():
