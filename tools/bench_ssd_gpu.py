@@ -71,23 +71,22 @@ def time_ssd(row, b, t, impl, reps):
     row["fwd_bwd_ms"] = timed(step, (q, k, v, lam), reps)[0]
 
 
+TUNABLE = {"warps_forward": int, "warps_backward": int, "stages": int, "split_backward": bool}  # Config fields
+
+
 def parse_variant(text):
     """'chunk=128,stages=2' -> (128, {'stages': 2}); chunk 0 = the op's default."""
-    import dataclasses
-
-    from mixerlab.pallas_kernels.ssd import pallas_triton
-    kinds = {f.name: f.type for f in dataclasses.fields(pallas_triton.Config)}
     chunk, overrides = 0, {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
-        key = key.strip()
+        key, value = key.strip(), value.strip()
         if key == "chunk":
             chunk = int(value)
-        elif key in ("warps_forward", "warps_backward", "stages"):
-            overrides[key] = int(value)
+        elif key in TUNABLE:
+            overrides[key] = value.lower() in ("1", "true", "yes") if TUNABLE[key] is bool else int(value)
         else:
             raise SystemExit(f"bench_ssd_gpu: --variants: unknown key {key!r} in {text!r}; valid: chunk, "
-                             f"warps_forward, warps_backward, stages (Config has {sorted(kinds)})")
+                             f"{', '.join(TUNABLE)}")
     return chunk, overrides
 
 
@@ -104,6 +103,13 @@ def time_ssd_variant(row, b, t, chunk, overrides, reps):
     row["forward_ms"] = timed(jax.jit(fwd), (q, k, v, lam), reps)[0]
     step = jax.jit(jax.grad(lambda *a: weighted_sum(fwd(*a)), argnums=(0, 1, 2, 3)))
     row["fwd_bwd_ms"] = timed(step, (q, k, v, lam), reps)[0]
+    if overrides:  # the same gradients as the default kernels (at the variant's chunk)?
+        def default(q, k, v, lam):
+            return pallas_triton.run(q, k, v, lam, state, seg, chunk_size=chunk)[0]
+        want = jax.jit(jax.grad(lambda *a: weighted_sum(default(*a)), argnums=(0, 1, 2, 3)))(q, k, v, lam)
+        got = step(q, k, v, lam)
+        row["max_rel_diff_vs_default"] = max(max_rel_err(g.astype(jnp.float32), w.astype(jnp.float32))
+                                             for g, w in zip(got, want))
 
 
 def time_gdn2_anchor(row, b, t, reps):
@@ -129,7 +135,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None)
     ap.add_argument("--variants", default="", help="SSD kernel configurations timed beside the default, "
-                    "';'-separated, each 'chunk=C,FIELD=VALUE,...' (fields: warps_forward, warps_backward, stages)")
+                    "';'-separated, each 'chunk=C,FIELD=VALUE,...' (FIELD: " + ", ".join(TUNABLE) + ")")
     ap.add_argument("--skip", default="", help="comma-separated: correctness, delta_rule_triton, anchor")
     args = ap.parse_args(argv)
     variants = [(text, *parse_variant(text)) for text in args.variants.split(";") if text.strip()]
@@ -149,13 +155,15 @@ def main(argv=None):
     if "anchor" not in skip:
         record(rows, {"row": "delta_rule (GDN-2 call)", "shape": f"{args.batch}x{args.seq}, 8 heads of 128, erase"},
                lambda row: time_gdn2_anchor(row, args.batch, args.seq, args.reps))
-    print("\n| row | shape | forward ms | fwd+bwd ms |\n|---|---|---|---|")
+    print("\n| row | shape | forward ms | fwd+bwd ms | gradients vs the default kernels (max rel. diff) |\n"
+          "|---|---|---|---|---|")
     for row in rows:
         if "forward_ms" not in row and "error" not in row:
             continue
         ms = lambda key: f"{row[key]:.3f}" if isinstance(row.get(key), float) else row.get(key, "")  # noqa: E731
         forward = ms("forward_ms") or row.get("error", "")
-        print(f"| {row['row']} | {row.get('shape', '')} | {forward} | {ms('fwd_bwd_ms')} |")
+        diff = f"{row['max_rel_diff_vs_default']:.1e}" if "max_rel_diff_vs_default" in row else ""
+        print(f"| {row['row']} | {row.get('shape', '')} | {forward} | {ms('fwd_bwd_ms')} | {diff} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

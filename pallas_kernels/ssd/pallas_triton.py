@@ -60,6 +60,7 @@ class Config:
     warps_forward: int = 8  # ptxas, sm_90a, Mamba-2 166M bf16 (tools/triton_ptx_report.py --op ssd): 4 warps
     warps_backward: int = 8  # spill 288 B (forward) and 2.4 KB (backward) per thread, 8 warps 0 and ~1.2 KB
     stages: int = 1
+    split_backward: bool = False  # the backward as a dS scan over chunks, then one program per chunk (module docstring)
     interpret: bool = False
 
 
@@ -186,6 +187,54 @@ def _backward_kernel(cfg, n_chunks):
     return kernel
 
 
+def _state_grad_kernel(cfg, n_chunks):
+    """Split backward, pass 1: the chunks in reverse, storing dS (the gradient of each chunk's S_end) before
+    stepping it to the chunk's start: dS₀ = (e ⊙ Q)ᵀ dO + γ dS."""
+    c = cfg.chunk
+
+    def kernel(q_ref, log_decay_ref, document_ref, carried_ref, do_ref, ds_final_ref, ds_ref, ds_init_ref):
+        def body(step, ds):
+            n = n_chunks - 1 - step
+            rows = pl.ds(n * c, c)
+            _, start, _, keep, _ = _chunk_decays(log_decay_ref[rows].astype(F32), document_ref[rows], carried_ref[n], c)
+            ds_ref[n] = ds.astype(ds_ref.dtype)
+            return _dot(q_ref[rows, :].astype(F32) * start[:, None], do_ref[rows, :], cfg, trans_a=True) + keep * ds
+
+        ds_init_ref[...] = jax.lax.fori_loop(0, n_chunks, body, ds_final_ref[...].astype(F32))
+
+    return kernel
+
+
+def _chunk_grad_kernel(cfg):
+    """Split backward, pass 2: one program per (head, chunk, row) forms dq, dk, dv and dλ from the chunk's inputs,
+    its S₀ (saved by the forward) and its dS (pass 1); nothing is carried between chunks."""
+    c = cfg.chunk
+
+    def kernel(q_ref, k_ref, v_ref, log_decay_ref, document_ref, carried_ref, s0_ref, ds_ref, do_ref,
+               dq_ref, dk_ref, dv_ref, d_log_decay_ref):
+        n = pl.program_id(1)
+        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+        s0, ds = s0_ref[...], ds_ref[...].astype(F32)
+        within, start, end, keep, lower = _chunk_decays(log_decay_ref[...].astype(F32), document_ref[...],
+                                                        carried_ref[n], c)
+        qk = _dot(q, k, cfg, trans_b=True)
+        g = _dot(do, v, cfg, trans_b=True) * within
+        dq_ref[...] = (_dot(g, k, cfg) + start[:, None] * _dot(do, s0, cfg, trans_b=True)).astype(dq_ref.dtype)
+        dk_ref[...] = (_dot(g, q, cfg, trans_a=True) + end[:, None] * _dot(v, ds, cfg, trans_b=True)).astype(
+            dk_ref.dtype)
+        pair = g * qk
+        d_cum = jnp.sum(pair, axis=1) - jnp.sum(pair, axis=0)
+        k_ds = _dot(k, ds, cfg)
+        dv_ref[...] = (_dot(qk * within, do, cfg, trans_a=True) + end[:, None] * k_ds).astype(dv_ref.dtype)
+        d_end = jnp.sum(v.astype(F32) * k_ds, axis=1) * end
+        d_cum = d_cum - d_end + jnp.sum(do.astype(F32) * _dot(q, s0, cfg), axis=1) * start
+        d_total = jnp.sum(d_end) + jnp.sum(s0.astype(F32) * ds) * keep
+        d_log_decay = jnp.sum(jnp.where(lower, d_cum[:, None], 0.0), axis=0) + d_total
+        d_log_decay_ref[...] = d_log_decay.astype(d_log_decay_ref.dtype)
+
+    return kernel
+
+
 # ---------------------------------------------------------------------------------------------------------
 # launches
 
@@ -269,6 +318,53 @@ def _backward_call(cfg, q, k, v, log_decay, document, carried, starts, d_out, d_
         name="ssd_backward")(q, k, v, log_decay, document, carried, starts, d_out, d_final)
 
 
+def _split_backward_call(cfg, q, k, v, log_decay, document, carried, starts, d_out, d_final):
+    """The backward as pass 1 (grid (H, B), the dS scan) and pass 2 (grid (H, chunks, B), every chunk at once)."""
+    b, t, _, key_dim = q.shape
+    h, value_dim = v.shape[2], v.shape[3]
+    c, n_chunks, hpg = cfg.chunk, t // cfg.chunk, cfg.heads_per_group
+    s = _specs(cfg, t, n_chunks, key_dim, value_dim)
+    itemsize = jnp.dtype(v.dtype).itemsize
+    state_shape = jax.ShapeDtypeStruct((b, h, key_dim, value_dim), F32)
+    scan_cost = pl.CostEstimate(
+        flops=int(b * h * t * 2 * key_dim * value_dim), transcendentals=int(b * h * t * (c + 2)),
+        bytes_accessed=int(b * h * ((t * key_dim + t * value_dim + n_chunks * key_dim * value_dim) * itemsize
+                                    + 8 * t + 8 * key_dim * value_dim)))
+    d_states, d_state = pl.pallas_call(
+        _state_grad_kernel(cfg, n_chunks), grid=_grid(b, h),
+        out_shape=(jax.ShapeDtypeStruct(starts.shape, starts.dtype), state_shape),
+        in_specs=[s["keys"], s["decay"], s["documents"], s["carried"], s["values"], s["state"]],
+        out_specs=(s["starts"], s["state"]), interpret=cfg.interpret,
+        compiler_params=compiler_params(cfg.interpret, cfg.warps_forward, cfg.stages), cost_estimate=scan_cost,
+        name="ssd_backward_states")(q, log_decay, document, carried, d_out, d_final)
+
+    def spec(shape, index):  # grid (H, chunks, B), index maps written as (b, h, n)
+        return pl.BlockSpec(shape, lambda hh, n, bb: index(bb, hh, n))
+
+    keys = spec((None, c, None, key_dim), lambda b, h, n: (b, n, h // hpg, 0))
+    keys_per_head = spec((None, c, None, key_dim), lambda b, h, n: (b, n, h, 0))
+    values = spec((None, c, None, value_dim), lambda b, h, n: (b, n, h, 0))
+    decay = spec((None, None, c), lambda b, h, n: (b, h, n))
+    chunk_state = spec((None, None, None, key_dim, value_dim), lambda b, h, n: (b, h, n, 0, 0))
+    documents = spec((None, c), lambda b, h, n: (b, n))
+    carried_spec = spec((None, n_chunks), lambda b, h, n: (b, 0))
+    per_head_keys = jax.ShapeDtypeStruct((b, t, h, key_dim), cfg.operand_dtype)
+    grads_cost = pl.CostEstimate(
+        flops=int(b * h * t * (6 * c * key_dim + 4 * c * value_dim + 10 * key_dim * value_dim)),
+        transcendentals=int(b * h * t * (c + 2)),
+        bytes_accessed=int(b * h * ((4 * t * key_dim + 3 * t * value_dim + 2 * n_chunks * key_dim * value_dim)
+                                    * itemsize + 12 * t)))
+    dq, dk, dv, d_log_decay = pl.pallas_call(
+        _chunk_grad_kernel(cfg), grid=(h, n_chunks, b),
+        out_shape=(per_head_keys, per_head_keys, jax.ShapeDtypeStruct(v.shape, v.dtype),
+                   jax.ShapeDtypeStruct(log_decay.shape, F32)),
+        in_specs=[keys, keys, values, decay, documents, carried_spec, chunk_state, chunk_state, values],
+        out_specs=(keys_per_head, keys_per_head, values, decay), interpret=cfg.interpret,
+        compiler_params=compiler_params(cfg.interpret, cfg.warps_backward, cfg.stages), cost_estimate=grads_cost,
+        name="ssd_backward_chunks")(q, k, v, log_decay, document, carried, starts, d_states, d_out)
+    return dq, dk, dv, d_log_decay, d_state
+
+
 # ---------------------------------------------------------------------------------------------------------
 # custom VJP (padded inputs; λ as [B, H, T] float32)
 
@@ -288,8 +384,9 @@ def _ssd_fwd(cfg, q, k, v, log_decay, state, document, carried):
 def _ssd_bwd(cfg, residuals, cotangents):
     q, k, v, log_decay, state, document, carried, starts = residuals
     d_out, d_final = cotangents
-    dq, dk, dv, d_log_decay, d_state = _backward_call(cfg, q, k, v, log_decay, document, carried, starts,
-                                                      d_out.astype(v.dtype), d_final.astype(F32))
+    backward = _split_backward_call if cfg.split_backward else _backward_call
+    dq, dk, dv, d_log_decay, d_state = backward(cfg, q, k, v, log_decay, document, carried, starts,
+                                                d_out.astype(v.dtype), d_final.astype(F32))
     b, t, g, n = q.shape
     hpg = cfg.heads_per_group
 

@@ -86,6 +86,16 @@ def test_triton_kernels_match_the_f64_oracle(shape, dtype):
     check_kernels_against_the_oracle(args, seg, dtype, TOL[dtype], chunk_size=chunk, interpret=True)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["G2H4N16P32", "G1H2N32P16"])
+def test_split_backward_matches_the_f64_oracle(shape, dtype):
+    """``split_backward``: the dS scan, then one program per chunk (grid (H, chunks, B)) for the gradients."""
+    b, t, g, h, n, p, chunk = shape
+    args, seg = inputs(b, t, g, h, n, p)
+    check_kernels_against_the_oracle(args, seg, dtype, TOL[dtype], chunk_size=chunk, interpret=True,
+                                     split_backward=True)
+
+
 def test_heads_then_batch_grid_with_unequal_b_and_h():
     """The (H, B) grid (a row's heads side by side in launch order, for L2 reuse of the shared q and k) maps every
     block to its row and head: B = 3 and H = 4 differ, so a swapped index map would read another row or head."""
