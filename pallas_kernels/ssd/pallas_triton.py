@@ -28,6 +28,13 @@ Backward, grid (H, B), chunks in reverse with dS (the gradient of S_end) in regi
     dS₀ = (e ⊙ Q)ᵀ dO + γ dS
 
 dq and dk are written per head (the operand dtype) and summed over the group's heads by XLA afterwards.
+
+Split backward (``Config.split_backward``, off until it is timed): the loop above keeps dS, S₀ and a chunk's
+tiles live at once, and ptxas spills 656 B per thread at 8 warps (Mamba-2 166M, bf16). Split, pass 1
+(grid (H, B)) walks the chunks in reverse and stores each chunk's dS (operand dtype, like S₀) before stepping
+it, dS ← (e ⊙ Q)ᵀ dO + γ dS: one product per chunk. Pass 2 (grid (H, chunks, B)) runs every chunk at once
+from its S₀ and dS with the formulas above: no spill at 8 warps, and 64× the programs, for one more
+[B, H, chunks, N, P] write and read.
 Matmul operands in the input dtype (bf16 tensor cores for bf16 inputs), accumulation, state, decays in float32.
 """
 from __future__ import annotations

@@ -166,7 +166,7 @@ def test_without_state_or_segments_the_op_starts_from_zero_and_runs_one_document
         assert rel_err(out, want_out) < 1e-10 and rel_err(final, want_final) < 1e-10
 
 
-def lowered_gradient_for_cuda(b, t, g, h, n, p, dtype):
+def lowered_gradient_for_cuda(b, t, g, h, n, p, dtype, **overrides):
     """The StableHLO text of the kernels' forward + backward (the gradient of q, k, v, λ, S₀), lowered for CUDA
     on this CPU: operands q, k [B, T, G, N] and v [B, T, H, P] in ``dtype``, λ and the state float32."""
     s = jax.ShapeDtypeStruct
@@ -174,7 +174,7 @@ def lowered_gradient_for_cuda(b, t, g, h, n, p, dtype):
              s((b, t, h), jnp.float32), s((b, h, n, p), jnp.float32), s((b, t), jnp.int32))
 
     def loss(q, k, v, lam, state, document):
-        out, final = pallas_triton.run(q, k, v, lam, state, document, chunk_size=64)
+        out, final = pallas_triton.run(q, k, v, lam, state, document, chunk_size=64, **overrides)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(final)
 
     return jax.jit(jax.grad(loss, argnums=tuple(range(5)))).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
@@ -188,6 +188,14 @@ def test_kernels_lower_for_cuda_without_repeating_q_and_k():
     assert text.count('"ssd_forward"') >= 1 and text.count('"ssd_backward"') >= 1
     assert f"tensor<{b}x{t}x{h}x{n}xbf16>" in text  # the per-head dq, dk partials, summed over the group by XLA
     assert f"tensor<{b}x{t}x{h}x{n}xbf16>" not in text.split("ssd_backward")[0]  # the forward never sees them
+
+
+def test_split_backward_lowers_for_cuda_as_a_scan_and_a_chunk_grid():
+    """``split_backward``: the dS scan and the per-chunk gradient kernel (3-D grid, chunk-sized blocks of q, k, v,
+    λ and the documents, one S₀ and dS per program) are accepted by the Pallas-to-Triton lowering."""
+    text = lowered_gradient_for_cuda(2, 256, 1, 8, 64, 32, jnp.bfloat16, split_backward=True)
+    assert text.count('"ssd_backward_states"') >= 1 and text.count('"ssd_backward_chunks"') >= 1
+    assert '"ssd_backward"' not in text
 
 
 @pytest.mark.parametrize("setting", [None, "highest"], ids=["tf32", "highest"])
