@@ -221,8 +221,8 @@ def test_the_kernels_refuse_what_they_cannot_run():
     assert "registers" in pallas_triton.supports(call(state_dim=256, head_dim=128))
     assert "float64" in pallas_triton.supports(call(dtype=jnp.dtype(jnp.float64)))
     assert api.TABLE.choose("auto", call(backend="cpu")).name == "xla"
-    # by name only until measured on a GPU: "auto" keeps the delta-rule kernels there
-    assert api.TABLE.choose("auto", call()).name == "delta_rule_triton"
+    assert api.TABLE.choose("auto", call()).name == "pallas_triton"  # on the GPU, the SSD kernels first
+    assert api.TABLE.choose("auto", call(state_dim=256, head_dim=128)).name == "delta_rule_triton"  # then delta rule
     assert api.TABLE.choose("pallas_triton", call()).name == "pallas_triton"
 
 
