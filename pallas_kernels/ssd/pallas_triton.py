@@ -158,35 +158,43 @@ def _forward_kernel(cfg, n_chunks, save_starts):
     return kernel
 
 
+def _chunk_grads(cfg, q, k, v, do, s0, ds, decays, store):
+    """dq, dk, dv and dλ of one chunk (module docstring) from its tiles, its S₀ and its dS (float32), each handed to
+    ``store(name, value)`` as soon as it is formed (fewer live tiles: the backward is register-bound)."""
+    within, start, end, keep, lower = decays
+    qk = _dot(q, k, cfg, trans_b=True)
+    g = _dot(do, v, cfg, trans_b=True) * within  # G = D ⊙ (dO Vᵀ)
+    store("dq", _dot(g, k, cfg) + start[:, None] * _dot(do, s0, cfg, trans_b=True))
+    store("dk", _dot(g, q, cfg, trans_a=True) + end[:, None] * _dot(v, ds, cfg, trans_b=True))
+    pair = g * qk
+    d_cum = jnp.sum(pair, axis=1) - jnp.sum(pair, axis=0)
+    k_ds = _dot(k, ds, cfg)  # [C, P]
+    store("dv", _dot(qk * within, do, cfg, trans_a=True) + end[:, None] * k_ds)
+    d_end = jnp.sum(v.astype(F32) * k_ds, axis=1) * end
+    d_cum = d_cum - d_end + jnp.sum(do.astype(F32) * _dot(q, s0, cfg), axis=1) * start
+    d_total = jnp.sum(d_end) + jnp.sum(s0.astype(F32) * ds) * keep  # at position L: every λ_s has s ≤ L
+    store("dλ", jnp.sum(jnp.where(lower, d_cum[:, None], 0.0), axis=0) + d_total)
+
+
 def _backward_kernel(cfg, n_chunks):
     c = cfg.chunk
 
     def kernel(q_ref, k_ref, v_ref, log_decay_ref, document_ref, carried_ref, starts_ref, do_ref, ds_final_ref,
                dq_ref, dk_ref, dv_ref, d_log_decay_ref, ds_init_ref):
+        outputs = {"dq": dq_ref, "dk": dk_ref, "dv": dv_ref, "dλ": d_log_decay_ref}
+
         def body(step, ds):
             n = n_chunks - 1 - step
             rows = pl.ds(n * c, c)
-            q, k, v, do = q_ref[rows, :], k_ref[rows, :], v_ref[rows, :], do_ref[rows, :]
-            s0 = starts_ref[n]
-            within, start, end, keep, lower = _chunk_decays(log_decay_ref[rows].astype(F32), document_ref[rows],
-                                                            carried_ref[n], c)
-            # each gradient is stored as soon as it is formed (fewer live tiles: the backward is register-bound)
-            qk = _dot(q, k, cfg, trans_b=True)
-            g = _dot(do, v, cfg, trans_b=True) * within  # G = D ⊙ (dO Vᵀ)
-            dq = _dot(g, k, cfg) + start[:, None] * _dot(do, s0, cfg, trans_b=True)
-            dq_ref[rows, :] = dq.astype(dq_ref.dtype)
-            dk = _dot(g, q, cfg, trans_a=True) + end[:, None] * _dot(v, ds, cfg, trans_b=True)
-            dk_ref[rows, :] = dk.astype(dk_ref.dtype)
-            pair = g * qk
-            d_cum = jnp.sum(pair, axis=1) - jnp.sum(pair, axis=0)
-            k_ds = _dot(k, ds, cfg)  # [C, P]
-            dv = _dot(qk * within, do, cfg, trans_a=True) + end[:, None] * k_ds
-            dv_ref[rows, :] = dv.astype(dv_ref.dtype)
-            d_end = jnp.sum(v.astype(F32) * k_ds, axis=1) * end
-            d_cum = d_cum - d_end + jnp.sum(do.astype(F32) * _dot(q, s0, cfg), axis=1) * start
-            d_total = jnp.sum(d_end) + jnp.sum(s0.astype(F32) * ds) * keep  # at position L: every λ_s has s ≤ L
-            d_log_decay = jnp.sum(jnp.where(lower, d_cum[:, None], 0.0), axis=0) + d_total
-            d_log_decay_ref[rows] = d_log_decay.astype(d_log_decay_ref.dtype)
+
+            def store(name, value):
+                ref = outputs[name]
+                ref[(rows,) + (slice(None),) * (ref.ndim - 1)] = value.astype(ref.dtype)
+
+            q, do = q_ref[rows, :], do_ref[rows, :]
+            decays = _chunk_decays(log_decay_ref[rows].astype(F32), document_ref[rows], carried_ref[n], c)
+            _chunk_grads(cfg, q, k_ref[rows, :], v_ref[rows, :], do, starts_ref[n], ds, decays, store)
+            _, start, _, keep, _ = decays
             return _dot(q.astype(F32) * start[:, None], do, cfg, trans_a=True) + keep * ds
 
         ds_init_ref[...] = jax.lax.fori_loop(0, n_chunks, body, ds_final_ref[...].astype(F32))
@@ -219,25 +227,14 @@ def _chunk_grad_kernel(cfg):
 
     def kernel(q_ref, k_ref, v_ref, log_decay_ref, document_ref, carried_ref, s0_ref, ds_ref, do_ref,
                dq_ref, dk_ref, dv_ref, d_log_decay_ref):
-        n = pl.program_id(1)
-        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        s0, ds = s0_ref[...], ds_ref[...].astype(F32)
-        within, start, end, keep, lower = _chunk_decays(log_decay_ref[...].astype(F32), document_ref[...],
-                                                        carried_ref[n], c)
-        qk = _dot(q, k, cfg, trans_b=True)
-        g = _dot(do, v, cfg, trans_b=True) * within
-        dq_ref[...] = (_dot(g, k, cfg) + start[:, None] * _dot(do, s0, cfg, trans_b=True)).astype(dq_ref.dtype)
-        dk_ref[...] = (_dot(g, q, cfg, trans_a=True) + end[:, None] * _dot(v, ds, cfg, trans_b=True)).astype(
-            dk_ref.dtype)
-        pair = g * qk
-        d_cum = jnp.sum(pair, axis=1) - jnp.sum(pair, axis=0)
-        k_ds = _dot(k, ds, cfg)
-        dv_ref[...] = (_dot(qk * within, do, cfg, trans_a=True) + end[:, None] * k_ds).astype(dv_ref.dtype)
-        d_end = jnp.sum(v.astype(F32) * k_ds, axis=1) * end
-        d_cum = d_cum - d_end + jnp.sum(do.astype(F32) * _dot(q, s0, cfg), axis=1) * start
-        d_total = jnp.sum(d_end) + jnp.sum(s0.astype(F32) * ds) * keep
-        d_log_decay = jnp.sum(jnp.where(lower, d_cum[:, None], 0.0), axis=0) + d_total
-        d_log_decay_ref[...] = d_log_decay.astype(d_log_decay_ref.dtype)
+        outputs = {"dq": dq_ref, "dk": dk_ref, "dv": dv_ref, "dλ": d_log_decay_ref}
+
+        def store(name, value):
+            outputs[name][...] = value.astype(outputs[name].dtype)
+
+        decays = _chunk_decays(log_decay_ref[...].astype(F32), document_ref[...], carried_ref[pl.program_id(1)], c)
+        _chunk_grads(cfg, q_ref[...], k_ref[...], v_ref[...], do_ref[...], s0_ref[...], ds_ref[...].astype(F32),
+                     decays, store)
 
     return kernel
 
