@@ -3,9 +3,9 @@
 # Python 3.12): the paper configs on the embedded corpus (the output layer keeps its 32K vocabulary: step
 # time does not depend on which token ids occur).
 #   usage: bash tools/h200_train.sh {bench166|bench166_paper|bench166_noremat|bench125|bench125_ia|bench125_vla|bench125_ratios|loop|losses|
-#          losses_packed} OUT_DIR
+#          losses_packed|losses_mamba2} OUT_DIR
 set -euo pipefail
-what=${1:?bench166, bench166_paper, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses or losses_packed}
+what=${1:?bench166, bench166_paper, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed or losses_mamba2}
 out=${2:?output directory}
 mkdir -p "$out"
 if ! python3 -c "import grain" 2>/dev/null; then  # the GPU machine lacks these; wheels carried in .whl/
@@ -66,5 +66,11 @@ case $what in
         train.log_every=10 train.eval_every=0 checkpoint.every=0 optim.warmup_steps=20 \
         mixers.softmax.implementation=$impl train.output_dir="$out/losses_$impl"
     done ;;
-  *) echo "unknown '$what' (valid: bench166, bench166_paper, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed)" >&2; exit 2 ;;
+  losses_mamba2)  # the first 200 losses of Mamba-2 166M at 8x4096: the SSD kernels vs the delta-rule kernels
+    for impl in pallas_triton delta_rule_triton; do
+      python3 train.py --config configs/paper/mamba2_166m.yaml $data train.steps=200 train.batch_size=8 \
+        train.log_every=10 train.eval_every=0 checkpoint.every=0 optim.warmup_steps=20 \
+        mixers.mamba2.implementation=$impl train.output_dir="$out/losses_$impl"
+    done ;;
+  *) echo "unknown '$what' (valid: bench166, bench166_paper, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed, losses_mamba2)" >&2; exit 2 ;;
 esac
