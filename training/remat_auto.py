@@ -15,13 +15,23 @@ next policy of :data:`CANDIDATES` (nothing was logged or saved yet; the Transfor
 explicit policy stops with :func:`advice_after_oom`. Since a wrong guess costs one more compile, not the run,
 ``HEADROOM`` is 90 %: at 80 % the Muir step above took "dots" (33 % MFU) instead of "none" (38 %).
 
+XLA sometimes knows better than the count: when its own rematerialization pass cannot bring a program under the
+memory limit it was given, it logs "Can't reduce memory use below … only reduced to … (N bytes)" while compiling.
+On an H100 (80 GB, 71.3 GiB allowed) RWKV-7 166M's step under "kernels" counted 61.7 GiB, fitted the 64.1 GiB
+budget, drew that line at 69.55 GiB and ran out of memory at its first step. So each candidate is compiled with
+the process's stderr captured (and passed on unchanged), and the larger of N and the count is what must fit.
+
 Where the limit is unknown (an accelerator that reports none and is not a TPU generation we know), a candidate
 counts as fitting when the compiler accepts it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import re
+import sys
+import tempfile
 from typing import Callable, Optional
 
 from mixerlab.training import flop_model
@@ -49,6 +59,56 @@ def peak_note(policy: str, mem, counted: float) -> Optional[str]:
         return None
     return (f"model.remat=auto: {policy!r}: XLA's peak for the step is {peak / 2**30:.1f} GiB, above the "
             f"{counted / 2**30:.1f} GiB counted")
+
+
+_XLA_COULD_NOT_REDUCE = re.compile(r"Can't reduce memory use below .*?only reduced to [0-9.]+\s*\w+ \((\d+) bytes\)")
+
+
+def xla_remat_shortfall(log: str) -> Optional[float]:
+    """The bytes XLA's rematerialization pass says a program still needs when it could not bring it under its
+    memory limit (the largest such figure in ``log``), else None."""
+    needs = [float(m.group(1)) for m in _XLA_COULD_NOT_REDUCE.finditer(log)]
+    return max(needs) if needs else None
+
+
+@contextlib.contextmanager
+def stderr_captured():
+    """Collect what the process writes to file descriptor 2 inside the block (XLA's C++ log included) into the
+    list this yields, and write it on to the real stderr afterwards, so nothing is lost."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    captured: list = []
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            data = tmp.read()
+            captured.append(data.decode(errors="replace"))
+            if data:
+                os.write(2, data)
+
+
+def needed_bytes(policy: str, analyse: Callable, say=print) -> float:
+    """Bytes the step compiled by ``analyse()`` (returning its ``memory_analysis()``) needs: :func:`program_bytes`,
+    or XLA's figure when its rematerialization pass said it could not get the program under its limit and that
+    figure is larger."""
+    with stderr_captured() as log:
+        mem = analyse()
+    counted = program_bytes(mem)
+    note = peak_note(policy, mem, counted)
+    if note:
+        say(note)
+    xla = xla_remat_shortfall("".join(log))
+    if xla is not None and xla > counted:
+        say(f"model.remat=auto: {policy!r}: XLA's rematerialization could not bring the step under its memory "
+            f"limit and puts it at {xla / 2**30:.1f} GiB (counted {counted / 2**30:.1f} GiB); taking that")
+        return xla
+    return counted
 
 
 def device_memory_limit(device) -> Optional[float]:
@@ -137,11 +197,7 @@ def resolve(cfg, vocab_size: int, mesh, say=print):
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=policy))
 
     def compile_bytes(policy):
-        mem = Trainer(with_policy(policy), vocab_size, mesh=mesh).lower_abstract_step().compile().memory_analysis()
-        counted = program_bytes(mem)
-        note = peak_note(policy, mem, counted)
-        if note:
-            say(note)
-        return counted
+        trainer = Trainer(with_policy(policy), vocab_size, mesh=mesh)
+        return needed_bytes(policy, lambda: trainer.lower_abstract_step().compile().memory_analysis(), say)
 
     return with_policy(choose(compile_bytes, device_memory_limit(mesh.devices.flat[0]), say))

@@ -131,3 +131,36 @@ def test_xla_peak_above_the_count_is_said_and_not_otherwise():
     assert note == "model.remat=auto: 'none': XLA's peak for the step is 11.6 GiB, above the 10.6 GiB counted"
     assert remat_auto.peak_note("none", _stats(10.6 * GIB), 10.6 * GIB) is None
     assert remat_auto.peak_note("none", _stats(0), 10.6 * GIB) is None  # the runtime reports no peak
+
+
+XLA_LINE = ("W1207 21:53:07.100602     992 hlo_rematerialization.cc:3363] Can't reduce memory use below 67.78GiB "
+            "(72778903616 bytes) by rematerialization; only reduced to 69.55GiB (74683696388 bytes), down from "
+            "70.00GiB (75157652780 bytes) originally\n")  # RWKV-7 166M, "kernels", on an H100 (2026-12-07)
+
+
+def test_xlas_could_not_reduce_line_gives_the_bytes_it_still_needs():
+    assert remat_auto.xla_remat_shortfall(XLA_LINE) == 74683696388
+    assert remat_auto.xla_remat_shortfall("I1207 compiled\n" + XLA_LINE.replace("74683696388", "1") + XLA_LINE) \
+        == 74683696388  # the largest of several
+    assert remat_auto.xla_remat_shortfall("nothing about memory\n") is None
+
+
+def _analysis(counted):
+    return type("Mem", (), {"temp_size_in_bytes": counted})()
+
+
+def test_needed_bytes_takes_xlas_larger_figure_from_the_compile_log_and_passes_the_log_on(capfd):
+    import os
+
+    said = []
+
+    def compile_that_logs():  # C++ writes to file descriptor 2, not to sys.stderr
+        os.write(2, XLA_LINE.encode())
+        return _analysis(61.7 * GIB)
+
+    assert remat_auto.needed_bytes("kernels", compile_that_logs, said.append) == 74683696388
+    assert "puts it at 69.6 GiB (counted 61.7 GiB)" in said[0]
+    assert XLA_LINE in capfd.readouterr().err  # nothing swallowed
+    assert remat_auto.needed_bytes("kernels", lambda: _analysis(61.7 * GIB), said.append) == 61.7 * GIB
+    assert len(said) == 1
+
