@@ -65,7 +65,7 @@ def short_conv_modules(overrides, shape=(32, 4096, 1024, 4)):
 
     trace = lambda: jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*specs).lower(lowering_platforms=("cuda",))  # noqa
     cfg = pallas_triton.make_config(t, c, **overrides)
-    return _capture_triton_modules(trace), {"fwd": cfg.warps, "bwd": cfg.bwd_warps}
+    return _capture_triton_modules(trace), {"fwd": cfg.warps, "bwd_act": cfg.warps, "bwd_conv": cfg.bwd_warps}
 
 
 def triton_modules(chunk, leaf, overrides, shape=(8, 4096, 16, 128, 128), dtype="bfloat16"):

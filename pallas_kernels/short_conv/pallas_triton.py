@@ -46,7 +46,8 @@ MAX_KERNEL_SIZE = 8  # the backward's pass 2 keeps 2K blocks live
 class Config:
     """Blocks and warps. ptxas on sm_90a at 32×4096×1024 bf16, K 4, with segments
     (``tools/triton_ptx_report.py --op short_conv``): forward 32 × 128 uses 127 registers per thread (64 × 128:
-    255, two CTAs per SM); backward pass 2 at 16 × 128 176 (8 × 64: 64; 32 × 128: 255 and spills), pass 1 126.
+    255, two CTAs per SM); backward pass 1 126 (4 warps), pass 2 at 16 × 128 on 8 warps 121 (8 × 64 on 4 warps:
+    64; 32 × 128 on 8 warps: 174), no spills.
     The backward blocks were the fastest of six on an H100 (``tools/bench_short_conv.py --sweep`` times a few)."""
 
     block_t: int = 32  # forward: tokens per program
@@ -144,31 +145,29 @@ def _pre_activation(x_ref, seg_ref, taps, b, rows, cols, col_ok, seg_here):
     return acc
 
 
-def _forward_kernel(x_ref, w_ref, *refs, activation, has_segments, block_t, block_c):
-    seg_ref, y_ref = refs if has_segments else (None, *refs)
-    length, channels = x_ref.shape[1], x_ref.shape[2]
+def _pre_activation_block(x_ref, w_ref, seg_ref, block_t, block_c):
+    """The program's block on the forward grid: (b, t0, c0), its columns, its store mask and a there (float32)."""
     b, t0, c0 = pl.program_id(0), pl.program_id(1) * block_t, pl.program_id(2) * block_c
     rows, cols = t0 + iota(block_t), c0 + iota(block_c)
-    col_ok = cols < channels
+    col_ok = cols < x_ref.shape[2]
     taps = _load_taps(w_ref, cols, col_ok, w_ref.shape[0])
-    seg_here = _load_segments(seg_ref, b, rows) if has_segments else None
+    seg_here = _load_segments(seg_ref, b, rows) if seg_ref is not None else None
     acc = _pre_activation(x_ref, seg_ref, taps, b, rows, cols, col_ok, seg_here)
+    store_ok = (rows < x_ref.shape[1])[:, None] & col_ok[None, :]
+    return (b, t0, c0), rows, cols, store_ok, acc
+
+
+def _forward_kernel(x_ref, w_ref, *refs, activation, has_segments, block_t, block_c):
+    seg_ref, y_ref = refs if has_segments else (None, *refs)
+    (b, t0, c0), _, _, store_ok, acc = _pre_activation_block(x_ref, w_ref, seg_ref, block_t, block_c)
     y = _silu_and_grad(acc)[0] if activation else acc
-    store_ok = (rows < length)[:, None] & col_ok[None, :]
     pltriton.store(y_ref.at[b, pl.ds(t0, block_t), pl.ds(c0, block_c)], y.astype(y_ref.dtype), mask=store_ok)
 
 
 def _activation_grad_kernel(x_ref, w_ref, dy_ref, *refs, has_segments, block_t, block_c):
     """Backward pass 1: d = dy · SiLU'(a) in float32 on the forward's grid."""
     seg_ref, d_ref = refs if has_segments else (None, *refs)
-    length, channels = x_ref.shape[1], x_ref.shape[2]
-    b, t0, c0 = pl.program_id(0), pl.program_id(1) * block_t, pl.program_id(2) * block_c
-    rows, cols = t0 + iota(block_t), c0 + iota(block_c)
-    col_ok = cols < channels
-    taps = _load_taps(w_ref, cols, col_ok, w_ref.shape[0])
-    seg_here = _load_segments(seg_ref, b, rows) if has_segments else None
-    acc = _pre_activation(x_ref, seg_ref, taps, b, rows, cols, col_ok, seg_here)
-    store_ok = (rows < length)[:, None] & col_ok[None, :]
+    (b, t0, c0), rows, cols, store_ok, acc = _pre_activation_block(x_ref, w_ref, seg_ref, block_t, block_c)
     dy = _load_block(dy_ref, b, rows, cols, store_ok)
     pltriton.store(d_ref.at[b, pl.ds(t0, block_t), pl.ds(c0, block_c)], dy * _silu_and_grad(acc)[1],
                    mask=store_ok)
