@@ -28,6 +28,7 @@ Backward, grid (H, B), chunks in reverse with dS (the gradient of S_end) in regi
     dS₀ = (e ⊙ Q)ᵀ dO + γ dS
 
 dq and dk are written per head (the operand dtype) and summed over the group's heads by XLA afterwards.
+Matmul operands in the input dtype (bf16 tensor cores for bf16 inputs), accumulation, state, decays in float32.
 
 Split backward (``Config.split_backward``, off until it is timed): the loop above keeps dS, S₀ and a chunk's
 tiles live at once, and ptxas spills 656 B per thread at 8 warps (Mamba-2 166M, bf16). Split, pass 1
@@ -35,7 +36,6 @@ tiles live at once, and ptxas spills 656 B per thread at 8 warps (Mamba-2 166M, 
 it, dS ← (e ⊙ Q)ᵀ dO + γ dS: one product per chunk. Pass 2 (grid (H, chunks, B)) runs every chunk at once
 from its S₀ and dS with the formulas above: no spill at 8 warps, and 64× the programs, for one more
 [B, H, chunks, N, P] write and read.
-Matmul operands in the input dtype (bf16 tensor cores for bf16 inputs), accumulation, state, decays in float32.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class Config:
     heads_per_group: int
     precision: str = "highest"  # float32-operand matmuls: "tf32" | "highest" (make_config follows JAX's setting)
     warps_forward: int = 8  # ptxas, sm_90a, Mamba-2 166M bf16 (tools/triton_ptx_report.py --op ssd): 4 warps
-    warps_backward: int = 8  # spill 288 B (forward) and 2.4 KB (backward) per thread, 8 warps 0 and ~1.2 KB
+    warps_backward: int = 8  # spill 288 B (forward) and 2.4 KB (backward) per thread; 8 warps: none and 656 B
     stages: int = 1
     split_backward: bool = False  # the backward as a dS scan over chunks, then one program per chunk (module docstring)
     interpret: bool = False
