@@ -3,9 +3,9 @@
 # Python 3.12): the paper configs on the embedded corpus (the output layer keeps its 32K vocabulary: step
 # time does not depend on which token ids occur).
 #   usage: bash tools/h200_train.sh {bench166|bench166_paper|bench166_noremat|bench125|bench125_ia|bench125_vla|bench125_ratios|loop|losses|
-#          losses_packed|losses_mamba2|profile_ia125|profile_mamba2} OUT_DIR
+#          losses_packed|losses_mamba2|profile_ia125|profile_vla125|profile_mamba2} OUT_DIR
 set -euo pipefail
-what=${1:?bench166, bench166_paper, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed, losses_mamba2, profile_ia125 or profile_mamba2}
+what=${1:?bench166, bench166_paper, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed, losses_mamba2, profile_ia125, profile_vla125 or profile_mamba2}
 out=${2:?output directory}
 mkdir -p "$out"
 if ! python3 -c "import grain" 2>/dev/null; then  # the GPU machine lacks these; wheels carried in .whl/
@@ -72,16 +72,20 @@ case $what in
         train.log_every=10 train.eval_every=0 checkpoint.every=0 optim.warmup_steps=20 \
         mixers.mamba2.implementation=$impl train.output_dir="$out/losses_$impl"
     done ;;
-  profile_ia125|profile_mamba2)  # where a step goes: 2 profiled steps of IA 125M (8x4096) or Mamba-2 166M (32x4096),
-    # the top 45 ops (summary.txt) and the source lines of the 15 slowest fusions (origins.txt)
-    if [ "$what" = profile_ia125 ]; then cfg=configs/paper/ia_interdomain_125m.yaml; batch=8
-    else cfg=configs/paper/mamba2_166m.yaml; batch=32; fi
+  profile_ia125|profile_vla125|profile_mamba2)  # where a step goes: 2 profiled steps of IA or VLA 125M (8x4096) or
+    # Mamba-2 166M (32x4096): the top 45 ops (summary.txt) and the source lines of the 15 slowest fusions (origins.txt)
+    extra=""
+    case $what in
+      profile_ia125) cfg=configs/paper/ia_interdomain_125m.yaml; batch=8 ;;
+      profile_vla125) cfg=configs/paper/ia_softmax_125m.yaml; batch=8; extra=model.mixer=vla ;;
+      *) cfg=configs/paper/mamba2_166m.yaml; batch=32 ;;
+    esac
     XLA_FLAGS="--xla_dump_to=$out/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*" \
-      python3 train.py --config $cfg $data train.steps=8 train.batch_size=$batch optim.warmup_steps=2 \
+      python3 train.py --config $cfg $data $extra train.steps=8 train.batch_size=$batch optim.warmup_steps=2 \
         profile.start_step=5 profile.num_steps=2 train.output_dir="$out/run" train.eval_every=0 checkpoint.every=0
     python3 tools/summarize_profile.py "$out/run/profile" --top 45 | tee "$out/summary.txt"
     python3 tools/hlo_origin.py "$out/dump" $(awk '$4 ~ /fusion/ {print $4}' "$out/summary.txt" | head -15) \
       > "$out/origins.txt"
     rm -rf "$out/dump" ;;
-  *) echo "unknown '$what' (valid: bench166, bench166_paper, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed, losses_mamba2, profile_ia125, profile_mamba2)" >&2; exit 2 ;;
+  *) echo "unknown '$what' (valid: bench166, bench166_paper, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed, losses_mamba2, profile_ia125, profile_vla125, profile_mamba2)" >&2; exit 2 ;;
 esac
