@@ -86,6 +86,9 @@ case $what in
     python3 tools/summarize_profile.py "$out/run/profile" --top 45 | tee "$out/summary.txt"
     python3 tools/hlo_origin.py "$out/dump" $(awk '$4 ~ /fusion/ {print $4}' "$out/summary.txt" | head -15) \
       > "$out/origins.txt"
-    rm -rf "$out/dump" ;;
+    rm -rf "$out/dump" "$out/run/profile" ;;
   *) echo "unknown '$what' (valid: bench166, bench166_paper, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed, losses_mamba2, profile_ia125, profile_vla125, profile_mamba2)" >&2; exit 2 ;;
 esac
+# what the device tool brings back is limited in files and depth: the metrics, logs and summaries stay, the
+# checkpoints and event files of these short runs go
+find "$out" -depth -type d \( -name checkpoints -o -name tensorboard \) -exec rm -rf {} +

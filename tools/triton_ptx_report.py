@@ -143,9 +143,7 @@ def vla_modules(overrides, shape=(8, 4096, 12, 64)):
 
     trace = lambda: jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*specs).lower(lowering_platforms=("cuda",))  # noqa
     cfg = pallas_triton.make_config(d, lambda0=0.1, refresh_magnitude=1e-3, **overrides)
-    return _capture_triton_modules(trace), {"forward": cfg.warps_forward, "backward": cfg.warps_backward,
-                                            "backward_states": cfg.warps_forward,
-                                            "backward_chunks": cfg.warps_backward}
+    return _capture_triton_modules(trace), {"forward": cfg.warps_forward, "backward": cfg.warps_backward}
 
 
 def ssd_modules(chunk, overrides, shape=(32, 4096, 1, 32, 128, 64)):
@@ -167,8 +165,7 @@ def ssd_modules(chunk, overrides, shape=(32, 4096, 1, 32, 128, 64)):
     trace = lambda: jax.jit(jax.grad(loss, argnums=tuple(range(5)))).trace(*specs).lower(  # noqa: E731
         lowering_platforms=("cuda",))
     cfg = pallas_triton.make_config(chunk, jnp.bfloat16, h // g, **overrides)
-    return _capture_triton_modules(trace), {"forward": cfg.warps_forward, "backward": cfg.warps_backward,
-                                            "backward_states": cfg.warps_forward,
+    return _capture_triton_modules(trace), {"forward": cfg.warps_forward, "backward_states": cfg.warps_forward,
                                             "backward_chunks": cfg.warps_backward}
 
 

@@ -1,5 +1,5 @@
 """Grouped scalar-decay linear attention (Mamba-2's SSD) on GPU through Pallas' Triton backend: one forward kernel,
-one backward kernel, a custom VJP (docs/math/ssd.md).
+a backward in two kernels, a custom VJP (docs/math/ssd.md).
 
 Recurrence per head h of group g = h // (H/G) (row vectors, state [N, P]):
 
@@ -19,7 +19,8 @@ Forward, grid (H, B) (``_grid``): a program walks its head's chunks in order wit
 O, the final state and (for the backward) S₀ of every chunk. q and k are indexed by group through the BlockSpec:
 the H/G heads of a group read the same rows (from L2 when they run together), and no repeated copy is made.
 
-Backward, grid (H, B), chunks in reverse with dS (the gradient of S_end) in registers:
+Backward, two kernels. The gradient of chunk n's S_end, dS_n, is a reverse scan over the chunks; given it and
+S₀, every chunk's gradients are local:
 
     dV  = ((Q Kᵀ) ⊙ D)ᵀ dO + w ⊙ (K dS)            G = D ⊙ (dO Vᵀ)
     dQ  = G K + e ⊙ (dO S₀ᵀ)                        dK = Gᵀ Q + w ⊙ (V dSᵀ)
@@ -27,15 +28,16 @@ Backward, grid (H, B), chunks in reverse with dS (the gradient of S_end) in regi
           plus Σ_j w_j rowsum(V ⊙ K dS)_j + γ ⟨S₀, dS⟩ at position L;   dλ_s = Σ_{i≥s} dc_i
     dS₀ = (e ⊙ Q)ᵀ dO + γ dS
 
+Pass 1 (``ssd_backward_states``, grid (H, B)) walks the chunks in reverse with dS in float32 registers, stores
+each chunk's dS (operand dtype, like the forward's S₀) and steps it with the last line: one product per chunk.
+Pass 2 (``ssd_backward_chunks``, grid (H, chunks, B)) forms dq, dk, dv and dλ of every chunk at once from its
+S₀ and dS. One program per (head, row) carrying dS through the chunks while forming the gradients (the first
+version) kept dS, S₀ and a chunk's tiles live at once: ptxas spilled 656 B per thread at 8 warps and it ran
+1.56× the split pair's time on an H100 (docs/math/ssd.md); the split costs one more [B, H, chunks, N, P] write
+and read and gives 64× the programs.
+
 dq and dk are written per head (the operand dtype) and summed over the group's heads by XLA afterwards.
 Matmul operands in the input dtype (bf16 tensor cores for bf16 inputs), accumulation, state, decays in float32.
-
-Split backward (``Config.split_backward``, off until it is timed): the loop above keeps dS, S₀ and a chunk's
-tiles live at once, and ptxas spills 656 B per thread at 8 warps (Mamba-2 166M, bf16). Split, pass 1
-(grid (H, B)) walks the chunks in reverse and stores each chunk's dS (operand dtype, like S₀) before stepping
-it, dS ← (e ⊙ Q)ᵀ dO + γ dS: one product per chunk. Pass 2 (grid (H, chunks, B)) runs every chunk at once
-from its S₀ and dS with the formulas above: no spill at 8 warps, and 64× the programs, for one more
-[B, H, chunks, N, P] write and read.
 """
 from __future__ import annotations
 
@@ -64,10 +66,9 @@ class Config:
     operand_dtype: jnp.dtype  # matmul operands (bf16 or f32)
     heads_per_group: int
     precision: str = "highest"  # float32-operand matmuls: "tf32" | "highest" (make_config follows JAX's setting)
-    warps_forward: int = 8  # ptxas, sm_90a, Mamba-2 166M bf16 (tools/triton_ptx_report.py --op ssd): 4 warps
-    warps_backward: int = 8  # spill 288 B (forward) and 2.4 KB (backward) per thread; 8 warps: none and 656 B
+    warps_forward: int = 8  # the forward and the backward's dS scan (pass 1)
+    warps_backward: int = 4  # the backward's per-chunk gradients (pass 2): 12.6 against 14.0 ms at 8 (H100)
     stages: int = 1
-    split_backward: bool = False  # the backward as a dS scan over chunks, then one program per chunk (module docstring)
     interpret: bool = False
 
 
@@ -176,34 +177,8 @@ def _chunk_grads(cfg, q, k, v, do, s0, ds, decays, store):
     store("dλ", jnp.sum(jnp.where(lower, d_cum[:, None], 0.0), axis=0) + d_total)
 
 
-def _backward_kernel(cfg, n_chunks):
-    c = cfg.chunk
-
-    def kernel(q_ref, k_ref, v_ref, log_decay_ref, document_ref, carried_ref, starts_ref, do_ref, ds_final_ref,
-               dq_ref, dk_ref, dv_ref, d_log_decay_ref, ds_init_ref):
-        outputs = {"dq": dq_ref, "dk": dk_ref, "dv": dv_ref, "dλ": d_log_decay_ref}
-
-        def body(step, ds):
-            n = n_chunks - 1 - step
-            rows = pl.ds(n * c, c)
-
-            def store(name, value):
-                ref = outputs[name]
-                ref[(rows,) + (slice(None),) * (ref.ndim - 1)] = value.astype(ref.dtype)
-
-            q, do = q_ref[rows, :], do_ref[rows, :]
-            decays = _chunk_decays(log_decay_ref[rows].astype(F32), document_ref[rows], carried_ref[n], c)
-            _chunk_grads(cfg, q, k_ref[rows, :], v_ref[rows, :], do, starts_ref[n], ds, decays, store)
-            _, start, _, keep, _ = decays
-            return _dot(q.astype(F32) * start[:, None], do, cfg, trans_a=True) + keep * ds
-
-        ds_init_ref[...] = jax.lax.fori_loop(0, n_chunks, body, ds_final_ref[...].astype(F32))
-
-    return kernel
-
-
 def _state_grad_kernel(cfg, n_chunks):
-    """Split backward, pass 1: the chunks in reverse, storing dS (the gradient of each chunk's S_end) before
+    """Backward, pass 1: the chunks in reverse, storing dS (the gradient of each chunk's S_end) before
     stepping it to the chunk's start: dS₀ = (e ⊙ Q)ᵀ dO + γ dS."""
     c = cfg.chunk
 
@@ -221,7 +196,7 @@ def _state_grad_kernel(cfg, n_chunks):
 
 
 def _chunk_grad_kernel(cfg):
-    """Split backward, pass 2: one program per (head, chunk, row) forms dq, dk, dv and dλ from the chunk's inputs,
+    """Backward, pass 2: one program per (head, chunk, row) forms dq, dk, dv and dλ from the chunk's inputs,
     its S₀ (saved by the forward) and its dS (pass 1); nothing is carried between chunks."""
     c = cfg.chunk
 
@@ -254,7 +229,6 @@ def _specs(cfg, t, n_chunks, key_dim, value_dim):
 
     return dict(
         keys=spec((None, t, None, key_dim), lambda b, h: (b, 0, h // hpg, 0)),
-        keys_per_head=spec((None, t, None, key_dim), lambda b, h: (b, 0, h, 0)),
         values=spec((None, t, None, value_dim), lambda b, h: (b, 0, h, 0)),
         decay=spec((None, None, t), lambda b, h: (b, h, 0)),
         documents=spec((None, t), lambda b, h: (b, 0)),
@@ -270,17 +244,13 @@ def _grid(b, h):
     return (h, b)
 
 
-def _cost(cfg, b, h, t, n, p, itemsize, backward):
-    """The chunk algorithm's own counts: its matmuls (forward per chunk Q Kᵀ, (·) V, Q S₀, Kᵀ V; backward ten
-    products), one exp per pair and token, every operand read or written once (q and k once per head: the
-    group's repeats may come from L2, so this is an upper bound on HBM bytes)."""
+def _forward_cost(cfg, b, h, t, n, p, itemsize):
+    """The chunk algorithm's own counts: its four matmuls per chunk (Q Kᵀ, (·) V, Q S₀, Kᵀ V), one exp per pair
+    and token, every operand read or written once (q and k once per head: the group's repeats may come from L2,
+    so this is an upper bound on HBM bytes)."""
     c, chunks = cfg.chunk, t // cfg.chunk
-    if backward:
-        flops = t * (6 * c * n + 4 * c * p + 12 * n * p)
-        io = (4 * t * n + 3 * t * p + chunks * n * p) * itemsize + 12 * t + 8 * n * p
-    else:
-        flops = t * (2 * c * n + 2 * c * p + 4 * n * p)
-        io = (2 * t * n + 2 * t * p + chunks * n * p) * itemsize + 8 * t + 8 * n * p
+    flops = t * (2 * c * n + 2 * c * p + 4 * n * p)
+    io = (2 * t * n + 2 * t * p + chunks * n * p) * itemsize + 8 * t + 8 * n * p
     return pl.CostEstimate(flops=int(b * h * flops), transcendentals=int(b * h * t * (c + 2)),
                            bytes_accessed=int(b * h * io))
 
@@ -300,30 +270,12 @@ def _forward(cfg, q, k, v, log_decay, state, document, carried, save_starts):
         in_specs=[s["keys"], s["keys"], s["values"], s["decay"], s["documents"], s["carried"], s["state"]],
         out_specs=tuple(out_specs), interpret=cfg.interpret,
         compiler_params=compiler_params(cfg.interpret, cfg.warps_forward, cfg.stages),
-        cost_estimate=_cost(cfg, b, h, t, key_dim, value_dim, jnp.dtype(v.dtype).itemsize, False),
+        cost_estimate=_forward_cost(cfg, b, h, t, key_dim, value_dim, jnp.dtype(v.dtype).itemsize),
         name="ssd_forward")(q, k, v, log_decay, document, carried, state)
 
 
-def _backward_call(cfg, q, k, v, log_decay, document, carried, starts, d_out, d_final):
-    b, t, _, key_dim = q.shape
-    h, value_dim = v.shape[2], v.shape[3]
-    n_chunks = t // cfg.chunk
-    s = _specs(cfg, t, n_chunks, key_dim, value_dim)
-    per_head_keys = jax.ShapeDtypeStruct((b, t, h, key_dim), cfg.operand_dtype)
-    return pl.pallas_call(
-        _backward_kernel(cfg, n_chunks), grid=_grid(b, h),
-        out_shape=(per_head_keys, per_head_keys, jax.ShapeDtypeStruct(v.shape, v.dtype),
-                   jax.ShapeDtypeStruct(log_decay.shape, F32), jax.ShapeDtypeStruct((b, h, key_dim, value_dim), F32)),
-        in_specs=[s["keys"], s["keys"], s["values"], s["decay"], s["documents"], s["carried"], s["starts"],
-                  s["values"], s["state"]],
-        out_specs=(s["keys_per_head"], s["keys_per_head"], s["values"], s["decay"], s["state"]),
-        interpret=cfg.interpret, compiler_params=compiler_params(cfg.interpret, cfg.warps_backward, cfg.stages),
-        cost_estimate=_cost(cfg, b, h, t, key_dim, value_dim, jnp.dtype(v.dtype).itemsize, True),
-        name="ssd_backward")(q, k, v, log_decay, document, carried, starts, d_out, d_final)
-
-
-def _split_backward_call(cfg, q, k, v, log_decay, document, carried, starts, d_out, d_final):
-    """The backward as pass 1 (grid (H, B), the dS scan) and pass 2 (grid (H, chunks, B), every chunk at once)."""
+def _backward(cfg, q, k, v, log_decay, document, carried, starts, d_out, d_final):
+    """Pass 1 (grid (H, B), the dS scan) and pass 2 (grid (H, chunks, B), every chunk at once)."""
     b, t, _, key_dim = q.shape
     h, value_dim = v.shape[2], v.shape[3]
     c, n_chunks, hpg = cfg.chunk, t // cfg.chunk, cfg.heads_per_group
@@ -388,8 +340,7 @@ def _ssd_fwd(cfg, q, k, v, log_decay, state, document, carried):
 def _ssd_bwd(cfg, residuals, cotangents):
     q, k, v, log_decay, state, document, carried, starts = residuals
     d_out, d_final = cotangents
-    backward = _split_backward_call if cfg.split_backward else _backward_call
-    dq, dk, dv, d_log_decay, d_state = backward(cfg, q, k, v, log_decay, document, carried, starts,
+    dq, dk, dv, d_log_decay, d_state = _backward(cfg, q, k, v, log_decay, document, carried, starts,
                                                 d_out.astype(v.dtype), d_final.astype(F32))
     b, t, g, n = q.shape
     hpg = cfg.heads_per_group

@@ -86,16 +86,6 @@ def test_triton_kernels_match_the_f64_oracle(shape, dtype):
     check_kernels_against_the_oracle(args, seg, dtype, TOL[dtype], chunk_size=chunk, interpret=True)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=["G2H4N16P32", "G1H2N32P16"])
-def test_split_backward_matches_the_f64_oracle(shape, dtype):
-    """``split_backward``: the dS scan, then one program per chunk (grid (H, chunks, B)) for the gradients."""
-    b, t, g, h, n, p, chunk = shape
-    args, seg = inputs(b, t, g, h, n, p)
-    check_kernels_against_the_oracle(args, seg, dtype, TOL[dtype], chunk_size=chunk, interpret=True,
-                                     split_backward=True)
-
-
 def test_heads_then_batch_grid_with_unequal_b_and_h():
     """The (H, B) grid (a row's heads side by side in launch order, for L2 reuse of the shared q and k) maps every
     block to its row and head: B = 3 and H = 4 differ, so a swapped index map would read another row or head."""
@@ -181,21 +171,15 @@ def lowered_gradient_for_cuda(b, t, g, h, n, p, dtype, **overrides):
 
 
 def test_kernels_lower_for_cuda_without_repeating_q_and_k():
-    """The forward and the backward are one Pallas call each; q and k enter at their group shape (no [B, T, H, N]
-    copy is made: the BlockSpec indexes them by group)."""
+    """The forward is one Pallas call and the backward two (the dS scan; the per-chunk gradients on a 3-D grid,
+    chunk-sized blocks of q, k, v, λ and the documents, one S₀ and dS per program); q and k enter at their group
+    shape (no [B, T, H, N] copy is made: the BlockSpec indexes them by group)."""
     b, t, g, h, n, p = 2, 256, 1, 8, 64, 32
     text = lowered_gradient_for_cuda(b, t, g, h, n, p, jnp.bfloat16)
-    assert text.count('"ssd_forward"') >= 1 and text.count('"ssd_backward"') >= 1
+    for name in ("ssd_forward", "ssd_backward_states", "ssd_backward_chunks"):
+        assert text.count(f'"{name}"') >= 1, name
     assert f"tensor<{b}x{t}x{h}x{n}xbf16>" in text  # the per-head dq, dk partials, summed over the group by XLA
     assert f"tensor<{b}x{t}x{h}x{n}xbf16>" not in text.split("ssd_backward")[0]  # the forward never sees them
-
-
-def test_split_backward_lowers_for_cuda_as_a_scan_and_a_chunk_grid():
-    """``split_backward``: the dS scan and the per-chunk gradient kernel (3-D grid, chunk-sized blocks of q, k, v,
-    λ and the documents, one S₀ and dS per program) are accepted by the Pallas-to-Triton lowering."""
-    text = lowered_gradient_for_cuda(2, 256, 1, 8, 64, 32, jnp.bfloat16, split_backward=True)
-    assert text.count('"ssd_backward_states"') >= 1 and text.count('"ssd_backward_chunks"') >= 1
-    assert '"ssd_backward"' not in text
 
 
 @pytest.mark.parametrize("setting", [None, "highest"], ids=["tf32", "highest"])
@@ -203,7 +187,7 @@ def test_float32_kernels_lower_for_cuda_under_either_matmul_precision(setting):
     """float32 operands take the config's matmul precision ("tf32" under JAX's default, "highest" under
     jax.default_matmul_precision("highest")); both must reach dot_general as values it takes."""
     with jax.default_matmul_precision(setting):
-        assert '"ssd_backward"' in lowered_gradient_for_cuda(1, 128, 1, 2, 32, 32, jnp.float32)
+        assert '"ssd_backward_chunks"' in lowered_gradient_for_cuda(1, 128, 1, 2, 32, 32, jnp.float32)
 
 
 def call(**overrides):
