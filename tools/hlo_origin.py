@@ -66,7 +66,7 @@ def computations(text: str) -> dict[str, list[str]]:
 
 
 def describe(fusion: str, text: str, comps: dict[str, list[str]], top: int = 8, frames=None) -> str:
-    dotted = fusion.replace("_fusion_", "_fusion.")
+    dotted = re.sub(r"_(\d+)$", r".\1", fusion)  # profiles write 'gemm_fusion_dot_12' for HLO's 'gemm_fusion_dot.12'
     pat = re.compile(rf"%({re.escape(fusion)}|{re.escape(dotted)}) = (\S+ )?(.*?) fusion\(.*calls=%?([\w.\-]+)")
     match = next((m for m in map(pat.search, text.splitlines()) if m), None)
     if match is None:
