@@ -67,7 +67,8 @@ class InterdomainOptions:
     selective_decay: bool = False  δ_t = 2^{tanh(w_δ·RMS₀(k̄) + b_δ)} ∈ [½, 2] scales Re log Λ only, scalar per
                                    head and token, init w_δ = b_δ = 0 [S range; form R].
     implementation: str = "auto"   op implementation ("auto" | "reference" | "xla" | "toeplitz": static decay,
-                                   taken by auto | "pallas_tpu": TPU, taken by auto for a selective decay |
+                                   taken by auto | "toeplitz_16bit": the same with bf16 GEMM operands, opt-in |
+                                   "pallas_tpu": TPU, taken by auto for a selective decay |
                                    "pallas_triton": GPU, opt-in).
     chunk_size: int = 0            op chunk length; 0 = the op's default (128 for toeplitz, else 64).
     """

@@ -48,7 +48,8 @@ class S4DOptions:
     c_out_std: float = 0.125     c_out ~ N(0, c_out_std²) per head (0.125 = 1/√64) [R].
     norm_eps: float = 1e-6       eps of the input RMSNorms [R].
     implementation: str = "auto" op implementation ("auto" | "reference" | "xla" | "toeplitz": taken by auto,
-                                 the decay is static | "pallas_tpu": TPU | "pallas_triton": GPU, opt-in).
+                                 the decay is static | "toeplitz_16bit": the same with bf16 GEMM operands,
+                                 opt-in | "pallas_tpu": TPU | "pallas_triton": GPU, opt-in).
     chunk_size: int = 0          op chunk length; 0 = the op's default (128 for toeplitz, else 64).
     """
 

@@ -3,9 +3,9 @@
 # Python 3.12): the paper configs on the embedded corpus (the output layer keeps its 32K vocabulary: step
 # time does not depend on which token ids occur).
 #   usage: bash tools/h200_train.sh {bench166|bench166_paper|bench166_noremat|bench125|bench125_ia|bench125_vla|bench125_ratios|loop|losses|
-#          losses_packed|losses_mamba2|profile_ia125|profile_vla125|profile_mamba2} OUT_DIR
+#          losses_packed|losses_mamba2|losses_ia16|profile_ia125|profile_vla125|profile_mamba2} OUT_DIR
 set -euo pipefail
-what=${1:?bench166, bench166_paper, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed, losses_mamba2, profile_ia125, profile_vla125 or profile_mamba2}
+what=${1:?bench166, bench166_paper, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed, losses_mamba2, losses_ia16, profile_ia125, profile_vla125 or profile_mamba2}
 out=${2:?output directory}
 mkdir -p "$out"
 if ! python3 -c "import grain" 2>/dev/null; then  # the GPU machine lacks these; wheels carried in .whl/
@@ -45,11 +45,12 @@ case $what in
     python3 tools/bench_train.py --steps 10 --warmup 3 --out "$out/bench125_vla.json" $sets \
       vla_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=vla,mixers.vla.implementation=pallas_triton \
       gdn2_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=gdn2 ;;
-  bench125_ratios)  # the issue targets in one process: GDN-2, interdomain and VLA at the 125M shape
+  bench125_ratios)  # GDN-2, interdomain and VLA at the 125M shape in one process, and interdomain on 16-bit GEMMs
     python3 tools/bench_train.py --steps 10 --warmup 3 --out "$out/bench125_ratios.json" $sets \
       gdn2_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=gdn2 \
       interdomain_125m=configs/paper/ia_interdomain_125m.yaml,train.batch_size=8 \
-      vla_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=vla ;;
+      vla_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=vla \
+      interdomain_16bit_125m=configs/paper/ia_interdomain_125m.yaml,train.batch_size=8,mixers.interdomain.implementation=toeplitz_16bit ;;
   loop)  # the trainer itself (prefetch, metrics every 10 steps): 40 steps of Muir 166M
     python3 train.py --config configs/paper/muir_166m.yaml $data train.steps=40 train.batch_size=32 \
       train.log_every=10 train.eval_every=0 checkpoint.every=0 optim.warmup_steps=10 \
@@ -72,6 +73,12 @@ case $what in
         train.log_every=10 train.eval_every=0 checkpoint.every=0 optim.warmup_steps=20 \
         mixers.mamba2.implementation=$impl train.output_dir="$out/losses_$impl"
     done ;;
+  losses_ia16)  # the first 200 losses of IA 125M at 8x4096: the Toeplitz form with float32 vs 16-bit GEMM operands
+    for impl in toeplitz toeplitz_16bit; do
+      python3 train.py --config configs/paper/ia_interdomain_125m.yaml $data train.steps=200 train.batch_size=8 \
+        train.log_every=10 train.eval_every=0 checkpoint.every=0 optim.warmup_steps=20 \
+        mixers.interdomain.implementation=$impl train.output_dir="$out/losses_$impl"
+    done ;;
   profile_ia125|profile_vla125|profile_mamba2)  # where a step goes: 2 profiled steps of IA or VLA 125M (8x4096) or
     # Mamba-2 166M (32x4096): the top 45 ops (summary.txt) and the source lines of the 15 slowest fusions (origins.txt)
     extra=""
@@ -87,7 +94,7 @@ case $what in
     python3 tools/hlo_origin.py "$out/dump" $(awk '$4 ~ /fusion/ {print $4}' "$out/summary.txt" | head -15) \
       > "$out/origins.txt"
     rm -rf "$out/dump" "$out/run/profile" ;;
-  *) echo "unknown '$what' (valid: bench166, bench166_paper, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed, losses_mamba2, profile_ia125, profile_vla125, profile_mamba2)" >&2; exit 2 ;;
+  *) echo "unknown '$what' (valid: bench166, bench166_paper, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed, losses_mamba2, losses_ia16, profile_ia125, profile_vla125, profile_mamba2)" >&2; exit 2 ;;
 esac
 # what the device tool brings back is limited in files and depth: the metrics, logs and summaries stay, the
 # checkpoints and event files of these short runs go

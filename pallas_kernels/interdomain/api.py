@@ -84,7 +84,7 @@ def resolve_chunk_size(op, chunk_size):
 
 def _chunk_for(impl, requested, resolved):
     """The chunk the chosen implementation runs: the caller's, else its own default."""
-    return DEFAULT_TOEPLITZ_CHUNK_SIZE if requested is None and impl.name == "toeplitz" else resolved
+    return DEFAULT_TOEPLITZ_CHUNK_SIZE if requested is None and impl.name in STATIC_DECAY_ONLY else resolved
 
 
 def resolve_sub_chunk_size(op, sub_chunk_size, chunk):
@@ -176,17 +176,40 @@ def _s4d_toeplitz(z, *rest, chunk_size, sub_chunk_size):
     return _s4d_toeplitz_jit(*_upcast(z), *rest, chunk_size=chunk_size, precision=xla.data_precision(z.dtype))
 
 
+def _narrow(dtype):
+    """The GEMM operand dtype of "toeplitz_16bit": a 16-bit input dtype itself; None (the "toeplitz" path) else."""
+    return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize <= 2 else None
+
+
+def _ia_toeplitz_16bit(q, k, v, *rest, chunk_size, sub_chunk_size):
+    del sub_chunk_size
+    narrow = _narrow(q.dtype)
+    if narrow is None:
+        return _ia_toeplitz(q, k, v, *rest, chunk_size=chunk_size, sub_chunk_size=None)
+    return _ia_toeplitz_jit(q, k, v, *rest, chunk_size=chunk_size, precision=xla.data_precision(q.dtype),
+                            operand_dtype=narrow)
+
+
+def _s4d_toeplitz_16bit(z, *rest, chunk_size, sub_chunk_size):
+    del sub_chunk_size
+    narrow = _narrow(z.dtype)
+    if narrow is None:
+        return _s4d_toeplitz(z, *rest, chunk_size=chunk_size, sub_chunk_size=None)
+    return _s4d_toeplitz_jit(z, *rest, chunk_size=chunk_size, precision=xla.data_precision(z.dtype),
+                             operand_dtype=narrow)
+
+
 _ia_ref = jax.jit(reference.interdomain_reference)
 _s4d_ref = jax.jit(reference.s4d_reference)
 _ia_xla_jit = jax.jit(xla.interdomain_chunked, static_argnames=("chunk_size", "sub_chunk_size", "precision"))
 _s4d_xla_jit = jax.jit(xla.s4d_chunked, static_argnames=("chunk_size", "sub_chunk_size", "precision"))
-_ia_toeplitz_jit = jax.jit(toeplitz.interdomain_toeplitz, static_argnames=("chunk_size", "precision"))
-_s4d_toeplitz_jit = jax.jit(toeplitz.s4d_toeplitz, static_argnames=("chunk_size", "precision"))
+_ia_toeplitz_jit = jax.jit(toeplitz.interdomain_toeplitz, static_argnames=("chunk_size", "precision", "operand_dtype"))
+_s4d_toeplitz_jit = jax.jit(toeplitz.s4d_toeplitz, static_argnames=("chunk_size", "precision", "operand_dtype"))
 _ia_step = jax.jit(decode.interdomain_step)
 _s4d_step = jax.jit(decode.s4d_step)
 
 # implementations that take log_modulus as the static [H, M] (the others get it per token, [B, T, H, M])
-STATIC_DECAY_ONLY = ("toeplitz",)
+STATIC_DECAY_ONLY = ("toeplitz", "toeplitz_16bit")
 
 TABLE = dispatch.OpTable("interdomain", fallback="xla")
 TABLE.register(dispatch.Implementation("reference", _ref_ia))
@@ -194,6 +217,9 @@ TABLE.register(dispatch.Implementation("xla", _ia_xla))
 # A static decay (no selective decay: the paper's LM runs) takes the Toeplitz form first on every backend: plain
 # XLA GEMMs against one decay table per head, no per-token decay tensors (toeplitz.py, docs/kernels_gpu.md).
 TABLE.register(dispatch.Implementation("toeplitz", _ia_toeplitz, toeplitz.supports, fast=True))
+# The same with 16-bit inputs kept as every data GEMM's operands (float32 results; toeplitz.py): opt-in until it is
+# timed against "toeplitz" on a GPU.
+TABLE.register(dispatch.Implementation("toeplitz_16bit", _ia_toeplitz_16bit, toeplitz.supports))
 # The TPU kernels: "auto" takes them on a TPU backend when ``supports`` accepts the call (docs/kernels.md).
 TABLE.register(dispatch.Implementation("pallas_tpu", pallas_tpu.run, pallas_tpu.supports, fast=True))
 # The GPU kernel is opt-in (implementation="pallas_triton"), not "auto": correct on the H200 but slower than
@@ -205,6 +231,7 @@ S4D_TABLE = dispatch.OpTable("s4d", fallback="xla")
 S4D_TABLE.register(dispatch.Implementation("reference", _ref_s4d))
 S4D_TABLE.register(dispatch.Implementation("xla", _s4d_xla))
 S4D_TABLE.register(dispatch.Implementation("toeplitz", _s4d_toeplitz, toeplitz.supports, fast=True))
+S4D_TABLE.register(dispatch.Implementation("toeplitz_16bit", _s4d_toeplitz_16bit, toeplitz.supports))
 S4D_TABLE.register(dispatch.Implementation("pallas_tpu", pallas_tpu.run_s4d, pallas_tpu.supports, fast=True))
 S4D_TABLE.register(dispatch.Implementation("pallas_triton", pallas_triton.run_s4d, pallas_triton.supports))
 
@@ -231,7 +258,8 @@ def interdomain(q, k, v, *, log_modulus, phase, input_gain, readout, initial_sta
       sub_chunk_size: sub-chunk length of "xla" inside a chunk (docs/math/interdomain.md 'Chunked form': exact
         pairwise decays within a sub-chunk, relative factors across). Default min(8, chunk_size); any int in
         [1, chunk_size], it need not divide chunk_size. Accuracy does not depend on it.
-      implementation: "auto" | "reference" | "xla" | "toeplitz" (static log_modulus only) | "pallas_tpu" (TPU) |
+      implementation: "auto" | "reference" | "xla" | "toeplitz" (static log_modulus only) | "toeplitz_16bit" (the
+        same with 16-bit q, k, v as the GEMM operands, float32 results; opt-in) | "pallas_tpu" (TPU) |
         "pallas_triton" (GPU, opt-in); the kernels run bf16 inputs as bf16 GEMM operands with float32
         accumulation and state. "auto" takes "toeplitz" for a static log_modulus (any backend), else
         "pallas_tpu" on a TPU where it accepts the call, else "xla".

@@ -20,6 +20,13 @@ elementwise step) do not exist. Passes (i) and (ii) use the same table: a chunk'
 backwards from its end e (its last token; in a padded last chunk, its last real token), its decay Λ^K
 (Λ^{e+1} for the last chunk).
 
+GEMM operands: the op upcasts q, k, v to float32 and runs every data GEMM at ``precision`` (TF32 on a GPU for
+16-bit inputs). With ``operand_dtype`` (the implementation ``toeplitz_16bit``, for 16-bit inputs) q, k, v stay
+in their dtype and every data GEMM but the transfer-matrix one rounds both operands to it, accumulating in
+float32 (``xla.gemm``), forward and backward (the cotangent too): bf16 tensor cores and half the operand
+bytes, the rounding the delta-rule GPU kernels apply to their own operands. The chunk-to-chunk state transfer
+(``_states_by_gemm``) keeps float32 operands: its result is every chunk's starting state.
+
 Numerics: every exponent is an integer lag times r ≤ 0 — one rounding, no difference of sums, no overflow
 for any r ≤ 0 — and every phase an integer lag times θ, as in the selective form. Gradients: autodiff of
 this form (plain XLA); T's cotangent is one GEMM reduction over all tokens and reaches r and θ through the
@@ -69,7 +76,8 @@ def skew(x):
     return flat.reshape(*lead, k, 2 * k - 1)[..., k - 1:]
 
 
-def _chunk_states(z_BHNKC, table, r_HM, theta_HM, doc, carry_doc, pad, state, precision, max_gemm_chunks):
+def _chunk_states(z_BHNKC, table, r_HM, theta_HM, doc, carry_doc, pad, state, precision, max_gemm_chunks,
+                  operand_dtype=None):
     """Passes (i) and (ii): (the state before every chunk [B,H,N,2M,C], the final state [B,H,2M,C]). Pass (ii)
     as GEMMs (``_states_by_gemm``) up to ``max_gemm_chunks`` chunks, else the serial scan."""
     k = z_BHNKC.shape[3]
@@ -77,9 +85,9 @@ def _chunk_states(z_BHNKC, table, r_HM, theta_HM, doc, carry_doc, pad, state, pr
     # only the tokens of the chunk's last document reach its end
     z = jnp.where((doc == doc[..., -1:])[:, None, :, :, None], z_BHNKC, 0.0)
     # token j reaches the end e with lag e − j: the table read backwards
-    loc = jnp.einsum("hjm,bhnjc->bhnmc", table[:, ::-1], z, precision=precision)
+    loc = xla.gemm("hjm,bhnjc->bhnmc", table[:, ::-1], z, precision, operand_dtype)
     if pad:  # the last chunk ends at its last real token e (its padded tokens carry no input)
-        last = jnp.einsum("hjm,bhjc->bhmc", table[:, end::-1], z[:, :, -1, : end + 1], precision=precision)
+        last = xla.gemm("hjm,bhjc->bhmc", table[:, end::-1], z[:, :, -1, : end + 1], precision, operand_dtype)
         loc = loc.at[:, :, -1].set(last)
     n = z.shape[2]
     keep = doc[..., -1] == carry_doc  # [B, N]: no document starts inside the chunk
@@ -133,54 +141,55 @@ def _carry_in(r_HM, theta_HM, doc, carry_doc, k):
 
 
 def interdomain_toeplitz(q, k, v, log_modulus, phase, gain, readout, key_state, value_state, document_BT, *,
-                         chunk_size, precision=HIGHEST, max_gemm_chunks=MAX_GEMM_CHUNKS):
-    """``reference.interdomain_reference``'s contract with a static ``log_modulus`` [H, M] (all inputs in the
-    compute dtype; ``precision``: of the data contractions, ``xla.data_precision``)."""
+                         chunk_size, precision=HIGHEST, max_gemm_chunks=MAX_GEMM_CHUNKS, operand_dtype=None):
+    """``reference.interdomain_reference``'s contract with a static ``log_modulus`` [H, M] (everything but q, k, v
+    in the compute dtype; ``precision``: of the data contractions, ``xla.data_precision``; ``operand_dtype``:
+    their operands rounded to it instead, the module docstring)."""
     t, r_dim = q.shape[1], q.shape[-1]
     (qc, kc, vc), _, doc, carry_doc, pad = xla.prepare_chunks([q, k, v], None, document_BT, chunk_size)
     table = lag_table(log_modulus, phase, gain, chunk_size)
     state = jnp.concatenate([key_state, value_state], axis=-1)
     starts, final = _chunk_states(jnp.concatenate([kc, vc], axis=-1), table, log_modulus, phase, doc, carry_doc,
-                                  pad, state, precision, max_gemm_chunks)
+                                  pad, state, precision, max_gemm_chunks, operand_dtype)
     x_re, x_im = split(starts)
     ein = _carry_in(log_modulus, phase, doc, carry_doc, chunk_size)
     mask = xla.pair_mask(doc, chunk_size)
     # â_s: the carried key state read by the query, plus the in-chunk keys through the table
-    y_re = jnp.einsum("bhnkr,bhnmr->bhnkm", qc, x_re[..., :r_dim], precision=precision)
-    y_im = jnp.einsum("bhnkr,bhnmr->bhnkm", qc, x_im[..., :r_dim], precision=precision)
+    y_re = xla.gemm("bhnkr,bhnmr->bhnkm", qc, x_re[..., :r_dim], precision, operand_dtype)
+    y_im = xla.gemm("bhnkr,bhnmr->bhnkm", qc, x_im[..., :r_dim], precision, operand_dtype)
     a_re, a_im = xla.cmul(ein[0], ein[1], y_re, y_im)
-    scores = jnp.where(mask, jnp.einsum("bhnsr,bhnjr->bhnsj", qc, kc, precision=precision), 0.0)
+    scores = jnp.where(mask, xla.gemm("bhnsr,bhnjr->bhnsj", qc, kc, precision, operand_dtype), 0.0)
     # the per-head table and readout broadcast over the batch: GEMMs batched over (row, head) need no transpose
     # of the [B, H, ...] operands (batched over the head alone, XLA moves H in front first)
     per_row = lambda x: jnp.broadcast_to(x[None], (qc.shape[0], *x.shape))  # noqa: E731
     table_b = per_row(table)
-    by_lag = jnp.einsum("bhnsl,bhlm->bhnsm", skew(scores), table_b, precision=precision)
+    by_lag = xla.gemm("bhnsl,bhlm->bhnsm", skew(scores), table_b, precision, operand_dtype)
     a_hat = jnp.concatenate([a_re, a_im], axis=-1) + by_lag
-    omega = jnp.einsum("bhij,bhnkj->bhnki", per_row(readout), a_hat, precision=precision)
+    omega = xla.gemm("bhij,bhnkj->bhnki", per_row(readout), a_hat, precision, operand_dtype)
     # P[s, j] = Re Σ_m conj(ω_sm) (b Λ^{s−j})_m = ω_re·T_re + ω_im·T_im at lag s − j: one contraction over the
     # stacked 2M per lag, then back from lags to key positions
-    p_lag = jnp.einsum("bhnsm,bhlm->bhnsl", omega, table_b, precision=precision)
+    p_lag = xla.gemm("bhnsm,bhlm->bhnsl", omega, table_b, precision, operand_dtype)
     p = jnp.where(mask, skew(p_lag), 0.0)
-    o = (jnp.einsum("bhnsj,bhnjc->bhnsc", p, vc, precision=precision)
-         + xla.carried_values(omega, ein, x_re[..., r_dim:], x_im[..., r_dim:], precision))
+    o = (xla.gemm("bhnsj,bhnjc->bhnsc", p, vc, precision, operand_dtype)
+         + xla.carried_values(omega, ein, x_re[..., r_dim:], x_im[..., r_dim:], precision, operand_dtype))
     return xla.from_chunks(o)[:, :t], final[..., :r_dim], final[..., r_dim:]
 
 
 def s4d_toeplitz(z, log_modulus, phase, gain, readout, state, document_BT, *, chunk_size, precision=HIGHEST,
-                 max_gemm_chunks=MAX_GEMM_CHUNKS):
+                 max_gemm_chunks=MAX_GEMM_CHUNKS, operand_dtype=None):
     """``reference.s4d_reference``'s contract with a static ``log_modulus`` [H, M]: with a fixed readout ω per
-    head, P = Re(conj(ω) · table) is one [K, K] matrix per head."""
+    head, P = Re(conj(ω) · table) is one [K, K] matrix per head (``operand_dtype``: as ``interdomain_toeplitz``)."""
     t = z.shape[1]
     (zc,), _, doc, carry_doc, pad = xla.prepare_chunks([z], None, document_BT, chunk_size)
     table = lag_table(log_modulus, phase, gain, chunk_size)
     starts, final = _chunk_states(zc, table, log_modulus, phase, doc, carry_doc, pad, state, precision,
-                                  max_gemm_chunks)
+                                  max_gemm_chunks, operand_dtype)
     x_re, x_im = split(starts)
     ein = _carry_in(log_modulus, phase, doc, carry_doc, chunk_size)
     p_lag = jnp.einsum("hm,hlm->hl", readout, table, precision=HIGHEST)  # the same for every query
     p_head = skew(jnp.broadcast_to(p_lag[:, None, :], (*p_lag.shape[:1], chunk_size, chunk_size)))
     p = jnp.where(xla.pair_mask(doc, chunk_size), p_head[None, :, None], 0.0)
     omega = readout[None, :, None, None, :]
-    o = (jnp.einsum("bhnsj,bhnjc->bhnsc", p, zc, precision=precision)
-         + xla.carried_values(omega, ein, x_re, x_im, precision))
+    o = (xla.gemm("bhnsj,bhnjc->bhnsc", p, zc, precision, operand_dtype)
+         + xla.carried_values(omega, ein, x_re, x_im, precision, operand_dtype))
     return xla.from_chunks(o)[:, :t], final

@@ -46,6 +46,8 @@ of storing them.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -64,6 +66,34 @@ def data_precision(input_dtype):
 
 def _ein(spec, *args, precision=HIGHEST):
     return jnp.einsum(spec, *args, precision=precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _narrow_einsum(spec, a, b):
+    """einsum of two 16-bit operands with a float32 result; the backward rounds the cotangent to the operands'
+    dtype, so its two products are 16-bit GEMMs too (their results in the operands' dtype, as the inputs')."""
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _narrow_einsum_fwd(spec, a, b):
+    return _narrow_einsum(spec, a, b), (a, b)
+
+
+def _narrow_einsum_bwd(spec, residuals, g):
+    a, b = residuals
+    _, pullback = jax.vjp(lambda x, y: jnp.einsum(spec, x, y), a, b)
+    return pullback(g.astype(a.dtype))
+
+
+_narrow_einsum.defvjp(_narrow_einsum_fwd, _narrow_einsum_bwd)
+
+
+def gemm(spec, a, b, precision, operand_dtype):
+    """A data GEMM: at ``precision`` on the operands as they are, or (``operand_dtype`` given) on both operands
+    rounded to it with a float32 result."""
+    if operand_dtype is None:
+        return jnp.einsum(spec, a, b, precision=precision)
+    return _narrow_einsum(spec, a.astype(operand_dtype), b.astype(operand_dtype))
 
 
 def to_chunks(x_BTH, chunk):
@@ -231,13 +261,14 @@ def _keys_read(scores, e_q, bf, bd, precision):
     return w_re + in_re, w_im + in_im
 
 
-def carried_values(omega, ein, x0_re, x0_im, precision):
-    """Re(conj(ω_s) ⊙ e^{ℓ_s})ᵀ X̂⁰: the carried value state's share of every output [B,H,N,K,C]."""
+def carried_values(omega, ein, x0_re, x0_im, precision, operand_dtype=None):
+    """Re(conj(ω_s) ⊙ e^{ℓ_s})ᵀ X̂⁰: the carried value state's share of every output [B,H,N,K,C] (``gemm``'s
+    ``operand_dtype``)."""
     w_re, w_im = split(omega, axis=-1)
     g_re = w_re * ein[0] + w_im * ein[1]
     g_im = w_re * ein[1] - w_im * ein[0]
-    return (_ein("bhnkm,bhnmc->bhnkc", g_re, x0_re, precision=precision)
-            - _ein("bhnkm,bhnmc->bhnkc", g_im, x0_im, precision=precision))
+    return (gemm("bhnkm,bhnmc->bhnkc", g_re, x0_re, precision, operand_dtype)
+            - gemm("bhnkm,bhnmc->bhnkc", g_im, x0_im, precision, operand_dtype))
 
 
 def _value_readout(omega, ein, e_q, bf, bd, mask, x0_re, x0_im, zv, precision):

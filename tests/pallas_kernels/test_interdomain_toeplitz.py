@@ -3,6 +3,8 @@ against the float64 token reference: outputs, final states and all gradients, pa
 chunk sizes and head dims, float32 over the whole log-modulus range, bf16 inputs; and its dispatch."""
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,6 +139,62 @@ def test_bfloat16_inputs():
                           segment_ids=document, implementation="toeplitz", chunk_size=32)
     assert o.dtype == jnp.bfloat16 and s.key.dtype == jnp.float32
     assert _rel(o, o64) <= 2e-2 and _rel(s.key, s64.key) <= 1e-3 and _rel(s.value, s64.value) <= 1e-3
+
+
+def _dot_operand_dtypes(jaxpr, counts=None):
+    """{(lhs dtype, rhs dtype): number of dot_generals} in a jaxpr and the jaxprs inside it."""
+    counts = collections.Counter() if counts is None else counts
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            counts[tuple(jnp.dtype(v.aval.dtype).name for v in eqn.invars)] += 1
+        for value in eqn.params.values():
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                sub = getattr(item, "jaxpr", item)
+                if hasattr(sub, "eqns"):
+                    _dot_operand_dtypes(sub, counts)
+    return counts
+
+
+def test_16bit_operands_with_bfloat16_inputs():
+    """"toeplitz_16bit": bf16 q, k, v as the operands of every data GEMM (float32 results), forward and backward,
+    against the float64 reference on the same rounded inputs: outputs, states and all nine gradients. Measured (CPU,
+    2026-12-08), max-abs relative: outputs 6.3e-3, states 1.4e-3 / 1.6e-3, gradients 2.8e-3 (log-modulus) to
+    1.1e-2 (input gain); "toeplitz" on the same inputs 2.2e-3 / 2.3e-7 / 3.2e-7 and ≤ 3.9e-3. Of the gradient's
+    matmuls only the chunk-to-chunk state transfer (forward and its two transposes) keeps float32 operands."""
+    b, t, h, r, dv, m = 2, 100, 2, 16, 16, 8
+    args, document = _inputs(7, b, t, h, r, dv, m, boundaries=(0, 33, 64), selective=False)
+    args[:3] = [np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) for a in args[:3]]
+    weights = _weights(2, b, t, h, r, dv, m)
+    want_outs, want_grads = _reference(args, document, weights)
+    loss = _loss(_op("toeplitz_16bit", 32, document), [jnp.asarray(w, jnp.float32) for w in weights], (b, t, h, m))
+    x = [jnp.asarray(a, jnp.bfloat16 if i < 3 else jnp.float32) for i, a in enumerate(args)]
+    grad = jax.grad(loss, argnums=tuple(range(9)), has_aux=True)
+    grads, outs = jax.jit(grad)(*x)
+    assert outs[0].dtype == jnp.bfloat16 and outs[1].dtype == jnp.float32
+    for name, got, want in zip(("o", "key", "value"), outs, want_outs):
+        assert _rel(got, want) <= 2e-2, name
+    for name, got, want in zip(NAMES, grads, want_grads):
+        assert got.dtype == x[NAMES.index(name)].dtype and _rel(got, want) <= 2e-2, name
+    dots = _dot_operand_dtypes(jax.make_jaxpr(grad)(*x).jaxpr)
+    assert dots[("float32", "float32")] == 3 and dots[("bfloat16", "bfloat16")] > 30, dict(dots)
+    assert set(dots) == {("float32", "float32"), ("bfloat16", "bfloat16")}, dict(dots)
+
+
+def test_16bit_operands_with_float32_inputs_are_the_toeplitz_form():
+    """For float32 inputs "toeplitz_16bit" runs "toeplitz" itself (the same numbers, bit for bit), and the S4D op's
+    "toeplitz_16bit" with bf16 inputs stays within bf16 rounding of the float32 run."""
+    args, document = _inputs(3, 2, 41, 2, 8, 8, 4, boundaries=(0, 20), selective=False)
+    x = [jnp.asarray(a, jnp.float32) for a in args]
+    run = {impl: _op(impl, 16, document)(*x[:3], jnp.broadcast_to(x[3], (2, 41, 2, 4)), *x[4:])
+           for impl in ("toeplitz", "toeplitz_16bit")}
+    for a, b in zip(run["toeplitz"], run["toeplitz_16bit"]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    z = x[2]
+    s4d = {dt: ia.s4d(z.astype(dt), log_modulus=x[3], phase=x[4], input_gain=x[5], readout=x[6][:, 0],
+                      segment_ids=document, implementation="toeplitz_16bit", chunk_size=16)
+           for dt in (jnp.float32, jnp.bfloat16)}
+    assert _rel(s4d[jnp.bfloat16][0], s4d[jnp.float32][0]) <= 2e-2
+    assert _rel(s4d[jnp.bfloat16][1], s4d[jnp.float32][1]) <= 2e-2
 
 
 def test_s4d_float64_outputs_state_and_gradients_equal_the_reference():

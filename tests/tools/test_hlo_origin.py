@@ -12,12 +12,12 @@ MODULE = """HloModule jit__train_step
 %gemm_fusion_dot.12_computation (p0: f32[8,4], p1: f32[4,4]) -> f32[8,4] {
   %p0 = f32[8,4]{1,0} parameter(0)
   %p1 = f32[4,4]{1,0} parameter(1)
-  ROOT %dot.3 = f32[8,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/dot_general" source_file="mixerlab/ops.py" source_line=42}
+  ROOT %dot.3 = f32[8,4]{1,0} dot(%p0, %p1), metadata={op_name="jit(step)/dot_general" source_file="mixerlab/ops.py" source_line=42}
 }
 
 %fused_add (q0: f32[8,4]) -> f32[8,4] {
   %q0 = f32[8,4]{1,0} parameter(0)
-  ROOT %add.1 = f32[8,4]{1,0} add(%q0, %q0), metadata={op_name="jit(step)/add" source_file="mixerlab/model.py" source_line=7}
+  ROOT %add.1 = f32[8,4]{1,0} add(%q0, %q0), metadata={op_name="add" source_file="mixerlab/model.py" source_line=7}
 }
 
 ENTRY %main (a: f32[8,4], b: f32[4,4]) -> f32[8,4] {
