@@ -12,7 +12,7 @@ MODULE = """HloModule jit__train_step
 %gemm_fusion_dot.12_computation (p0: f32[8,4], p1: f32[4,4]) -> f32[8,4] {
   %p0 = f32[8,4]{1,0} parameter(0)
   %p1 = f32[4,4]{1,0} parameter(1)
-  ROOT %dot.3 = f32[8,4]{1,0} dot(%p0, %p1), metadata={op_name="jit(step)/dot_general" source_file="mixerlab/ops.py" source_line=42}
+  ROOT %dot.3 = f32[8,4]{1,0} dot(%p0, %p1), metadata={op_name="dot_general" source_file="mixerlab/ops.py" source_line=42}
 }
 
 %fused_add (q0: f32[8,4]) -> f32[8,4] {
