@@ -12,7 +12,7 @@ MODULE = """HloModule jit__train_step
 %gemm_fusion_dot.12_computation (p0: f32[8,4], p1: f32[4,4]) -> f32[8,4] {
   %p0 = f32[8,4]{1,0} parameter(0)
   %p1 = f32[4,4]{1,0} parameter(1)
-  ROOT %dot.3 = f32[8,4]{1,0} dot(%p0, %p1), metadata={op_name="dot_general" source_file="mixerlab/ops.py" source_line=42}
+  ROOT %dot.3 = f32[8,4]{1,0} dot(%p0, %p1), metadata={op_name="dot_general" source_file="ops.py" source_line=42}
 }
 
 %fused_add (q0: f32[8,4]) -> f32[8,4] {
@@ -33,7 +33,7 @@ def test_profile_names_are_found_under_their_hlo_names():
     comps = computations(MODULE)
     gemm = describe("gemm_fusion_dot_12", MODULE, comps)
     assert gemm.startswith("gemm_fusion_dot_12  ->  f32[8,4]{1,0}")
-    assert "dot×1" in gemm and "dot_general  @ mixerlab/ops.py:42" in gemm
+    assert "dot×1" in gemm and "dot_general  @ ops.py:42" in gemm
     add = describe("loop_add_fusion_3", MODULE, comps)
     assert "add  @ mixerlab/model.py:7" in add
 
