@@ -14,7 +14,9 @@ One process, bf16 inputs, median of ``--reps`` (default 10) warm runs after a co
        - ``delta_rule/auto``: the delta rule as VLA's S-pass calls it (write key α̂, erase key k̂, no decay);
   2. ``--sweep-warps``: the Triton A-pass alone at T = 4K for num_warps (forward, backward) pairs;
   3. ``--forwards``: the Triton A-pass alone at T = 4K with each forward kernel (token by token; by chunks,
-     16 or 32 rows, 4 or 8 warps) and its α̂ and gradients against the token form's.
+     16 or 32 rows, 4 or 8 warps) and its α̂ and gradients against the token form's;
+  4. ``--backwards``: the same with each backward (one kernel; split: the Ā scan on 2, 4 or 8 warps, then the
+     replay per anchor block) and its gradients against the one-kernel backward's.
 Prints Markdown tables; writes every number to ``--out`` (JSON). A failing row keeps its error; the run goes on.
 
     python tools/bench_vla_gpu.py --check --sweep-warps --out $OUT/vla_h200.json
@@ -193,6 +195,10 @@ FORWARDS = (dict(forward="token"), dict(forward="chunked", chunk_rows=16),
             dict(forward="chunked", chunk_rows=32, warps_forward=8))
 
 
+BACKWARDS = (dict(backward="token"), dict(backward="split"), dict(backward="split", warps_backward=8),
+             dict(backward="split", warps_backward=2))
+
+
 def a_pass_rows(sz, reps, configs, compare=False):
     """The Triton A-pass alone at T = 4K, one row per ``pallas_triton.Config`` override dict, timed forward and
     forward+backward; ``compare``: also α̂ and the gradients against the first configuration's
@@ -246,6 +252,12 @@ def markdown(result):
         lines += [f"| {r['forward']} | {r.get('chunk_rows', '–')} | {r.get('warps_forward', 4)} | "
                   f"{_cell(r, 'fwd_ms')} | {_cell(r, 'fwd_bwd_ms')} | {err(r, 'err_alpha')} | {err(r, 'err_dk')} | "
                   f"{err(r, 'err_du')} |" for r in result["forwards"]]
+    if result.get("backwards"):
+        lines += ["", "Triton A-pass alone, backward (errors vs the one-kernel backward, max |error| / max |first|):",
+                  "", "| backward | warps bwd | fwd ms | fwd+bwd ms | dk̂ err | du err |", "|---|---|---|---|---|---|"]
+        err = lambda r, k: f"{r[k]:.1e}" if k in r else "error"  # noqa: E731
+        lines += [f"| {r['backward']} | {r.get('warps_backward', 4)} | {_cell(r, 'fwd_ms')} | {_cell(r, 'fwd_bwd_ms')} "
+                  f"| {err(r, 'err_dk')} | {err(r, 'err_du')} |" for r in result["backwards"]]
     return "\n".join(lines)
 
 
@@ -257,6 +269,8 @@ def main(argv=None):
     p.add_argument("--sweep-warps", action="store_true", help="time the Triton A-pass for several num_warps")
     p.add_argument("--forwards", action="store_true", help="time the Triton A-pass with each forward kernel "
                    "(token by token, by chunks) and compare them")
+    p.add_argument("--backwards", action="store_true", help="time the Triton A-pass with each backward (one kernel, "
+                   "split) and compare them")
     p.add_argument("--reps", type=int, default=None, help="timed runs per row (default 10; smoke 2)")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS} for the timed rows")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="sequence lengths of the timed rows "
@@ -278,6 +292,8 @@ def main(argv=None):
         result["sweep"] = a_pass_rows(sz, reps, [dict(warps_forward=f, warps_backward=b) for f, b in sz["sweep"]])
     if a.forwards:
         result["forwards"] = a_pass_rows(sz, reps, FORWARDS, compare=True)  # FORWARDS[0]: the token form
+    if a.backwards:
+        result["backwards"] = a_pass_rows(sz, reps, BACKWARDS, compare=True)  # BACKWARDS[0]: the one-kernel form
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as fh:
         json.dump(result, fh, indent=1)

@@ -45,12 +45,14 @@ case $what in
     python3 tools/bench_train.py --steps 10 --warmup 3 --out "$out/bench125_vla.json" $sets \
       vla_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=vla,mixers.vla.implementation=pallas_triton \
       gdn2_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=gdn2 ;;
-  bench125_ratios)  # GDN-2, interdomain and VLA at the 125M shape in one process, and interdomain on 16-bit GEMMs
+  bench125_ratios)  # GDN-2, interdomain and VLA at the 125M shape, and the opt-in forms (interdomain on 16-bit
+    # GEMMs, VLA with the split A-pass backward), each in its own process, one call
     python3 tools/bench_train.py --steps 10 --warmup 3 --out "$out/bench125_ratios.json" $sets \
       gdn2_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=gdn2 \
       interdomain_125m=configs/paper/ia_interdomain_125m.yaml,train.batch_size=8 \
       vla_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=vla \
-      interdomain_16bit_125m=configs/paper/ia_interdomain_125m.yaml,train.batch_size=8,mixers.interdomain.implementation=toeplitz_16bit ;;
+      interdomain_16bit_125m=configs/paper/ia_interdomain_125m.yaml,train.batch_size=8,mixers.interdomain.implementation=toeplitz_16bit \
+      vla_split_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=vla,mixers.vla.implementation=pallas_triton_split ;;
   loop)  # the trainer itself (prefetch, metrics every 10 steps): 40 steps of Muir 166M
     python3 train.py --config configs/paper/muir_166m.yaml $data train.steps=40 train.batch_size=32 \
       train.log_every=10 train.eval_every=0 checkpoint.every=0 optim.warmup_steps=10 \

@@ -42,6 +42,8 @@ VLA_TRITON_PACKED = (_T + "test_vla_pallas_triton.py::test_interpret_a_pass_matc
                      "[packed_refresh_offset-token]")
 VLA_TRITON_CHUNKED = (_T + "test_vla_pallas_triton.py::test_interpret_a_pass_matches_reference_f32"
                       "[packed_refresh_offset-chunked_32]")
+VLA_TRITON_SPLIT = (_T + "test_vla_pallas_triton.py::test_interpret_a_pass_matches_reference_f32"
+                    "[packed_refresh_offset-split_8]")
 VLA_TRITON_AUTO = (_T + "test_vla_pallas_triton.py::"
                    "test_auto_takes_the_kernel_on_gpu_only_and_explicit_request_names_the_reason")
 IA = _T + "test_interdomain.py"
@@ -253,7 +255,7 @@ MUTANTS = [
       "previous document (no replay)",
       (VLA_TRITON_PACKED,)),
     M("vla_triton_bwd_delta_term_dropped", _VT,
-      "d_w = -2.0 * y / root + d_delta * u", "d_w = -2.0 * y / root",
+      "return -2.0 * y / root + d_delta * u, d_delta", "return -2.0 * y / root, d_delta",
       "A-pass backward: w̄ misses the path through δ = 1 + u·w",
       (VLA_TRITON_PACKED,)),
     M("vla_triton_bwd_key_term_dropped", _VT,
@@ -264,6 +266,20 @@ MUTANTS = [
       "d_a = jnp.where(reset, 0.0, d_a)", "d_a = d_a",
       "A-pass backward: the cotangent of A flows into the previous document across a document start",
       (VLA_TRITON_PACKED,)),
+    M("vla_triton_split_adjoint_crosses_documents", _VT,
+      "return jnp.where(_flag(flags, RESET), 0.0, d_a), nxt", "return d_a, nxt",
+      "A-pass split backward: the Ā scan carries the cotangent into the previous document across a document start",
+      (VLA_TRITON_SPLIT,)),
+    M("vla_triton_split_replay_reads_after_update", _VT,
+      "dk_out[j, :] = _matvec(a, _row(d_g_ref, j))\n            return a +",
+      "dk_out[j, :] = _matvec(a + _outer(factor, factor), _row(d_g_ref, j))\n            return a +",
+      "A-pass split backward: the replay gives dk̂_t = A_{t−1} dg_t, A before the token's own rank-1 update",
+      (VLA_TRITON_SPLIT,)),
+    M("vla_triton_split_replay_no_reset", _VT,
+      "a = jnp.where(_flag(flags, RESET), eye * (1.0 / cfg.lambda0), a)\n            du_out[j, :]",
+      "du_out[j, :]",
+      "A-pass split backward: the replay carries A across a document start instead of restarting it at I/λ₀",
+      (VLA_TRITON_SPLIT,)),
     M("vla_triton_chunk_ignores_refresh", _VT,
       "after_refresh = jnp.where(inside & _flag(fl, REFRESH), rows + 1, cm)", "after_refresh = jnp.full_like(rows, cm)",
       "chunked forward: a chunk runs past a refresh token, so the tokens after it miss A + ρI",

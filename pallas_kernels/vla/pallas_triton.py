@@ -27,6 +27,14 @@ backwards) it replays the chunk's rank-1 updates forwards from the chunk's start
 token (derived in docs/math/vla.md, 'Gradients') takes dg_t, carries the symmetric cotangent Ā and gives
 dk̂_t, du_t and at the end dA₀.
 
+Split backward (``Config.backward="split"``, opt-in until it is timed): the cotangent Ā's recurrence needs no A
+(ȳ = Ā ŵ + ..., δ̄, w̄ and Ā's update read only the stored ŵ and the inputs), so pass 1 (grid (B, H),
+``_adjoint_kernel``) carries Ā alone through the tokens in reverse, writes w̄_t and du's first term, and ends
+with dA₀; pass 2 (grid (B, H, anchor blocks), ``_replay_kernel``) rebuilds A forwards through each block from its
+start anchor, as the forward built it, for the two products that need it: dk̂_t = A_t dg_t and
+du_t += A_{t−1} w̄_t. The serial pass loses the A tile, its rebuild, its two matrix-vector products and the
+replays at document starts; the replays run as 64× as many short programs.
+
 Per-token vectors (k̂, u, ŵ, dg) are loaded one token ahead (carried in the loop) so the load latency
 overlaps the previous token's arithmetic; matrix-vector products are broadcast-multiplies with a row
 reduction (2-D tiles, 1-D vectors; no tl.dot: the products are d×1).
@@ -71,6 +79,7 @@ class Config:
     warps_forward: int = 4
     warps_backward: int = 4  # the fastest on the H200 (--sweep-warps), though ~4 d×d tiles stay live
     forward: str = "token"  # "token": one Sherman–Morrison step per token; "chunked": Woodbury per chunk (below)
+    backward: str = "token"  # "token": one kernel; "split": the Ā scan, then A replayed per anchor block (below)
     chunk_rows: int = 32  # "chunked": tile rows, the longest chunk (chunks also end at refreshes and documents)
     interpret: bool = False
 
@@ -82,6 +91,8 @@ def make_config(key_dim, *, lambda0, refresh_magnitude, interpret=False, **overr
         raise ValueError(f"vla pallas_triton: anchor_every={cfg.anchor_every}; expected a power of two")
     if cfg.forward not in ("token", "chunked"):
         raise ValueError(f"vla pallas_triton: forward={cfg.forward!r}; expected 'token' or 'chunked'")
+    if cfg.backward not in ("token", "split"):
+        raise ValueError(f"vla pallas_triton: backward={cfg.backward!r}; expected 'token' or 'split'")
     if not pow2(cfg.chunk_rows) or cfg.chunk_rows < 16:
         raise ValueError(f"vla pallas_triton: chunk_rows={cfg.chunk_rows}; expected a power of two >= 16")
     return cfg
@@ -132,6 +143,30 @@ def _rank1_factor(a, u):
     """ŵ = A u / √(1 + u·A u): the Sherman–Morrison update is A − ŵ ŵᵀ."""
     w = _matvec(a, u)
     return w / jnp.sqrt(1.0 + jnp.sum(u * w))
+
+
+def _adjoint_directions(d_a, k_hat, u, factor, d_g):
+    """One token of the cotangent recurrence (docs/math/vla.md, 'Gradients'), which needs no A, first half: from
+    Ā (the cotangent of A after the token's rank-1 update) and the token's k̂, u, stored ŵ and dg, w̄ and du's
+    first term δ̄ √δ ŵ."""
+    # Sherman–Morrison: A = A_prev − w wᵀ/δ with w = √δ ŵ, δ = 1 + u·w, so u·ŵ = (δ − 1)/√δ
+    cu = jnp.sum(u * factor)
+    root = 0.5 * (cu + jnp.sqrt(cu * cu + 4.0))                        # √δ
+    # with B̄ = Ā + sym(dg k̂ᵀ) (g = A k̂): B̄ ŵ = Ā ŵ + (dg (k̂·ŵ) + k̂ (dg·ŵ))/2 without forming B̄ (the two dots
+    # are off Ā's chain)
+    y = _matvec(d_a, factor) + 0.5 * (d_g * jnp.sum(k_hat * factor) + k_hat * jnp.sum(d_g * factor))
+    d_delta = jnp.sum(factor * y) / (root * root)                      # ŵᵀB̄ŵ / δ
+    return -2.0 * y / root + d_delta * u, d_delta * root * factor
+
+
+def _adjoint_update(d_a, k_hat, u, d_g, d_w):
+    """Second half: Ā before the token's update (a document start's reset is the caller's)."""
+    # Ā_{t−1} = Ā + sym(dg k̂ᵀ + dw uᵀ) = Ā + sym((dw + dg) k̂ᵀ + dw (u − k̂)ᵀ): every outer product has dw, a
+    # reduction result, on one side, so Triton keeps the tile in the layout of Ā instead of building dg k̂ᵀ (two
+    # loaded vectors) in another layout and converting the whole d×d tile
+    left = d_w + d_g
+    right = u - k_hat
+    return d_a + 0.5 * (_outer(left, k_hat) + _outer(k_hat, left) + _outer(d_w, right) + _outer(right, d_w))
 
 
 def _row(ref, t):
@@ -279,23 +314,12 @@ def _backward_kernel(cfg, n_chunks):
             nxt = load(jnp.maximum(t - 1, 0))
             reset = _flag(flags, RESET)
             a = a_post - (rho * _bit(flags, REFRESH)) * eye      # A after the update, before ρI
-            # g = A k̂ (α̂ = g / max(‖g‖, ε) is XLA's, outside the kernel): dk̂ = A dg, B̄ = Ā + sym(dg k̂ᵀ)
+            # g = A k̂ (α̂ = g / max(‖g‖, ε) is XLA's, outside the kernel): dk̂ = A dg
             dk_out[t, :] = _matvec(a, d_g)
-            # Sherman–Morrison: A = A_prev − w wᵀ/δ with w = √δ ŵ, δ = 1 + u·w, so u·ŵ = (δ − 1)/√δ
-            cu = jnp.sum(u * factor)
-            root = 0.5 * (cu + jnp.sqrt(cu * cu + 4.0))                        # √δ
-            # B̄ ŵ = Ā ŵ + (dg (k̂·ŵ) + k̂ (dg·ŵ))/2 without forming B̄ (the two dots are off Ā's chain)
-            y = _matvec(d_a, factor) + 0.5 * (d_g * jnp.sum(k_hat * factor) + k_hat * jnp.sum(d_g * factor))
-            d_delta = jnp.sum(factor * y) / (root * root)                      # ŵᵀB̄ŵ / δ
-            d_w = -2.0 * y / root + d_delta * u
+            d_w, du_first = _adjoint_directions(d_a, k_hat, u, factor, d_g)
             a_prev = jnp.where(reset, eye * (1.0 / cfg.lambda0), a + _outer(factor, factor))
-            du_out[t, :] = d_delta * root * factor + _matvec(a_prev, d_w)
-            # Ā_{t−1} = Ā + sym(dg k̂ᵀ + dw uᵀ) = Ā + sym((dw + dg) k̂ᵀ + dw (u − k̂)ᵀ): every outer product has
-            # dw, a reduction result, on one side, so Triton keeps the tile in the layout of Ā instead of
-            # building dg k̂ᵀ (two loaded vectors) in another layout and converting the whole d×d tile
-            left = d_w + d_g
-            right = u - k_hat
-            d_a = d_a + 0.5 * (_outer(left, k_hat) + _outer(k_hat, left) + _outer(d_w, right) + _outer(right, d_w))
+            du_out[t, :] = du_first + _matvec(a_prev, d_w)
+            d_a = _adjoint_update(d_a, k_hat, u, d_g, d_w)
             # step back to token t − 1: across a document start A is the previous document's (replayed)
             # and no gradient flows into it
             inside = reset & (t > n * c)
@@ -315,6 +339,52 @@ def _backward_kernel(cfg, n_chunks):
     return kernel
 
 
+def _adjoint_kernel(cfg, n_tokens):
+    """Split backward, pass 1: Ā alone, reverse over every token (the adjoint of ``_backward_kernel`` without its A
+    tile). Writes w̄_t, du's first term δ̄ √δ ŵ_t, and dA₀."""
+
+    def kernel(k_ref, u_ref, factor_ref, flags_ref, d_g_ref, d_final_ref, d_w_out, du_out, d_a0_out):
+        def load(t):
+            return (_row(k_ref, t), _row(u_ref, t), _row(factor_ref, t), _row(d_g_ref, t), flags_ref[t])
+
+        def token(i, carry):
+            d_a, (k_hat, u, factor, d_g, flags) = carry
+            t = n_tokens - 1 - i
+            nxt = load(jnp.maximum(t - 1, 0))
+            d_w, du_out[t, :] = _adjoint_directions(d_a, k_hat, u, factor, d_g)
+            d_w_out[t, :] = d_w
+            d_a = _adjoint_update(d_a, k_hat, u, d_g, d_w)
+            return jnp.where(_flag(flags, RESET), 0.0, d_a), nxt  # no gradient into the previous document's A
+
+        d_a, _ = jax.lax.fori_loop(0, n_tokens, token, (d_final_ref[...].astype(F32), load(n_tokens - 1)))
+        d_a0_out[...] = d_a
+
+    return kernel
+
+
+def _replay_kernel(cfg):
+    """Split backward, pass 2: one anchor block, A forwards from the block's start anchor with the forward's own
+    operations on the stored ŵ, and the two products that need it: du_t = (du's first term) + A_{t−1} w̄_t (A
+    before token t's update, after a reset) and dk̂_t = A_t dg_t (after the update, before ρI)."""
+    d = cfg.key_dim
+
+    def kernel(factor_ref, flags_ref, d_g_ref, d_w_ref, du_first_ref, anchor_ref, dk_out, du_out):
+        eye = _eye(d)
+
+        def token(j, a):
+            flags = flags_ref[j]
+            factor = _row(factor_ref, j)
+            a = jnp.where(_flag(flags, RESET), eye * (1.0 / cfg.lambda0), a)
+            du_out[j, :] = _row(du_first_ref, j) + _matvec(a, _row(d_w_ref, j))
+            a = a - _outer(factor, factor)
+            dk_out[j, :] = _matvec(a, _row(d_g_ref, j))
+            return a + (cfg.refresh_magnitude * _bit(flags, REFRESH)) * eye
+
+        jax.lax.fori_loop(0, cfg.anchor_every, token, anchor_ref[...].astype(F32))
+
+    return kernel
+
+
 # ---------------------------------------------------------------------------------------------------------
 # pallas_call wrappers (inputs padded to a multiple of anchor_every)
 
@@ -325,6 +395,8 @@ def flops_per_token(d: int, chunk_rows: Optional[int] = None) -> dict:
     backward: the ρ removal, A dg, Ā ŵ, the A rebuild, A_prev dw, the symmetric rank-4 cotangent update:
     ≈ 20 d². Replays at document starts inside a chunk add ≈ 4 d² per replayed token
     (data-dependent, not counted).
+    split backward: pass 1 Ā ŵ and the symmetric rank-4 update with its reset select ≈ 10 d², pass 2 the reset
+    select, A_{t−1} w̄, the rank-1 update, A dg and the refresh add ≈ 9 d².
     ``chunk_rows`` = c: the chunked forward per tile row, for full tiles (a shorter chunk costs a whole tile):
     X, Y, ŴᵀŴ 6 c d² and G, L⁻¹X, K̂Ŵᵀ, its product with Ŵ 8 c² d per tile, the elimination ≈ 4 c³
     (c steps of two c × c rank-1 updates), the refresh add d²; divided by c."""
@@ -333,13 +405,14 @@ def flops_per_token(d: int, chunk_rows: Optional[int] = None) -> dict:
     else:
         c = chunk_rows
         forward = (6 * c * d * d + 8 * c * c * d + 4 * c ** 3 + d * d) // c
-    return {"forward": forward, "backward": 20 * d * d + 10 * d}
+    return {"forward": forward, "backward": 20 * d * d + 10 * d, "backward_adjoint": 10 * d * d + 14 * d,
+            "backward_replay": 9 * d * d + 2 * d}
 
 
 def _cost(cfg, kernel, batch_heads, n_tokens):
     d = cfg.key_dim
-    vectors = {"forward": 4, "backward": 6}[kernel]  # per-token [d] f32 rows read + written
-    anchors = (n_tokens // cfg.anchor_every + 1) * d * d * 4
+    vectors = {"forward": 4, "backward": 6, "backward_adjoint": 6, "backward_replay": 6}[kernel]  # [d] f32 rows
+    anchors = 0 if kernel == "backward_adjoint" else (n_tokens // cfg.anchor_every + 1) * d * d * 4
     rows = cfg.chunk_rows if cfg.forward == "chunked" else None
     return pl.CostEstimate(flops=int(batch_heads * n_tokens * flops_per_token(d, rows)[kernel]),
                            transcendentals=int(batch_heads * n_tokens),  # one square root per token
@@ -392,7 +465,35 @@ def _backward(cfg, k_hat, u, factors, flags, d_g, anchors, d_final):
         k_hat, u, factors, flags, d_g, anchors, d_final)
 
 
-_penalty_pass = penalty_vjp.penalty_pass_with_vjp(_forward, _backward)
+def _split_backward(cfg, k_hat, u, factors, flags, d_g, anchors, d_final):
+    b, t, h, d = k_hat.shape
+    token, flag_spec, square, _, n = _specs(cfg, b, t, h)
+    rows = jax.ShapeDtypeStruct((b, t, h, d), F32)
+    d_w, du_first, d_a0 = pl.pallas_call(
+        _adjoint_kernel(cfg, t), grid=(b, h),
+        in_specs=[token, token, token, flag_spec, token, square], out_specs=(token, token, square),
+        out_shape=(rows, rows, jax.ShapeDtypeStruct((b, h, d, d), F32)),
+        interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_backward),
+        cost_estimate=_cost(cfg, "backward_adjoint", b * h, t), name="vla_penalty_backward_adjoint")(
+        k_hat, u, factors, flags, d_g, d_final)
+    c = cfg.anchor_every
+    block = pl.BlockSpec((None, c, None, d), lambda b_, h_, n_: (b_, n_, h_, 0))
+    block_flags = pl.BlockSpec((None, c), lambda b_, h_, n_: (b_, n_))
+    anchor = pl.BlockSpec((None, None, None, d, d), lambda b_, h_, n_: (b_, h_, n_, 0, 0))
+    dk, du = pl.pallas_call(
+        _replay_kernel(cfg), grid=(b, h, n),
+        in_specs=[block, block_flags, block, block, block, anchor], out_specs=(block, block),
+        out_shape=(rows, rows), interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_forward),
+        cost_estimate=_cost(cfg, "backward_replay", b * h, t), name="vla_penalty_backward_replay")(
+        factors, flags, d_g, d_w, du_first, anchors)
+    return dk, du, d_a0
+
+
+def _either_backward(cfg, *args):
+    return (_split_backward if cfg.backward == "split" else _backward)(cfg, *args)
+
+
+_penalty_pass = penalty_vjp.penalty_pass_with_vjp(_forward, _either_backward)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -68,13 +68,17 @@ def _a_pass_inputs(seed, boundaries, period, offset, initial_position, zero_rows
 FORWARDS = {"token": dict(forward="token", anchor_every=ANCHOR_EVERY),
             "chunked_8": dict(forward="chunked", anchor_every=ANCHOR_EVERY, chunk_rows=16),
             "chunked_32": dict(forward="chunked", anchor_every=32, chunk_rows=16)}
+# and the split backward (the Ā scan, then A replayed per anchor block) behind the token forward, with anchor
+# blocks of 8 (documents start inside blocks and on their edges) and of 32 (the last block partial)
+KERNELS = {**FORWARDS, "split_8": dict(forward="token", backward="split", anchor_every=ANCHOR_EVERY),
+           "split_32": dict(forward="token", backward="split", anchor_every=32)}
 
 
 @functools.partial(jax.jit, static_argnames="forward")
 def _kernel_a_pass(k_hat, u, a0, document, refresh, w_alpha, w_a, forward="token"):
     def loss(k_hat, u, a0):
         alpha, a = pallas_triton.penalty_pass(k_hat, u, a0, document, refresh, lambda0=LAMBDA0, refresh_magnitude=RHO,
-                                              eps=EPS, interpret=True, **FORWARDS[forward])
+                                              eps=EPS, interpret=True, **KERNELS[forward])
         return jnp.sum(alpha * w_alpha) + jnp.sum(a * w_a), (alpha, a)
 
     return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(k_hat, u, a0)
@@ -111,11 +115,12 @@ A_PASS_CASES = {
 }
 
 
-@pytest.mark.parametrize("forward", sorted(FORWARDS))
+@pytest.mark.parametrize("forward", sorted(KERNELS))
 @pytest.mark.parametrize("case", sorted(A_PASS_CASES))
 def test_interpret_a_pass_matches_reference_f32(case, forward):
-    """α̂, A_T and d/dk̂, d/du, d/dA₀ of the kernels (each forward kernel, the same backward) in float32 vs the
-    float64 reference: rel-RMS ≤ 1e-5 (measured, CPU 2026-12-02: ≤ 6.3e-7 token by token, ≤ 6.6e-7 by chunks)."""
+    """α̂, A_T and d/dk̂, d/du, d/dA₀ of the kernels (each forward kernel with the one-kernel backward; the token
+    forward with the split backward) in float32 vs the float64 reference: rel-RMS ≤ 1e-5 (measured, CPU
+    2026-12-02: ≤ 6.3e-7 token by token, ≤ 6.6e-7 by chunks)."""
     args, weights = _a_pass_inputs(1, **A_PASS_CASES[case])
     w = [jnp.asarray(x, jnp.float32) for x in weights]
     grads, (alpha, a) = _kernel_a_pass(*args, *w, forward=forward)
@@ -236,6 +241,9 @@ def test_auto_takes_the_kernel_on_gpu_only_and_explicit_request_names_the_reason
     assert api.TABLE.choose("auto", _call()).name == "pallas_triton"  # a GPU call
     assert api.TABLE.choose("auto", _call(key_dim=96)).name == "xla"  # a head dim the kernel refuses
     assert api.TABLE.choose("pallas_triton", _call()).name == "pallas_triton"
+    # the split A-pass backward: opt-in by name, the same kernels otherwise
+    split = api.TABLE.choose("pallas_triton_split", _call())
+    assert split.run.func is api._run_pallas_triton and split.run.keywords == {"backward": "split"}
     with pytest.raises(ValueError, match="implementation='pallas_triton'.*GPU only"):
         api.vla(q, q, q, implementation="pallas_triton")
 
@@ -245,17 +253,20 @@ def test_config_checks():
         pallas_triton.make_config(64, lambda0=0.1, refresh_magnitude=1e-3, anchor_every=48)
     with pytest.raises(ValueError, match="forward='blocked'.*'token' or 'chunked'"):
         pallas_triton.make_config(64, lambda0=0.1, refresh_magnitude=1e-3, forward="blocked")
+    with pytest.raises(ValueError, match="backward='chunked'.*'token' or 'split'"):
+        pallas_triton.make_config(64, lambda0=0.1, refresh_magnitude=1e-3, backward="chunked")
     with pytest.raises(ValueError, match="chunk_rows=8; expected a power of two >= 16"):
         pallas_triton.make_config(64, lambda0=0.1, refresh_magnitude=1e-3, chunk_rows=8)
     flags = pallas_triton.token_flags(_documents(1, 6, [2, 5]), jnp.asarray([[0, 1, 0, 0, 1, 1]], bool))
     assert flags.tolist() == [[0, 2, 1, 0, 2, 3]]  # RESET = 1 at document starts after t = 0, REFRESH = 2
 
 
-@pytest.mark.parametrize("forward", ["token", "chunked"])
-def test_lowers_for_cuda_on_cpu(forward):
-    """Forward and backward lower to one Triton custom call each for CUDA (Triton's shape and op rules:
-    the lax.cond around the replay, scalar flags, 1-D vectors; the chunked forward's masked tile loads at a
-    dynamic row, its while loop and its f32 dots)."""
+@pytest.mark.parametrize("forward, backward, calls", [("token", "token", 2), ("chunked", "token", 2),
+                                                     ("token", "split", 3)])
+def test_lowers_for_cuda_on_cpu(forward, backward, calls):
+    """Forward and backward lower to one Triton custom call each for CUDA, the split backward to two (Triton's
+    shape and op rules: the lax.cond around the replay, scalar flags, 1-D vectors; the chunked forward's masked
+    tile loads at a dynamic row, its while loop and its f32 dots; the replay's anchor-block grid)."""
     s = jax.ShapeDtypeStruct
     b, t, h, d = 1, 200, 2, 64
     specs = [s((b, t, h, d), jnp.float32)] * 2 + [s((b, h, d, d), jnp.float32), s((b, t), jnp.int32),
@@ -263,11 +274,11 @@ def test_lowers_for_cuda_on_cpu(forward):
 
     def loss(k_hat, u, a0, document, refresh):
         alpha, a = pallas_triton.penalty_pass(k_hat, u, a0, document, refresh, lambda0=0.1, refresh_magnitude=1e-3,
-                                              eps=1e-4, forward=forward)
+                                              eps=1e-4, forward=forward, backward=backward)
         return jnp.sum(alpha) + jnp.sum(a)
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 2  # vla_penalty_forward, vla_penalty_backward
+    assert text.count("__gpu$xla.gpu.triton") == calls  # forward; backward, or its adjoint and replay passes
 
 
 # {backend}: pallas_triton | pallas_tpu; {hyper}: that backend's extra options (filled by run_per_shard_script)
