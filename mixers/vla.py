@@ -75,7 +75,7 @@ class VLAOptions:
     norm_eps: float = 1e-5            eps of that RMSNorm [R].
     init_scheme: "normal"             N(0, spec.init_std) input projections | "xavier_uniform" [R].
     implementation: str = "auto"      which implementation of the op (auto | reference | xla | pallas_triton |
-                                      pallas_triton_split: its A-pass backward in two kernels, opt-in |
+                                      pallas_triton_split: its A-pass as chains and replays, opt-in |
                                       pallas_tpu); auto: the kernel of the backend, else xla.
     chunk_size: int = 0               A-pass chunk length; 0 = the op's default (min(64, P − offset)).
     """

@@ -16,7 +16,8 @@ One process, bf16 inputs, median of ``--reps`` (default 10) warm runs after a co
   3. ``--forwards``: the Triton A-pass alone at T = 4K with each forward kernel (token by token; by chunks,
      16 or 32 rows, 4 or 8 warps) and its α̂ and gradients against the token form's;
   4. ``--backwards``: the same with each backward (one kernel; split: the Ā scan on 2, 4 or 8 warps, then the
-     replay per anchor block) and its gradients against the one-kernel backward's.
+     replay per anchor block; and both split kernels, the forward's g read out per anchor block) and its
+     gradients against the one-kernel backward's.
 Prints Markdown tables; writes every number to ``--out`` (JSON). A failing row keeps its error; the run goes on.
 
     python tools/bench_vla_gpu.py --check --sweep-warps --out $OUT/vla_h200.json
@@ -196,7 +197,7 @@ FORWARDS = (dict(forward="token"), dict(forward="chunked", chunk_rows=16),
 
 
 BACKWARDS = (dict(backward="token"), dict(backward="split"), dict(backward="split", warps_backward=8),
-             dict(backward="split", warps_backward=2))
+             dict(backward="split", warps_backward=2), dict(forward="split", backward="split"))
 
 
 def a_pass_rows(sz, reps, configs, compare=False):
@@ -253,11 +254,14 @@ def markdown(result):
                   f"{_cell(r, 'fwd_ms')} | {_cell(r, 'fwd_bwd_ms')} | {err(r, 'err_alpha')} | {err(r, 'err_dk')} | "
                   f"{err(r, 'err_du')} |" for r in result["forwards"]]
     if result.get("backwards"):
-        lines += ["", "Triton A-pass alone, backward (errors vs the one-kernel backward, max |error| / max |first|):",
-                  "", "| backward | warps bwd | fwd ms | fwd+bwd ms | dk̂ err | du err |", "|---|---|---|---|---|---|"]
+        lines += ["", "Triton A-pass alone, split kernels (errors vs the token forward and one-kernel backward, "
+                  "max |error| / max |first|):",
+                  "", "| forward | backward | warps bwd | fwd ms | fwd+bwd ms | α̂ err | dk̂ err | du err |",
+                  "|---|---|---|---|---|---|---|---|"]
         err = lambda r, k: f"{r[k]:.1e}" if k in r else "error"  # noqa: E731
-        lines += [f"| {r['backward']} | {r.get('warps_backward', 4)} | {_cell(r, 'fwd_ms')} | {_cell(r, 'fwd_bwd_ms')} "
-                  f"| {err(r, 'err_dk')} | {err(r, 'err_du')} |" for r in result["backwards"]]
+        lines += [f"| {r.get('forward', 'token')} | {r['backward']} | {r.get('warps_backward', 4)} | "
+                  f"{_cell(r, 'fwd_ms')} | {_cell(r, 'fwd_bwd_ms')} | {err(r, 'err_alpha')} | {err(r, 'err_dk')} | "
+                  f"{err(r, 'err_du')} |" for r in result["backwards"]]
     return "\n".join(lines)
 
 

@@ -143,8 +143,8 @@ def vla_modules(overrides, shape=(8, 4096, 12, 64)):
 
     trace = lambda: jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*specs).lower(lowering_platforms=("cuda",))  # noqa
     cfg = pallas_triton.make_config(d, lambda0=0.1, refresh_magnitude=1e-3, **overrides)
-    return _capture_triton_modules(trace), {"forward": cfg.warps_forward, "backward": cfg.warps_backward,
-                                            "backward_adjoint": cfg.warps_backward,
+    return _capture_triton_modules(trace), {"forward": cfg.warps_forward, "forward_readout": cfg.warps_forward,
+                                            "backward": cfg.warps_backward, "backward_adjoint": cfg.warps_backward,
                                             "backward_replay": cfg.warps_forward}
 
 

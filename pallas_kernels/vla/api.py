@@ -209,15 +209,15 @@ def per_shard_a_pass(penalty_pass, heads):
 
 
 def _run_pallas_triton(q, k_hat, u, v, S0, A0, document_BT, refresh_BT, *, chunk_size, lambda0, refresh_magnitude,
-                       eps, operand_dtype, normalize_write_direction=True, interpret=False, backward="token"):
-    """A-pass: the token-level Sherman–Morrison kernel (``pallas_triton.py``, its own custom VJP; ``backward``:
-    its ``Config.backward``); S-pass: the delta rule with operands in the caller's dtype, so that "auto" picks its
-    Pallas-Triton kernel on GPU (bf16 tensor-core matmuls for bf16 inputs; α̂ and k̂ rounded to that dtype there,
-    state f32)."""
+                       eps, operand_dtype, normalize_write_direction=True, interpret=False, **kernel_config):
+    """A-pass: the token-level Sherman–Morrison kernel (``pallas_triton.py``, its own custom VJP;
+    ``kernel_config``: its ``Config`` fields); S-pass: the delta rule with operands in the caller's dtype, so that
+    "auto" picks its Pallas-Triton kernel on GPU (bf16 tensor-core matmuls for bf16 inputs; α̂ and k̂ rounded to
+    that dtype there, state f32)."""
     del chunk_size  # the kernel is serial over tokens; anchor_every sets its backward checkpoints
     alpha, A = per_shard_a_pass(pallas_triton.penalty_pass, k_hat.shape[2])(
         k_hat, u, A0, document_BT, refresh_BT, lambda0=lambda0, refresh_magnitude=refresh_magnitude, eps=eps,
-        normalize_write_direction=normalize_write_direction, interpret=interpret, backward=backward)
+        normalize_write_direction=normalize_write_direction, interpret=interpret, **kernel_config)
     od = operand_dtype
     o, S = delta_rule(q.astype(od), alpha.astype(od), v.astype(od), erase_key=k_hat.astype(od), initial_state=S0,
                       segment_ids=document_BT, implementation="auto")
@@ -259,10 +259,11 @@ TABLE.register(dispatch.Implementation("pallas_tpu", _run_pallas_tpu, pallas_tpu
 # "auto" picks the GPU kernel on a GPU: on the H200 the op runs 13 ms fwd+bwd at 8·4096, H 12, d 64 against
 # ~110 ms for the xla form (docs/kernels_gpu.md, 'VLA A-pass through Pallas' Triton backend')
 TABLE.register(dispatch.Implementation("pallas_triton", _run_pallas_triton, pallas_triton.supports, fast=True))
-# The same kernels with the A-pass backward split in two (the Ā scan, then A replayed per anchor block;
-# pallas_triton.py): opt-in until it is timed against the one-kernel backward on a GPU.
-TABLE.register(dispatch.Implementation("pallas_triton_split", functools.partial(_run_pallas_triton, backward="split"),
-                                       pallas_triton.supports))
+# The same A-pass with its serial kernels cut to their chains (pallas_triton.py): the forward's g and the backward's
+# A products formed per anchor block by replays. Opt-in until it is timed against "pallas_triton" on a GPU.
+TABLE.register(dispatch.Implementation(
+    "pallas_triton_split", functools.partial(_run_pallas_triton, forward="split", backward="split"),
+    pallas_triton.supports))
 
 
 def _prepare(q, k, v, penalty_key, initial_state_, segment_ids, initial_position, lambda0, refresh_period,
@@ -321,8 +322,8 @@ def vla(q, k, v, *, penalty_key=None, initial_state=None, segment_ids=None, init
       eps: ε floor of every denominator (‖k‖, ‖p‖, 1 + uᵀAu, ‖k̂A‖).
       chunk_size: A-pass chunk length of "xla"; ≤ refresh_period − refresh_offset (default min(64, that)).
       implementation: "auto" | "reference" | "xla" | "pallas_tpu" | "pallas_triton" (token-level A-pass
-        kernels, then the delta rule's kernel) | "pallas_triton_split" (the same with the A-pass backward split
-        into the cotangent scan and a replay per anchor block; opt-in). "auto" picks "pallas_tpu" on a TPU for
+        kernels, then the delta rule's kernel) | "pallas_triton_split" (the same with the A-pass kernels cut to
+        their serial chains and replays per anchor block; opt-in). "auto" picks "pallas_tpu" on a TPU for
         Dk in {16, 32, 64, 128, 256} and float32/bfloat16 inputs, "pallas_triton" on a GPU for Dk a power of two
         in [16, 128] and float32/bfloat16/float16 inputs; everything else gets "xla".
       normalize_key, normalize_write_direction, penalty_update: the ablations of the module docstring

@@ -27,6 +27,10 @@ backwards) it replays the chunk's rank-1 updates forwards from the chunk's start
 token (derived in docs/math/vla.md, 'Gradients') takes dg_t, carries the symmetric cotangent Ā and gives
 dk̂_t, du_t and at the end dA₀.
 
+Split forward (``Config.forward="split"``, opt-in until it is timed): g_t = A_t k̂_t hangs off the chain, so the
+token kernel leaves it out and ``_readout_kernel`` (grid (B, H, anchor blocks)) forms it afterwards, replaying A
+through each block from its start anchor with the token kernel's own operations on the stored ŵ.
+
 Split backward (``Config.backward="split"``, opt-in until it is timed): the cotangent Ā's recurrence needs no A
 (ȳ = Ā ŵ + ..., δ̄, w̄ and Ā's update read only the stored ŵ and the inputs), so pass 1 (grid (B, H),
 ``_adjoint_kernel``) carries Ā alone through the tokens in reverse, writes w̄_t and du's first term, and ends
@@ -78,7 +82,8 @@ class Config:
     anchor_every: int = 64  # tokens per saved A (backward memory N·d²·4 bytes per head; rebuild error ∝ it)
     warps_forward: int = 4
     warps_backward: int = 4  # the fastest on the H200 (--sweep-warps), though ~4 d×d tiles stay live
-    forward: str = "token"  # "token": one Sherman–Morrison step per token; "chunked": Woodbury per chunk (below)
+    forward: str = "token"  # "token": one Sherman–Morrison step per token; "chunked": Woodbury per chunk; "split":
+    # the token steps without g, then g read out per anchor block (below)
     backward: str = "token"  # "token": one kernel; "split": the Ā scan, then A replayed per anchor block (below)
     chunk_rows: int = 32  # "chunked": tile rows, the longest chunk (chunks also end at refreshes and documents)
     interpret: bool = False
@@ -89,8 +94,8 @@ def make_config(key_dim, *, lambda0, refresh_magnitude, interpret=False, **overr
                  interpret=interpret, **overrides)
     if not pow2(cfg.anchor_every):
         raise ValueError(f"vla pallas_triton: anchor_every={cfg.anchor_every}; expected a power of two")
-    if cfg.forward not in ("token", "chunked"):
-        raise ValueError(f"vla pallas_triton: forward={cfg.forward!r}; expected 'token' or 'chunked'")
+    if cfg.forward not in ("token", "chunked", "split"):
+        raise ValueError(f"vla pallas_triton: forward={cfg.forward!r}; expected 'token', 'chunked' or 'split'")
     if cfg.backward not in ("token", "split"):
         raise ValueError(f"vla pallas_triton: backward={cfg.backward!r}; expected 'token' or 'split'")
     if not pow2(cfg.chunk_rows) or cfg.chunk_rows < 16:
@@ -177,22 +182,26 @@ def _row(ref, t):
 # kernels
 
 
-def _forward_kernel(cfg, n_chunks):
+def _forward_kernel(cfg, n_chunks, readout=True):
+    """The token steps; ``readout=False`` (the split forward): without g = A k̂, which ``_readout_kernel`` forms
+    afterwards from the anchors and the stored ŵ, off this kernel's serial chain."""
     c, d = cfg.anchor_every, cfg.key_dim
     n_tokens = n_chunks * c
 
-    def kernel(k_ref, u_ref, flags_ref, a0_ref, g_out, factor_out, anchors_out, a_final_out):
+    def kernel(k_ref, u_ref, flags_ref, a0_ref, *outs):
+        g_out, factor_out, anchors_out, a_final_out = outs if readout else (None, *outs)
         eye = _eye(d)
 
         def token(j, carry, n):
             a, k_hat, u, flags = carry
             t = n * c + j
             ahead = jnp.minimum(t + 1, n_tokens - 1)  # next token's inputs, loaded while this one computes
-            nxt = (_row(k_ref, ahead), _row(u_ref, ahead), flags_ref[ahead])
+            nxt = (_row(k_ref, ahead) if readout else k_hat, _row(u_ref, ahead), flags_ref[ahead])
             a = jnp.where(_flag(flags, RESET), eye * (1.0 / cfg.lambda0), a)
             factor = _rank1_factor(a, u)
             a = a - _outer(factor, factor)
-            g_out[t, :] = _matvec(a, k_hat)
+            if readout:
+                g_out[t, :] = _matvec(a, k_hat)
             factor_out[t, :] = factor
             a = a + (cfg.refresh_magnitude * _bit(flags, REFRESH)) * eye
             return (a, *nxt)
@@ -201,10 +210,32 @@ def _forward_kernel(cfg, n_chunks):
             anchors_out[n] = carry[0]
             return jax.lax.fori_loop(0, c, functools.partial(token, n=n), carry)
 
-        first = (a0_ref[...].astype(F32), _row(k_ref, 0), _row(u_ref, 0), flags_ref[0])
+        k0 = _row(k_ref, 0) if readout else jnp.zeros((d,), F32)
+        first = (a0_ref[...].astype(F32), k0, _row(u_ref, 0), flags_ref[0])
         a = jax.lax.fori_loop(0, n_chunks, chunk, first)[0]
         anchors_out[n_chunks] = a
         a_final_out[...] = a
+
+    return kernel
+
+
+def _readout_kernel(cfg):
+    """Split forward, second kernel: one anchor block, A forwards from the block's start anchor with the token
+    kernel's own operations on the stored ŵ, and g_t = A_t k̂_t (A after token t's update, before ρI)."""
+    d = cfg.key_dim
+
+    def kernel(k_ref, factor_ref, flags_ref, anchor_ref, g_out):
+        eye = _eye(d)
+
+        def token(j, a):
+            flags = flags_ref[j]
+            factor = _row(factor_ref, j)
+            a = jnp.where(_flag(flags, RESET), eye * (1.0 / cfg.lambda0), a)
+            a = a - _outer(factor, factor)
+            g_out[j, :] = _matvec(a, _row(k_ref, j))
+            return a + (cfg.refresh_magnitude * _bit(flags, REFRESH)) * eye
+
+        jax.lax.fori_loop(0, cfg.anchor_every, token, anchor_ref[...].astype(F32))
 
     return kernel
 
@@ -395,6 +426,7 @@ def flops_per_token(d: int, chunk_rows: Optional[int] = None) -> dict:
     backward: the ρ removal, A dg, Ā ŵ, the A rebuild, A_prev dw, the symmetric rank-4 cotangent update:
     ≈ 20 d². Replays at document starts inside a chunk add ≈ 4 d² per replayed token
     (data-dependent, not counted).
+    split forward: the token steps ≈ 6 d² (the forward less g = A k̂), the readout's replay and A k̂ ≈ 6 d²;
     split backward: pass 1 Ā ŵ and the symmetric rank-4 update with its reset select ≈ 10 d², pass 2 the reset
     select, A_{t−1} w̄, the rank-1 update, A dg and the refresh add ≈ 9 d².
     ``chunk_rows`` = c: the chunked forward per tile row, for full tiles (a shorter chunk costs a whole tile):
@@ -406,16 +438,19 @@ def flops_per_token(d: int, chunk_rows: Optional[int] = None) -> dict:
         c = chunk_rows
         forward = (6 * c * d * d + 8 * c * c * d + 4 * c ** 3 + d * d) // c
     return {"forward": forward, "backward": 20 * d * d + 10 * d, "backward_adjoint": 10 * d * d + 14 * d,
-            "backward_replay": 9 * d * d + 2 * d}
+            "backward_replay": 9 * d * d + 2 * d, "forward_chain": 6 * d * d + 4 * d, "forward_readout": 6 * d * d}
 
 
 def _cost(cfg, kernel, batch_heads, n_tokens):
     d = cfg.key_dim
-    vectors = {"forward": 4, "backward": 6, "backward_adjoint": 6, "backward_replay": 6}[kernel]  # [d] f32 rows
+    vectors = {"forward": 4, "backward": 6, "backward_adjoint": 6, "backward_replay": 6, "forward_chain": 2,
+               "forward_readout": 3}[kernel]  # [d] f32 rows read + written per token
     anchors = 0 if kernel == "backward_adjoint" else (n_tokens // cfg.anchor_every + 1) * d * d * 4
     rows = cfg.chunk_rows if cfg.forward == "chunked" else None
     return pl.CostEstimate(flops=int(batch_heads * n_tokens * flops_per_token(d, rows)[kernel]),
-                           transcendentals=int(batch_heads * n_tokens),  # one square root per token
+                           # one square root per token on the chains; none in the replays
+                           transcendentals=0 if kernel in ("backward_replay", "forward_readout")
+                           else int(batch_heads * n_tokens),
                            bytes_accessed=int(batch_heads * (n_tokens * (vectors * d * 4 + 4) + anchors
                                                              + 2 * d * d * 4)))
 
@@ -433,6 +468,14 @@ def _specs(cfg, b, t, h):
     return token, flags, square, anchors, n
 
 
+def _block_specs(cfg, d):
+    """BlockSpecs of one anchor block on the grid (B, H, blocks): token rows, flags, the block's start anchor."""
+    c = cfg.anchor_every
+    return (pl.BlockSpec((None, c, None, d), lambda b_, h_, n_: (b_, n_, h_, 0)),
+            pl.BlockSpec((None, c), lambda b_, h_, n_: (b_, n_)),
+            pl.BlockSpec((None, None, None, d, d), lambda b_, h_, n_: (b_, h_, n_, 0, 0)))
+
+
 def _forward(cfg, k_hat, u, a0, flags):
     b, t, h, d = k_hat.shape
     _, _, square, anchors, n = _specs(cfg, b, t, h)
@@ -440,14 +483,28 @@ def _forward(cfg, k_hat, u, a0, flags):
         k_hat, u, flags = (common.pad_time(x, t + cfg.chunk_rows) for x in (k_hat, u, flags))
     tp = k_hat.shape[1]
     token, flag_spec, _, _, _ = _specs(cfg, b, tp, h)  # the (padded) token axis; the anchors stay t's
-    g, factors, anchor_states, a_final = pl.pallas_call(
-        (_chunked_forward_kernel if cfg.forward == "chunked" else _forward_kernel)(cfg, n), grid=(b, h),
-        in_specs=[token, token, flag_spec, square],
-        out_specs=(token, token, anchors, square),
-        out_shape=(jax.ShapeDtypeStruct((b, tp, h, d), F32), jax.ShapeDtypeStruct((b, tp, h, d), F32),
-                   jax.ShapeDtypeStruct((b, h, n + 1, d, d), F32), jax.ShapeDtypeStruct((b, h, d, d), F32)),
+    rows = jax.ShapeDtypeStruct((b, tp, h, d), F32)
+    states = (jax.ShapeDtypeStruct((b, h, n + 1, d, d), F32), jax.ShapeDtypeStruct((b, h, d, d), F32))
+    readout = cfg.forward != "split"
+    kernel = (_chunked_forward_kernel(cfg, n) if cfg.forward == "chunked" else
+              _forward_kernel(cfg, n, readout=readout))
+    outs = pl.pallas_call(
+        kernel, grid=(b, h), in_specs=[token, token, flag_spec, square],
+        out_specs=((token,) if readout else ()) + (token, anchors, square),
+        out_shape=((rows,) if readout else ()) + (rows, *states),
         interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_forward),
-        cost_estimate=_cost(cfg, "forward", b * h, t), name="vla_penalty_forward")(k_hat, u, flags, a0)
+        cost_estimate=_cost(cfg, "forward" if readout else "forward_chain", b * h, t),
+        name="vla_penalty_forward")(k_hat, u, flags, a0)
+    if readout:
+        g, factors, anchor_states, a_final = outs
+    else:
+        factors, anchor_states, a_final = outs
+        block, block_flags, anchor = _block_specs(cfg, d)
+        g = pl.pallas_call(
+            _readout_kernel(cfg), grid=(b, h, n), in_specs=[block, block, block_flags, anchor], out_specs=block,
+            out_shape=rows, interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_forward),
+            cost_estimate=_cost(cfg, "forward_readout", b * h, t), name="vla_penalty_forward_readout")(
+            k_hat, factors, flags, anchor_states)
     return g[:, :t], factors[:, :t], anchor_states, a_final
 
 
@@ -476,10 +533,7 @@ def _split_backward(cfg, k_hat, u, factors, flags, d_g, anchors, d_final):
         interpret=cfg.interpret, compiler_params=_params(cfg, cfg.warps_backward),
         cost_estimate=_cost(cfg, "backward_adjoint", b * h, t), name="vla_penalty_backward_adjoint")(
         k_hat, u, factors, flags, d_g, d_final)
-    c = cfg.anchor_every
-    block = pl.BlockSpec((None, c, None, d), lambda b_, h_, n_: (b_, n_, h_, 0))
-    block_flags = pl.BlockSpec((None, c), lambda b_, h_, n_: (b_, n_))
-    anchor = pl.BlockSpec((None, None, None, d, d), lambda b_, h_, n_: (b_, h_, n_, 0, 0))
+    block, block_flags, anchor = _block_specs(cfg, d)
     dk, du = pl.pallas_call(
         _replay_kernel(cfg), grid=(b, h, n),
         in_specs=[block, block_flags, block, block, block, anchor], out_specs=(block, block),

@@ -68,10 +68,12 @@ def _a_pass_inputs(seed, boundaries, period, offset, initial_position, zero_rows
 FORWARDS = {"token": dict(forward="token", anchor_every=ANCHOR_EVERY),
             "chunked_8": dict(forward="chunked", anchor_every=ANCHOR_EVERY, chunk_rows=16),
             "chunked_32": dict(forward="chunked", anchor_every=32, chunk_rows=16)}
-# and the split backward (the Ā scan, then A replayed per anchor block) behind the token forward, with anchor
-# blocks of 8 (documents start inside blocks and on their edges) and of 32 (the last block partial)
-KERNELS = {**FORWARDS, "split_8": dict(forward="token", backward="split", anchor_every=ANCHOR_EVERY),
-           "split_32": dict(forward="token", backward="split", anchor_every=32)}
+# and the split kernels (forward: the token steps, then g read out per anchor block; backward: the Ā scan, then A
+# replayed per anchor block), anchor blocks of 8 (documents start inside blocks and on their edges) and of 32
+# (the last block partial), and the split backward behind the token forward
+KERNELS = {**FORWARDS, "split_8": dict(forward="split", backward="split", anchor_every=ANCHOR_EVERY),
+           "split_32": dict(forward="split", backward="split", anchor_every=32),
+           "token_split_backward": dict(forward="token", backward="split", anchor_every=ANCHOR_EVERY)}
 
 
 @functools.partial(jax.jit, static_argnames="forward")
@@ -118,9 +120,10 @@ A_PASS_CASES = {
 @pytest.mark.parametrize("forward", sorted(KERNELS))
 @pytest.mark.parametrize("case", sorted(A_PASS_CASES))
 def test_interpret_a_pass_matches_reference_f32(case, forward):
-    """α̂, A_T and d/dk̂, d/du, d/dA₀ of the kernels (each forward kernel with the one-kernel backward; the token
-    forward with the split backward) in float32 vs the float64 reference: rel-RMS ≤ 1e-5 (measured, CPU
-    2026-12-02: ≤ 6.3e-7 token by token, ≤ 6.6e-7 by chunks)."""
+    """α̂, A_T and d/dk̂, d/du, d/dA₀ of the kernels (each forward kernel with the one-kernel backward; the split
+    forward and backward; the token forward with the split backward) in float32 vs the float64 reference: rel-RMS
+    ≤ 1e-5 (measured, CPU 2026-12-02: ≤ 6.3e-7 token by token, ≤ 6.6e-7 by chunks; 2026-12-08 the split kernels:
+    ≤ 6.3e-7)."""
     args, weights = _a_pass_inputs(1, **A_PASS_CASES[case])
     w = [jnp.asarray(x, jnp.float32) for x in weights]
     grads, (alpha, a) = _kernel_a_pass(*args, *w, forward=forward)
@@ -241,9 +244,10 @@ def test_auto_takes_the_kernel_on_gpu_only_and_explicit_request_names_the_reason
     assert api.TABLE.choose("auto", _call()).name == "pallas_triton"  # a GPU call
     assert api.TABLE.choose("auto", _call(key_dim=96)).name == "xla"  # a head dim the kernel refuses
     assert api.TABLE.choose("pallas_triton", _call()).name == "pallas_triton"
-    # the split A-pass backward: opt-in by name, the same kernels otherwise
+    # the split A-pass kernels: opt-in by name, the same op otherwise
     split = api.TABLE.choose("pallas_triton_split", _call())
-    assert split.run.func is api._run_pallas_triton and split.run.keywords == {"backward": "split"}
+    assert split.run.func is api._run_pallas_triton
+    assert split.run.keywords == {"forward": "split", "backward": "split"}
     with pytest.raises(ValueError, match="implementation='pallas_triton'.*GPU only"):
         api.vla(q, q, q, implementation="pallas_triton")
 
@@ -251,7 +255,7 @@ def test_auto_takes_the_kernel_on_gpu_only_and_explicit_request_names_the_reason
 def test_config_checks():
     with pytest.raises(ValueError, match="anchor_every=48"):
         pallas_triton.make_config(64, lambda0=0.1, refresh_magnitude=1e-3, anchor_every=48)
-    with pytest.raises(ValueError, match="forward='blocked'.*'token' or 'chunked'"):
+    with pytest.raises(ValueError, match="forward='blocked'.*'token', 'chunked' or 'split'"):
         pallas_triton.make_config(64, lambda0=0.1, refresh_magnitude=1e-3, forward="blocked")
     with pytest.raises(ValueError, match="backward='chunked'.*'token' or 'split'"):
         pallas_triton.make_config(64, lambda0=0.1, refresh_magnitude=1e-3, backward="chunked")
@@ -262,7 +266,7 @@ def test_config_checks():
 
 
 @pytest.mark.parametrize("forward, backward, calls", [("token", "token", 2), ("chunked", "token", 2),
-                                                     ("token", "split", 3)])
+                                                     ("split", "split", 4)])
 def test_lowers_for_cuda_on_cpu(forward, backward, calls):
     """Forward and backward lower to one Triton custom call each for CUDA, the split backward to two (Triton's
     shape and op rules: the lax.cond around the replay, scalar flags, 1-D vectors; the chunked forward's masked
@@ -278,7 +282,7 @@ def test_lowers_for_cuda_on_cpu(forward, backward, calls):
         return jnp.sum(alpha) + jnp.sum(a)
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == calls  # forward; backward, or its adjoint and replay passes
+    assert text.count("__gpu$xla.gpu.triton") == calls  # forward (and its readout); backward (or adjoint and replay)
 
 
 # {backend}: pallas_triton | pallas_tpu; {hyper}: that backend's extra options (filled by run_per_shard_script)
