@@ -5,7 +5,7 @@ at Mamba-2's 166M shape (32 heads of P = 64, N = 128, one group) and a GDN-2 del
 beside it (8 heads of 128 with erase) as the anchor.
 
     python tools/bench_ssd_gpu.py [--batch 32 --seq 4096] [--reps 10] [--out ssd.json] \
-        [--variants "chunk=64;chunk=128;chunk=64,warps_backward=4"]
+        [--variants "chunk=64;chunk=128;chunk=64,warps_backward=8;split_forward=1"]
 
 ``--variants``: SSD kernel configurations timed beside the default (each ``chunk=C`` plus any
 ``pallas_triton.Config`` fields, comma-separated; variants separated by ';'), same inputs, same call.
@@ -71,7 +71,7 @@ def time_ssd(row, b, t, impl, reps):
     row["fwd_bwd_ms"] = timed(step, (q, k, v, lam), reps)[0]
 
 
-TUNABLE = ("warps_forward", "warps_backward", "stages")  # integer Config fields
+TUNABLE = {"warps_forward": int, "warps_backward": int, "stages": int, "split_forward": bool}  # Config fields
 
 
 def parse_variant(text):
@@ -83,7 +83,7 @@ def parse_variant(text):
         if key == "chunk":
             chunk = int(value)
         elif key in TUNABLE:
-            overrides[key] = int(value)
+            overrides[key] = value.lower() in ("1", "true", "yes") if TUNABLE[key] is bool else int(value)
         else:
             raise SystemExit(f"bench_ssd_gpu: --variants: unknown key {key!r} in {text!r}; valid: chunk, "
                              f"{', '.join(TUNABLE)}")

@@ -167,7 +167,9 @@ def ssd_modules(chunk, overrides, shape=(32, 4096, 1, 32, 128, 64)):
     trace = lambda: jax.jit(jax.grad(loss, argnums=tuple(range(5)))).trace(*specs).lower(  # noqa: E731
         lowering_platforms=("cuda",))
     cfg = pallas_triton.make_config(chunk, jnp.bfloat16, h // g, **overrides)
-    return _capture_triton_modules(trace), {"forward": cfg.warps_forward, "backward_states": cfg.warps_forward,
+    return _capture_triton_modules(trace), {"forward": cfg.warps_forward, "forward_states": cfg.warps_forward,
+                                            "forward_chunks": cfg.warps_forward,
+                                            "backward_states": cfg.warps_forward,
                                             "backward_chunks": cfg.warps_backward}
 
 

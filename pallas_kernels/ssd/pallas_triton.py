@@ -19,6 +19,12 @@ Forward, grid (H, B) (``_grid``): a program walks its head's chunks in order wit
 O, the final state and (for the backward) S₀ of every chunk. q and k are indexed by group through the BlockSpec:
 the H/G heads of a group read the same rows (from L2 when they run together), and no repeated copy is made.
 
+Split forward (``Config.split_forward``, off until it is timed): the same split for the forward. Pass 1
+(``ssd_forward_states``, grid (H, B)) walks the chunks with S in registers and stores every chunk's S₀ (only
+the (K ⊙ w)ᵀ V product per chunk); pass 2 (``ssd_forward_chunks``, grid (H, chunks, B)) forms every chunk's
+O from its S₀. S₀ is stored in the operand dtype, the rounding the one-kernel forward gives it as a matmul
+operand, so both forms give the same numbers.
+
 Backward, two kernels. The gradient of chunk n's S_end, dS_n, is a reverse scan over the chunks; given it and
 S₀, every chunk's gradients are local:
 
@@ -69,6 +75,7 @@ class Config:
     warps_forward: int = 8  # the forward and the backward's dS scan (pass 1)
     warps_backward: int = 4  # the backward's per-chunk gradients (pass 2): 12.6 against 14.0 ms at 8 (H100)
     stages: int = 1
+    split_forward: bool = False  # the forward as a state scan, then every chunk's outputs at once (module docstring)
     interpret: bool = False
 
 
@@ -133,6 +140,12 @@ def _chunk_decays(log_decay, document, carried, c):
     return within, start, end, keep, lower
 
 
+def _this_chunk_decays(cfg, log_decay_ref, document_ref, carried_ref):
+    """``_chunk_decays`` in a program of the (H, chunks, B) grid: its chunk's λ and documents, and the carried-in
+    document of chunk ``program_id(1)``."""
+    return _chunk_decays(log_decay_ref[...].astype(F32), document_ref[...], carried_ref[pl.program_id(1)], cfg.chunk)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # kernels
 
@@ -155,6 +168,35 @@ def _forward_kernel(cfg, n_chunks, save_starts):
             return keep * state + _dot(k.astype(F32) * end[:, None], v, cfg, trans_a=True)
 
         s_final_ref[...] = jax.lax.fori_loop(0, n_chunks, body, s_init_ref[...].astype(F32))
+
+    return kernel
+
+
+def _state_kernel(cfg, n_chunks):
+    """Split forward, pass 1: the chunks in order, storing each chunk's S₀ before stepping S to the chunk's end."""
+    c = cfg.chunk
+
+    def kernel(k_ref, v_ref, log_decay_ref, document_ref, carried_ref, s_init_ref, starts_ref, s_final_ref):
+        def body(n, state):
+            rows = pl.ds(n * c, c)
+            _, _, end, keep, _ = _chunk_decays(log_decay_ref[rows].astype(F32), document_ref[rows], carried_ref[n], c)
+            starts_ref[n] = state.astype(starts_ref.dtype)
+            return keep * state + _dot(k_ref[rows, :].astype(F32) * end[:, None], v_ref[rows, :], cfg, trans_a=True)
+
+        s_final_ref[...] = jax.lax.fori_loop(0, n_chunks, body, s_init_ref[...].astype(F32))
+
+    return kernel
+
+
+def _output_kernel(cfg):
+    """Split forward, pass 2: one program per (head, chunk, row), O of the chunk from its inputs and its S₀."""
+
+    def kernel(q_ref, k_ref, v_ref, log_decay_ref, document_ref, carried_ref, s0_ref, o_ref):
+        q = q_ref[...]
+        within, start, _, _, _ = _this_chunk_decays(cfg, log_decay_ref, document_ref, carried_ref)
+        scores = _dot(q, k_ref[...], cfg, trans_b=True) * within
+        o = _dot(scores, v_ref[...], cfg) + start[:, None] * _dot(q, s0_ref[...], cfg)
+        o_ref[...] = o.astype(o_ref.dtype)
 
     return kernel
 
@@ -198,7 +240,6 @@ def _state_grad_kernel(cfg, n_chunks):
 def _chunk_grad_kernel(cfg):
     """Backward, pass 2: one program per (head, chunk, row) forms dq, dk, dv and dλ from the chunk's inputs,
     its S₀ (saved by the forward) and its dS (pass 1); nothing is carried between chunks."""
-    c = cfg.chunk
 
     def kernel(q_ref, k_ref, v_ref, log_decay_ref, document_ref, carried_ref, s0_ref, ds_ref, do_ref,
                dq_ref, dk_ref, dv_ref, d_log_decay_ref):
@@ -207,7 +248,7 @@ def _chunk_grad_kernel(cfg):
         def store(name, value):
             outputs[name][...] = value.astype(outputs[name].dtype)
 
-        decays = _chunk_decays(log_decay_ref[...].astype(F32), document_ref[...], carried_ref[pl.program_id(1)], c)
+        decays = _this_chunk_decays(cfg, log_decay_ref, document_ref, carried_ref)
         _chunk_grads(cfg, q_ref[...], k_ref[...], v_ref[...], do_ref[...], s0_ref[...], ds_ref[...].astype(F32),
                      decays, store)
 
@@ -237,6 +278,23 @@ def _specs(cfg, t, n_chunks, key_dim, value_dim):
         starts=spec((None, None, n_chunks, key_dim, value_dim), lambda b, h: (b, h, 0, 0, 0)))
 
 
+def _chunk_specs(cfg, n_chunks, key_dim, value_dim):
+    """BlockSpecs of one chunk on the grid (H, chunks, B), index maps written as (b, h, n): q/k rows of the head's
+    group, dq/dk rows per head, v/o rows, λ, documents, the row's carried-in documents, one [N, P] state."""
+    c, hpg = cfg.chunk, cfg.heads_per_group
+
+    def spec(shape, index):
+        return pl.BlockSpec(shape, lambda hh, n, bb: index(bb, hh, n))
+
+    return (spec((None, c, None, key_dim), lambda b, h, n: (b, n, h // hpg, 0)),
+            spec((None, c, None, key_dim), lambda b, h, n: (b, n, h, 0)),
+            spec((None, c, None, value_dim), lambda b, h, n: (b, n, h, 0)),
+            spec((None, None, c), lambda b, h, n: (b, h, n)),
+            spec((None, c), lambda b, h, n: (b, n)),
+            spec((None, n_chunks), lambda b, h, n: (b, 0)),
+            spec((None, None, None, key_dim, value_dim), lambda b, h, n: (b, h, n, 0, 0)))
+
+
 def _grid(b, h):
     """(H, B): the first axis varies fastest in launch order, so the programs in flight are the heads of a few
     rows, and a group's heads read the same q and k chunks at the same pace (L2 hits). 8 % faster forward +
@@ -258,6 +316,8 @@ def _forward_cost(cfg, b, h, t, n, p, itemsize):
 def _forward(cfg, q, k, v, log_decay, state, document, carried, save_starts):
     b, t, _, key_dim = q.shape
     h, value_dim = v.shape[2], v.shape[3]
+    if cfg.split_forward:
+        return _split_forward(cfg, q, k, v, log_decay, state, document, carried, save_starts)
     n_chunks = t // cfg.chunk
     s = _specs(cfg, t, n_chunks, key_dim, value_dim)
     out_shape = [jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, h, key_dim, value_dim), F32)]
@@ -274,11 +334,45 @@ def _forward(cfg, q, k, v, log_decay, state, document, carried, save_starts):
         name="ssd_forward")(q, k, v, log_decay, document, carried, state)
 
 
+def _split_forward(cfg, q, k, v, log_decay, state, document, carried, save_starts):
+    """Pass 1 (grid (H, B), the state scan storing every chunk's S₀) and pass 2 (grid (H, chunks, B), every
+    chunk's outputs at once)."""
+    b, t, _, key_dim = q.shape
+    h, value_dim = v.shape[2], v.shape[3]
+    c, n_chunks = cfg.chunk, t // cfg.chunk
+    s = _specs(cfg, t, n_chunks, key_dim, value_dim)
+    itemsize = jnp.dtype(v.dtype).itemsize
+    starts, final = pl.pallas_call(
+        _state_kernel(cfg, n_chunks), grid=_grid(b, h),
+        out_shape=(jax.ShapeDtypeStruct((b, h, n_chunks, key_dim, value_dim), cfg.operand_dtype),
+                   jax.ShapeDtypeStruct((b, h, key_dim, value_dim), F32)),
+        in_specs=[s["keys"], s["values"], s["decay"], s["documents"], s["carried"], s["state"]],
+        out_specs=(s["starts"], s["state"]), interpret=cfg.interpret,
+        compiler_params=compiler_params(cfg.interpret, cfg.warps_forward, cfg.stages),
+        cost_estimate=pl.CostEstimate(
+            flops=int(b * h * t * 2 * key_dim * value_dim), transcendentals=int(b * h * t * (c + 2)),
+            bytes_accessed=int(b * h * ((t * key_dim + t * value_dim + n_chunks * key_dim * value_dim) * itemsize
+                                        + 8 * t + 8 * key_dim * value_dim))),
+        name="ssd_forward_states")(k, v, log_decay, document, carried, state)
+    keys, _, values, decay, documents, carried_spec, chunk_state = _chunk_specs(cfg, n_chunks, key_dim, value_dim)
+    out = pl.pallas_call(
+        _output_kernel(cfg), grid=(h, n_chunks, b), out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+        in_specs=[keys, keys, values, decay, documents, carried_spec, chunk_state], out_specs=values,
+        interpret=cfg.interpret, compiler_params=compiler_params(cfg.interpret, cfg.warps_forward, cfg.stages),
+        cost_estimate=pl.CostEstimate(
+            flops=int(b * h * t * (2 * c * key_dim + 2 * c * value_dim + 2 * key_dim * value_dim)),
+            transcendentals=int(b * h * t * (c + 2)),
+            bytes_accessed=int(b * h * ((2 * t * key_dim + 2 * t * value_dim + n_chunks * key_dim * value_dim)
+                                        * itemsize + 8 * t))),
+        name="ssd_forward_chunks")(q, k, v, log_decay, document, carried, starts)
+    return (out, final, starts) if save_starts else (out, final)
+
+
 def _backward(cfg, q, k, v, log_decay, document, carried, starts, d_out, d_final):
     """Pass 1 (grid (H, B), the dS scan) and pass 2 (grid (H, chunks, B), every chunk at once)."""
     b, t, _, key_dim = q.shape
     h, value_dim = v.shape[2], v.shape[3]
-    c, n_chunks, hpg = cfg.chunk, t // cfg.chunk, cfg.heads_per_group
+    c, n_chunks = cfg.chunk, t // cfg.chunk
     s = _specs(cfg, t, n_chunks, key_dim, value_dim)
     itemsize = jnp.dtype(v.dtype).itemsize
     state_shape = jax.ShapeDtypeStruct((b, h, key_dim, value_dim), F32)
@@ -294,16 +388,8 @@ def _backward(cfg, q, k, v, log_decay, document, carried, starts, d_out, d_final
         compiler_params=compiler_params(cfg.interpret, cfg.warps_forward, cfg.stages), cost_estimate=scan_cost,
         name="ssd_backward_states")(q, log_decay, document, carried, d_out, d_final)
 
-    def spec(shape, index):  # grid (H, chunks, B), index maps written as (b, h, n)
-        return pl.BlockSpec(shape, lambda hh, n, bb: index(bb, hh, n))
-
-    keys = spec((None, c, None, key_dim), lambda b, h, n: (b, n, h // hpg, 0))
-    keys_per_head = spec((None, c, None, key_dim), lambda b, h, n: (b, n, h, 0))
-    values = spec((None, c, None, value_dim), lambda b, h, n: (b, n, h, 0))
-    decay = spec((None, None, c), lambda b, h, n: (b, h, n))
-    chunk_state = spec((None, None, None, key_dim, value_dim), lambda b, h, n: (b, h, n, 0, 0))
-    documents = spec((None, c), lambda b, h, n: (b, n))
-    carried_spec = spec((None, n_chunks), lambda b, h, n: (b, 0))
+    keys, keys_per_head, values, decay, documents, carried_spec, chunk_state = _chunk_specs(cfg, n_chunks, key_dim,
+                                                                                          value_dim)
     per_head_keys = jax.ShapeDtypeStruct((b, t, h, key_dim), cfg.operand_dtype)
     grads_cost = pl.CostEstimate(
         flops=int(b * h * t * (6 * c * key_dim + 4 * c * value_dim + 10 * key_dim * value_dim)),

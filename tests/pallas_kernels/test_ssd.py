@@ -86,6 +86,23 @@ def test_triton_kernels_match_the_f64_oracle(shape, dtype):
     check_kernels_against_the_oracle(args, seg, dtype, TOL[dtype], chunk_size=chunk, interpret=True)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_split_forward_matches_the_f64_oracle_and_the_one_kernel_forward(dtype):
+    """``split_forward``: the state scan, then every chunk's outputs at once (grid (H, chunks, B)); against the
+    oracle (outputs, final state, all gradients), and the same outputs as the one-kernel forward (S₀ enters Q S₀
+    rounded to the operand dtype either way)."""
+    b, t, g, h, n, p, chunk = SHAPES[0]
+    args, seg = inputs(b, t, g, h, n, p)
+    check_kernels_against_the_oracle(args, seg, dtype, TOL[dtype], chunk_size=chunk, interpret=True,
+                                     split_forward=True)
+    document = common.document_index(jnp.asarray(seg), b, t)
+    cast = [jnp.asarray(x, dtype) for x in args[:3]] + [jnp.asarray(x, jnp.float32) for x in args[3:]]
+    one, two = (pallas_triton.run(*cast, document, chunk_size=chunk, interpret=True, split_forward=split)
+                for split in (False, True))
+    for a, c in zip(one, two):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32), rtol=1e-6, atol=1e-6)
+
+
 def test_heads_then_batch_grid_with_unequal_b_and_h():
     """The (H, B) grid (a row's heads side by side in launch order, for L2 reuse of the shared q and k) maps every
     block to its row and head: B = 3 and H = 4 differ, so a swapped index map would read another row or head."""
@@ -180,6 +197,13 @@ def test_kernels_lower_for_cuda_without_repeating_q_and_k():
         assert text.count(f'"{name}"') >= 1, name
     assert f"tensor<{b}x{t}x{h}x{n}xbf16>" in text  # the per-head dq, dk partials, summed over the group by XLA
     assert f"tensor<{b}x{t}x{h}x{n}xbf16>" not in text.split("ssd_backward")[0]  # the forward never sees them
+
+
+def test_split_forward_lowers_for_cuda_as_a_scan_and_a_chunk_grid():
+    text = lowered_gradient_for_cuda(2, 256, 1, 8, 64, 32, jnp.bfloat16, split_forward=True)
+    for name in ("ssd_forward_states", "ssd_forward_chunks", "ssd_backward_states", "ssd_backward_chunks"):
+        assert text.count(f'"{name}"') >= 1, name
+    assert '"ssd_forward"' not in text
 
 
 @pytest.mark.parametrize("setting", [None, "highest"], ids=["tf32", "highest"])

@@ -1,5 +1,5 @@
 """tools/bench_ssd_gpu.py's --variants parsing on the CPU (the timings need the GPU machine): each variant becomes
-the chunk and the SSD kernels' integer Config fields, and an unknown key is refused by name."""
+the chunk and the SSD kernels' Config fields with their types, and an unknown key is refused by name."""
 import os
 import sys
 
@@ -12,7 +12,7 @@ from tools.bench_ssd_gpu import parse_variant  # noqa: E402
 
 def test_variants_give_the_chunk_and_typed_config_fields():
     assert parse_variant("chunk=128,stages=2") == (128, {"stages": 2})
-    assert parse_variant("warps_backward=8") == (0, {"warps_backward": 8})
+    assert parse_variant("warps_backward=8,split_forward=1") == (0, {"warps_backward": 8, "split_forward": True})
     assert parse_variant("chunk=64,warps_forward=4,warps_backward=2") == (64, {"warps_forward": 4,
                                                                               "warps_backward": 2})
 
