@@ -2,10 +2,10 @@
 # The training-throughput measurements of docs/benchmarks/train_h200.md, on the GPU machine (one H200, JAX 0.11.2,
 # Python 3.12): the paper configs on the embedded corpus (the output layer keeps its 32K vocabulary: step
 # time does not depend on which token ids occur).
-#   usage: bash tools/h200_train.sh {bench166|bench166_paper|bench166_noremat|bench125|bench125_ia|bench125_vla|bench125_ratios|loop|losses|
+#   usage: bash tools/h200_train.sh {bench166|bench166_paper|bench166_noremat|bench166_loss_chunk|bench125|bench125_ia|bench125_vla|bench125_ratios|loop|losses|
 #          losses_packed|losses_mamba2|losses_ia16|profile_ia125|profile_vla125|profile_mamba2} OUT_DIR
 set -euo pipefail
-what=${1:?bench166, bench166_paper, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed, losses_mamba2, losses_ia16, profile_ia125, profile_vla125 or profile_mamba2}
+what=${1:?bench166, bench166_paper, bench166_noremat, bench166_loss_chunk, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed, losses_mamba2, losses_ia16, profile_ia125, profile_vla125 or profile_mamba2}
 out=${2:?output directory}
 mkdir -p "$out"
 if ! python3 -c "import grain" 2>/dev/null; then  # the GPU machine lacks these; wheels carried in .whl/
@@ -32,6 +32,12 @@ case $what in
       muir_166m_none=configs/paper/muir_166m.yaml,train.batch_size=32,model.remat=none
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 tools/bench_train.py --steps 10 --warmup 3 \
       --out "$out/bench166_auto95.json" $sets gdn2_166m_auto=configs/paper/gdn2_166m.yaml,train.batch_size=32,model.remat=auto ;;
+  bench166_loss_chunk)  # the recurrent 166M models as shipped (remat auto) and with the output layer + loss in
+    # slices of 1024 tokens: without the [32, 4096, 32000] float32 logits alive, auto may afford less recomputation
+    python3 tools/bench_train.py --steps 10 --warmup 3 --out "$out/bench166_loss_chunk.json" $sets \
+      gdn2_166m=configs/paper/gdn2_166m.yaml,train.batch_size=32 \
+      gdn2_166m_loss_chunk=configs/paper/gdn2_166m.yaml,train.batch_size=32,train.loss_chunk=1024 \
+      muir_166m_loss_chunk=configs/paper/muir_166m.yaml,train.batch_size=32,train.loss_chunk=1024 ;;
   bench125) python3 tools/bench_train.py --steps 10 --warmup 3 --out "$out/bench125.json" $sets \
       softmax_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8 \
       gdn2_125m=configs/paper/ia_softmax_125m.yaml,train.batch_size=8,model.mixer=gdn2 \
@@ -96,7 +102,7 @@ case $what in
     python3 tools/hlo_origin.py "$out/dump" $(awk '$4 ~ /fusion/ {print $4}' "$out/summary.txt" | head -15) \
       > "$out/origins.txt"
     rm -rf "$out/dump" "$out/run/profile" ;;
-  *) echo "unknown '$what' (valid: bench166, bench166_paper, bench166_noremat, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed, losses_mamba2, losses_ia16, profile_ia125, profile_vla125, profile_mamba2)" >&2; exit 2 ;;
+  *) echo "unknown '$what' (valid: bench166, bench166_paper, bench166_noremat, bench166_loss_chunk, bench125, bench125_ia, bench125_vla, bench125_ratios, loop, losses, losses_packed, losses_mamba2, losses_ia16, profile_ia125, profile_vla125, profile_mamba2)" >&2; exit 2 ;;
 esac
 # what the device tool brings back is limited in files and depth: the metrics, logs and summaries stay, the
 # checkpoints and event files of these short runs go
