@@ -313,6 +313,15 @@ def _forward_cost(cfg, b, h, t, n, p, itemsize):
                            bytes_accessed=int(b * h * io))
 
 
+def _scan_cost(cfg, b, h, t, n, p, itemsize):
+    """The two scans over the chunks (the split forward's S, the backward's dS): one [N, P] product per token's
+    share of a chunk, the chunk decays' exps, the scanned input rows read once and one state per chunk written."""
+    c, chunks = cfg.chunk, t // cfg.chunk
+    return pl.CostEstimate(flops=int(b * h * t * 2 * n * p), transcendentals=int(b * h * t * (c + 2)),
+                           bytes_accessed=int(b * h * ((t * n + t * p + chunks * n * p) * itemsize
+                                                       + 8 * t + 8 * n * p)))
+
+
 def _forward(cfg, q, k, v, log_decay, state, document, carried, save_starts):
     b, t, _, key_dim = q.shape
     h, value_dim = v.shape[2], v.shape[3]
@@ -349,10 +358,7 @@ def _split_forward(cfg, q, k, v, log_decay, state, document, carried, save_start
         in_specs=[s["keys"], s["values"], s["decay"], s["documents"], s["carried"], s["state"]],
         out_specs=(s["starts"], s["state"]), interpret=cfg.interpret,
         compiler_params=compiler_params(cfg.interpret, cfg.warps_forward, cfg.stages),
-        cost_estimate=pl.CostEstimate(
-            flops=int(b * h * t * 2 * key_dim * value_dim), transcendentals=int(b * h * t * (c + 2)),
-            bytes_accessed=int(b * h * ((t * key_dim + t * value_dim + n_chunks * key_dim * value_dim) * itemsize
-                                        + 8 * t + 8 * key_dim * value_dim))),
+        cost_estimate=_scan_cost(cfg, b, h, t, key_dim, value_dim, itemsize),
         name="ssd_forward_states")(k, v, log_decay, document, carried, state)
     keys, _, values, decay, documents, carried_spec, chunk_state = _chunk_specs(cfg, n_chunks, key_dim, value_dim)
     out = pl.pallas_call(
@@ -376,16 +382,13 @@ def _backward(cfg, q, k, v, log_decay, document, carried, starts, d_out, d_final
     s = _specs(cfg, t, n_chunks, key_dim, value_dim)
     itemsize = jnp.dtype(v.dtype).itemsize
     state_shape = jax.ShapeDtypeStruct((b, h, key_dim, value_dim), F32)
-    scan_cost = pl.CostEstimate(
-        flops=int(b * h * t * 2 * key_dim * value_dim), transcendentals=int(b * h * t * (c + 2)),
-        bytes_accessed=int(b * h * ((t * key_dim + t * value_dim + n_chunks * key_dim * value_dim) * itemsize
-                                    + 8 * t + 8 * key_dim * value_dim)))
     d_states, d_state = pl.pallas_call(
         _state_grad_kernel(cfg, n_chunks), grid=_grid(b, h),
         out_shape=(jax.ShapeDtypeStruct(starts.shape, starts.dtype), state_shape),
         in_specs=[s["keys"], s["decay"], s["documents"], s["carried"], s["values"], s["state"]],
         out_specs=(s["starts"], s["state"]), interpret=cfg.interpret,
-        compiler_params=compiler_params(cfg.interpret, cfg.warps_forward, cfg.stages), cost_estimate=scan_cost,
+        compiler_params=compiler_params(cfg.interpret, cfg.warps_forward, cfg.stages),
+        cost_estimate=_scan_cost(cfg, b, h, t, key_dim, value_dim, itemsize),
         name="ssd_backward_states")(q, log_decay, document, carried, d_out, d_final)
 
     keys, keys_per_head, values, decay, documents, carried_spec, chunk_state = _chunk_specs(cfg, n_chunks, key_dim,

@@ -219,23 +219,32 @@ def _forward_kernel(cfg, n_chunks, readout=True):
     return kernel
 
 
+def _replay_block(cfg, anchor_ref, flags_ref, factor_ref, before_update, after_update):
+    """A forwards through one anchor block from the block's start anchor, with the token kernel's own operations
+    on the stored ŵ; at token j, ``before_update(j, A)`` sees A before the rank-1 update (after a reset) and
+    ``after_update(j, A)`` A after it (before ρI). The split kernels' second passes."""
+    eye = _eye(cfg.key_dim)
+
+    def token(j, a):
+        flags = flags_ref[j]
+        factor = _row(factor_ref, j)
+        a = jnp.where(_flag(flags, RESET), eye * (1.0 / cfg.lambda0), a)
+        before_update(j, a)
+        a = a - _outer(factor, factor)
+        after_update(j, a)
+        return a + (cfg.refresh_magnitude * _bit(flags, REFRESH)) * eye
+
+    jax.lax.fori_loop(0, cfg.anchor_every, token, anchor_ref[...].astype(F32))
+
+
 def _readout_kernel(cfg):
-    """Split forward, second kernel: one anchor block, A forwards from the block's start anchor with the token
-    kernel's own operations on the stored ŵ, and g_t = A_t k̂_t (A after token t's update, before ρI)."""
-    d = cfg.key_dim
+    """Split forward, second kernel: one anchor block replayed (``_replay_block``), g_t = A_t k̂_t."""
 
     def kernel(k_ref, factor_ref, flags_ref, anchor_ref, g_out):
-        eye = _eye(d)
-
-        def token(j, a):
-            flags = flags_ref[j]
-            factor = _row(factor_ref, j)
-            a = jnp.where(_flag(flags, RESET), eye * (1.0 / cfg.lambda0), a)
-            a = a - _outer(factor, factor)
+        def readout(j, a):
             g_out[j, :] = _matvec(a, _row(k_ref, j))
-            return a + (cfg.refresh_magnitude * _bit(flags, REFRESH)) * eye
 
-        jax.lax.fori_loop(0, cfg.anchor_every, token, anchor_ref[...].astype(F32))
+        _replay_block(cfg, anchor_ref, flags_ref, factor_ref, lambda j, a: None, readout)
 
     return kernel
 
@@ -394,24 +403,17 @@ def _adjoint_kernel(cfg, n_tokens):
 
 
 def _replay_kernel(cfg):
-    """Split backward, pass 2: one anchor block, A forwards from the block's start anchor with the forward's own
-    operations on the stored ŵ, and the two products that need it: du_t = (du's first term) + A_{t−1} w̄_t (A
-    before token t's update, after a reset) and dk̂_t = A_t dg_t (after the update, before ρI)."""
-    d = cfg.key_dim
+    """Split backward, pass 2: one anchor block replayed (``_replay_block``) for the two products that need A:
+    du_t = (du's first term) + A_{t−1} w̄_t (A before token t's update, after a reset) and dk̂_t = A_t dg_t."""
 
     def kernel(factor_ref, flags_ref, d_g_ref, d_w_ref, du_first_ref, anchor_ref, dk_out, du_out):
-        eye = _eye(d)
-
-        def token(j, a):
-            flags = flags_ref[j]
-            factor = _row(factor_ref, j)
-            a = jnp.where(_flag(flags, RESET), eye * (1.0 / cfg.lambda0), a)
+        def du(j, a):
             du_out[j, :] = _row(du_first_ref, j) + _matvec(a, _row(d_w_ref, j))
-            a = a - _outer(factor, factor)
-            dk_out[j, :] = _matvec(a, _row(d_g_ref, j))
-            return a + (cfg.refresh_magnitude * _bit(flags, REFRESH)) * eye
 
-        jax.lax.fori_loop(0, cfg.anchor_every, token, anchor_ref[...].astype(F32))
+        def dk(j, a):
+            dk_out[j, :] = _matvec(a, _row(d_g_ref, j))
+
+        _replay_block(cfg, anchor_ref, flags_ref, factor_ref, du, dk)
 
     return kernel
 
